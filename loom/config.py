@@ -1,0 +1,101 @@
+"""Frozen engine configuration. Every bad value raises ValueError naming the option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None = None  # GGUF path or Hugging Face model directory; None = bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # weights and activations; "auto" = float32 on CPU (bfloat16 arrives with the fast path)
+    max_model_len: int | None = None  # tokens (prompt + output); None = the model's context length
+    seed: int = 0  # seed of the engine-wide generator used by unseeded requests
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024  # budget for the paged K/V tensors, bytes
+    num_blocks: int | None = None  # overrides the budget when set (tests use it to force pressure)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one engine step
+    max_num_seqs: int = 64  # most requests running at once
+    max_model_len: int = 2048  # tokens; filled in from the model when the user gives none
+    max_waiting_requests: int | None = None  # bound on the waiting queue (server back-pressure); None = unbounded
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Everything a user can set, flat, as the CLI and `LLM(...)` take it."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory_gb: float = 0.5  # GiB for the paged K/V tensors
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_waiting_requests: int | None = None
+    num_threads: int | None = None  # torch intra-op threads; None = number of cores
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=int(self.kv_cache_memory_gb * (1 << 30)),
+            num_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+
+
+__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "EngineArgs", "SUPPORTED_DTYPES"]

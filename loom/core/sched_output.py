@@ -1,0 +1,61 @@
+"""What the scheduler tells the model runner for one step, and what comes back. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loom.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # [num_scheduled_tokens] tokens whose K/V are computed this step
+    start_position: int  # position of token_ids[0] (= num_computed_tokens before this step)
+    block_table: list[int]  # block ids covering positions [0, start_position + len(token_ids))
+    sample: bool  # True when this chunk reaches the request's last known token: sample one token after it
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]  # read-only view, for penalties and prompt logprobs
+    output_token_ids: list[int]  # read-only view, for penalties
+    is_new: bool  # first time scheduled since (re)admission: the runner resets its per-request state if needed
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # in batch order
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str] = field(default_factory=list)  # requests that ended since the last step
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs at one position: the chosen token first, then the top-N (raw log-softmax)."""
+
+    token_ids: list[int]  # [1 + num_top]
+    logprobs: list[float]  # [1 + num_top], natural log
+    ranks: list[int]  # [1 + num_top], 1 = most likely
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, list[int]]  # request_id -> tokens sampled this step (one, or more with speculation)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token, when asked
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # prompt positions computed this step
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's news after a step, for the output processor."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,139 @@
+"""Per-request sampling parameters and their semantics.
+
+| parameter | meaning | valid range | off value |
+|---|---|---|---|
+| n | independent samples (completions) returned for the prompt | >= 1 (<= 128) | 1 |
+| temperature | logits are divided by it before softmax; 0 means greedy (argmax) | >= 0 | 1.0 (0 = greedy) |
+| top_k | keep only the k most likely tokens | -1, 0 or >= 1 | -1 or 0 |
+| top_p | keep the smallest set of most likely tokens whose probability sums to >= top_p | (0, 1] | 1.0 |
+| min_p | drop tokens whose probability is below min_p x the top token's probability | [0, 1] | 0.0 |
+| repetition_penalty | logits of tokens seen in prompt or output: positive / p, negative * p (CTRL paper) | > 0 | 1.0 |
+| presence_penalty | subtracted once from the logit of every token already generated (OpenAI) | [-2, 2] | 0.0 |
+| frequency_penalty | subtracted per occurrence from the logit of tokens already generated (OpenAI) | [-2, 2] | 0.0 |
+| logit_bias | token id -> value added to its logit | values in [-100, 100] | None |
+| seed | seed of this request's own generator: same seed, same samples, whatever the batch | any int or None | None |
+| max_tokens | most tokens generated | >= 0 or None (until max_model_len) | 16 |
+| min_tokens | no stop (EOS, stop_token_ids, stop strings) can end the request before this many tokens | >= 0, <= max_tokens | 0 |
+| stop | strings that end generation when they appear in the text | list of non-empty str | [] |
+| stop_token_ids | token ids that end generation (kept in the token ids; their text is not shown) | list of int | [] |
+| ignore_eos | do not stop on the end-of-sequence set (tokenizer EOS + generation-config EOS ids) | bool | False |
+| include_stop_str_in_output | keep the matched stop string in the text | bool | False |
+| logprobs | return the sampled token's logprob plus this many top logprobs (raw log-softmax of the model) | None or 0..20 | None |
+| prompt_logprobs | same for every prompt token (the first has none) | None or 0..20 | None |
+| skip_special_tokens | drop special tokens from the text | bool | True |
+
+The "raw" logprobs are computed from the model's logits before temperature, penalties and truncation,
+as vLLM does by default.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop) if self.stop is not None else []
+        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids is not None else []
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first invalid parameter."""
+        _int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        _finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                _int("logit_bias", token_id)
+                _finite("logit_bias", bias)
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.seed is not None:
+            _int("seed", self.seed)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 0:
+                raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t)
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+
+def _int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _finite(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
