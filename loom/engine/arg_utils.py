@@ -1,0 +1,45 @@
+"""Engine options on the command line: one place that maps argparse flags to EngineArgs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from loom.config import SUPPORTED_DTYPES, EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every EngineArgs option to `parser` (used by generate, chat, serve and bench)."""
+    defaults = EngineArgs()
+    g = parser.add_argument_group("engine options")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--dtype", default=defaults.dtype, choices=SUPPORTED_DTYPES,
+                   help="weights and activations dtype (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per request, prompt + output (default: the model's context length)")
+    g.add_argument("--seed", type=int, default=defaults.seed,
+                   help="seed of the engine generator used by requests without their own seed (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=defaults.block_size,
+                   help="tokens per KV cache block (default: %(default)s)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=defaults.kv_cache_memory_gb,
+                   help="memory budget of the paged KV cache in GiB (default: %(default)s)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="exact number of KV blocks; overrides --kv-cache-memory-gb")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off")
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                   help="token budget of one engine step; longer prompts are prefilled in chunks (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                   help="most requests running at once (default: %(default)s)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="bound on the waiting queue; when full, new requests are refused (HTTP 503)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: the number of cores)")
+    return parser
+
+
+def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
+    """Build EngineArgs from parsed flags. Raises ValueError naming a bad option."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
