@@ -1,0 +1,130 @@
+"""`loom generate | chat | serve | bench | analyze`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling options (see docs/sampling.md)")
+    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, reproducible (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, (0, 1] (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="(default: %(default)s)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def _sampling_params(ns: argparse.Namespace):  # noqa: ANN202
+    from loom.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
+    )
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from loom.engine.llm import LLM
+
+    params = _sampling_params(ns)
+    llm = LLM(**vars(engine_args_from_namespace(ns)))
+    prompt: str | list[int] = ns.prompt
+    if not ns.raw and llm.tokenizer.chat_template:
+        prompt = llm.engine.apply_chat_template([{"role": "user", "content": ns.prompt}])
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    from loom.engine.llm import LLM
+
+    params = _sampling_params(ns)
+    llm = LLM(**vars(engine_args_from_namespace(ns)))
+    messages: list[dict[str, str]] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print("loom chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if ns.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for out in llm.stream(llm.engine.apply_chat_template(messages), params):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            reply = out.outputs[0].text
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="loom: LLM inference engine and OpenAI-compatible server")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt (sent through the chat template unless --raw)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=_cmd_chat)
+
+    for register in _optional_registrars():
+        register(sub)
+    return parser
+
+
+def _optional_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
+    registrars = []
+    for module in ("loom.server.cli", "loom.bench.cli"):
+        try:
+            registrars.append(__import__(module, fromlist=["register"]).register)
+        except ImportError:  # the subsystem is not installed in this build
+            continue
+    return registrars
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as exc:
+        parser.exit(2, f"loom: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

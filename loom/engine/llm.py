@@ -1,0 +1,127 @@
+"""Offline API: LLM.generate, LLM.chat and LLM.stream."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from loom.config import EngineArgs
+from loom.engine.llm_engine import LLMEngine
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Run a model offline.
+
+    >>> llm = LLM()                      # the bundled SmolLM2-135M-Instruct
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: object) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); list in, list out, order kept.
+
+        Raises:
+            ValueError: a prompt or parameter is invalid (nothing is left queued).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast_params(sampling_params, len(prompt_list))
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                ids.append(self._add(prompt, params))
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.apply_chat_template(conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per engine step with news (delta_text / delta_token_ids), the last finished.
+
+        Closing the iterator early aborts the request.
+        """
+        request_id = self._add(prompt, sampling_params or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request([request_id])
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 8)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request(sorted(pending))
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _broadcast_params(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts")
+    return params

@@ -1,0 +1,203 @@
+"""The engine: add_request / abort_request / step. `step()` is schedule -> execute -> update, nothing else."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loom.config import EngineArgs
+from loom.core.scheduler import Scheduler
+from loom.core.sched_output import EngineCoreOutput, SchedulerOutput
+from loom.engine.output_processor import OutputProcessor
+from loom.outputs import RequestOutput
+from loom.request import Request, RequestStatus
+from loom.sampling_params import SamplingParams
+from loom.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int  # requests holding KV blocks
+    num_waiting: int  # requests queued (new or preempted)
+    kv_cache_usage: float  # fraction of KV blocks in use, 0..1
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # cumulative prompt tokens served from it
+    num_preemptions: int  # cumulative
+
+
+class LLMEngine:
+    """Single-threaded engine. Not thread-safe: one owner calls every method (see AsyncLLMEngine)."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model_config = args.model_config()
+        cache_config = args.cache_config()
+        started = time.perf_counter()
+        self.runner = ModelRunner(model_config, cache_config, device)
+        arch = self.runner.arch
+        self.tokenizer = self.runner.tokenizer
+        self.eos_token_ids = self.runner.eos_token_ids
+        self.vocab_size = arch.vocab_size
+        self.max_model_len = _resolve_max_model_len(args.max_model_len, arch.max_position_embeddings)
+        self.model_name = Path(self.runner.model_path).name
+        self.block_size = cache_config.block_size
+        self.num_kv_blocks = self.runner.num_blocks
+        self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), cache_config, self.num_kv_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
+        logger.info(
+            "loaded %s (%s, %s) in %.1f s; KV cache: %d bytes/token, %d blocks of %d tokens = %d tokens max",
+            self.model_name, arch.architecture, self.runner.dtype, time.perf_counter() - started,
+            self.kv_bytes_per_token, self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt; a list of ints is checked against the vocabulary. Raises ValueError."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))  # the tokenizer's own BOS rule, as its model expects
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template plus the generation prompt."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request (n > 1 becomes n engine requests, merged back into one RequestOutput).
+
+        Raises:
+            ValueError: the request can never run (names the parameter); nothing is kept.
+            QueueFullError: the waiting queue is full.
+        """
+        if request_id in self._children:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        prompt_token_ids = self.tokenize(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 0))
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        added: list[str] = []
+        try:
+            for index, child_id in enumerate(child_ids):
+                child_params = params.clone()
+                if params.seed is not None:
+                    child_params.seed = params.seed + index  # independent samples, still reproducible
+                self.scheduler.add_request(
+                    Request(
+                        request_id=child_id,
+                        prompt_token_ids=prompt_token_ids,
+                        sampling_params=child_params,
+                        eos_token_ids=self.eos_token_ids,
+                        arrival_time=arrival_time,
+                        max_tokens=max_tokens,
+                        cache_salt=cache_salt,
+                    )
+                )
+                added.append(child_id)
+        except BaseException:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        for index, child_id in enumerate(child_ids):
+            self.output_processor.add_request(
+                request_id=child_id, parent_id=request_id, index=index, n=params.n, prompt=prompt_text,
+                prompt_token_ids=prompt_token_ids, params=params, arrival_time=arrival_time,
+            )
+        self._children[request_id] = child_ids
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests by their user-facing ids; unknown ids are ignored. Frees their KV blocks."""
+        for request_id in request_ids:
+            child_ids = self._children.get(request_id)
+            if child_ids is None:
+                continue
+            self.output_processor.abort_request(request_id)
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self.runner.remove_requests(child_ids)
+            del self._children[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except Exception:  # a failing forward must not take the engine down: fail the requests of this step
+            logger.exception("model execution failed; failing the %d scheduled requests", len(scheduler_output.scheduled))
+            return self._fail_step(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.reqs_to_abort:  # stop strings matched on text
+            self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        finished_children = [o.request_id for o in core_outputs if o.finish_reason is not None]
+        self.runner.remove_requests(finished_children + processed.reqs_to_abort)
+        for out in processed.request_outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return processed.request_outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        ids = [r.request_id for r in scheduler_output.scheduled]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return self._process([EngineCoreOutput(request_id=i, new_token_ids=[], finish_reason="error") for i in ids])
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            num_free_blocks=s.num_free_blocks,
+            num_blocks=self.num_kv_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions_total,
+        )
+
+
+def _resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    if requested is None:
+        return model_max
+    if requested > model_max:
+        raise ValueError(f"max_model_len ({requested}) is larger than the model's context length ({model_max})")
+    return requested
+
+
+__all__ = ["LLMEngine", "EngineStats"]

@@ -1,0 +1,181 @@
+"""SchedulerOutput -> input tensors -> forward -> sample -> ModelRunnerOutput. All tensors live here."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from loom.attention.metadata import AttentionMetadata
+from loom.config import CacheConfig, ModelConfig
+from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from loom.model.loader import load_model
+from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
+from loom.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is float32 for now; bfloat16 becomes the CPU default with the fast path."""
+    if name == "auto":
+        return torch.float32
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    sample_indices: list[int]  # [num_sampling_reqs] row of the flattened batch whose logits are sampled
+    sample_reqs: list[ScheduledRequest]  # requests that sample this step, same order
+    prompt_lp_indices: list[int]  # rows whose logits give prompt logprobs
+    prompt_lp_targets: list[int]  # the prompt token each such row predicts
+    prompt_lp_owners: list[tuple[str, int, int, int]]  # (request_id, first entry, num entries, top-N) into the lists above
+
+
+class ModelRunner:
+    """Owns the model, the paged KV tensors and the per-request generators."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> None:
+        self.device = device
+        self.dtype = resolve_dtype(model_config.dtype, device)
+        loaded = load_model(model_config.model, self.dtype, device)
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.model_path = loaded.model_path
+        self.block_size = cache_config.block_size
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.arch, self.dtype)
+        self.num_blocks = cache_config.num_blocks or num_blocks_for_budget(
+            self.arch, self.dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes
+        )
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_gb is too small for one block of {cache_config.block_size} tokens "
+                f"({self.kv_bytes_per_token * cache_config.block_size} bytes)"
+            )
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.dtype, device)
+        self.default_generator = torch.Generator(device=device).manual_seed(model_config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Drop per-request state (seeded generators) of finished requests."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.remove_requests(scheduler_output.finished_req_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inputs = self._prepare_inputs(scheduler_output.scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        output = ModelRunnerOutput(sampled_token_ids={})
+        if inputs.prompt_lp_indices:
+            self._add_prompt_logprobs(hidden, inputs, output)
+        if inputs.sample_indices:
+            self._sample(hidden, inputs, output)
+        return output
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> _StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_indices: list[int] = []
+        sample_reqs: list[ScheduledRequest] = []
+        lp_indices: list[int] = []
+        lp_targets: list[int] = []
+        lp_owners: list[tuple[str, int, int, int]] = []
+        bs = self.block_size
+        for req in scheduled:
+            base = len(input_ids)
+            start = req.start_position
+            n = len(req.token_ids)
+            input_ids.extend(req.token_ids)
+            positions.extend(range(start, start + n))
+            table = req.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_start_loc.append(base + n)
+            seq_lens.append(start + n)
+            if req.sample:
+                sample_indices.append(base + n - 1)
+                sample_reqs.append(req)
+            num_prompt = len(req.prompt_token_ids)
+            if req.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
+                end = min(start + n, num_prompt - 1)  # the last prompt position predicts an output token
+                first = len(lp_indices)
+                lp_indices.extend(base + (p - start) for p in range(start, end))
+                lp_targets.extend(req.prompt_token_ids[p + 1] for p in range(start, end))
+                lp_owners.append((req.request_id, first, end - start, req.sampling_params.prompt_logprobs))
+            if req.is_new and req.sampling_params.seed is not None and req.request_id not in self.generators:
+                self.generators[req.request_id] = torch.Generator(device=self.device).manual_seed(
+                    req.sampling_params.seed
+                )
+        max_blocks = max(len(r.block_table) for r in scheduled)
+        block_tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for i, req in enumerate(scheduled):
+            block_tables[i, : len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.int32)
+        dev = self.device
+        attn_metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            num_reqs=len(scheduled),
+            max_query_len=max(len(r.token_ids) for r in scheduled),
+            block_size=bs,
+        )
+        return _StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn_metadata=attn_metadata,
+            sample_indices=sample_indices,
+            sample_reqs=sample_reqs,
+            prompt_lp_indices=lp_indices,
+            prompt_lp_targets=lp_targets,
+            prompt_lp_owners=lp_owners,
+        )
+
+    def _add_prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
+        rows = torch.tensor(inputs.prompt_lp_indices, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        targets = torch.tensor(inputs.prompt_lp_targets, dtype=torch.int64, device=self.device)
+        # Requests may ask for different top-N: compute once with the largest, then trim per request.
+        num_top = max(owner[3] for owner in inputs.prompt_lp_owners)
+        all_lps = compute_token_logprobs(logits, targets, num_top)
+        for request_id, first, count, top in inputs.prompt_lp_owners:
+            output.prompt_logprobs[request_id] = [_trim(lp, 1 + top) for lp in all_lps[first : first + count]]
+
+    def _sample(self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
+        rows = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        sampling_inputs = [
+            SamplingInput(
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                eos_token_ids=self.eos_token_ids,
+                generator=self.generators.get(r.request_id),
+            )
+            for r in inputs.sample_reqs
+        ]
+        result = sample(logits, sampling_inputs, self.default_generator)
+        token_ids = result.sampled_token_ids.tolist()
+        for req, token_id, lp in zip(inputs.sample_reqs, token_ids, result.logprobs):
+            output.sampled_token_ids[req.request_id] = [token_id]
+            if lp is not None:
+                output.logprobs[req.request_id] = [lp]
+
+
+def _trim(lp: TokenLogprobs, keep: int) -> TokenLogprobs:
+    return TokenLogprobs(token_ids=lp.token_ids[:keep], logprobs=lp.logprobs[:keep], ranks=lp.ranks[:keep])
