@@ -1,0 +1,198 @@
+"""The sampler: one token per request from the last-position logits. Pure functions over tensors.
+
+Order of processing (docs/sampling.md explains each step):
+1. logprobs from the RAW logits (log_softmax before anything else), when the request asks;
+2. bans (-inf), logit_bias, repetition penalty, presence/frequency penalties (penalties.py);
+3. greedy rows (temperature 0) take the argmax of the processed logits;
+4. other rows: divide by temperature, then top_k, top_p, min_p, then draw with the exponential race.
+
+Exponential race (a.k.a. the Gumbel-max trick in exponential form): with q_i ~ Exp(1) independent,
+argmax_i p_i / q_i is distributed as Categorical(p) (e.g. Vieira, "Gumbel-max trick and weighted
+reservoir sampling", 2014). Seeded requests draw q from their own generator, so their samples do not
+depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loom.core.sched_output import TokenLogprobs
+from loom.sample import penalties
+from loom.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingInput:
+    """One request that samples this step (one row of the logits)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]  # [num_prompt_tokens], for the repetition penalty
+    output_token_ids: list[int]  # [num_output_tokens] so far, for penalties and min_tokens
+    eos_token_ids: frozenset[int]  # the request's end-of-sequence set (banned by ignore_eos / min_tokens)
+    generator: torch.Generator | None  # the request's own generator when params.seed is set, else None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None]  # [num_reqs]; chosen token first then top-N; None if not asked
+
+
+def sample(logits: torch.Tensor, inputs: list[SamplingInput], default_generator: torch.Generator) -> SamplerOutput:
+    """Sample one token per row.
+
+    Args:
+        logits: [num_reqs, vocab_size] float32, the model's last-position logits (not modified).
+        inputs: [num_reqs] one per row, in row order.
+        default_generator: draws the noise of unseeded random rows; must live on logits.device,
+            as must every request's own generator.
+
+    Returns:
+        SamplerOutput with sampled_token_ids [num_reqs] int64.
+
+    Raises:
+        ValueError: logits not 2-D, row count != len(inputs), or a logit_bias id outside the vocabulary.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_reqs, vocab_size], got shape {tuple(logits.shape)}")
+    if logits.shape[0] != len(inputs):
+        raise ValueError(f"logits has {logits.shape[0]} rows but {len(inputs)} inputs were given")
+    logits = logits.float()
+    processed = logits.clone()
+    penalties.apply_all(processed, inputs)
+    sampled = processed.argmax(dim=-1)
+    random_rows = [i for i, inp in enumerate(inputs) if inp.params.temperature >= MIN_TEMPERATURE]
+    if random_rows:
+        sub_inputs = [inputs[i] for i in random_rows]
+        probs = truncated_probs(processed[random_rows], [inp.params for inp in sub_inputs])
+        sampled[random_rows] = exponential_race(probs, [inp.generator for inp in sub_inputs], default_generator)
+    return SamplerOutput(sampled_token_ids=sampled, logprobs=_requested_logprobs(logits, sampled, inputs))
+
+
+def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top_k, top_p and min_p; returns the renormalised distribution.
+
+    Args:
+        logits: [num_rows, vocab_size] float32 processed logits (not modified).
+        params: [num_rows] each row's settings; every temperature is >= MIN_TEMPERATURE.
+
+    Returns:
+        [num_rows, vocab_size] float32 probabilities; the most likely token always keeps mass > 0.
+
+    top_p is nucleus sampling (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration"):
+    keep the smallest set of most likely tokens whose mass reaches top_p. min_p (Nguyen et al. 2024,
+    "Turning Up the Heat: Min-p Sampling") drops tokens whose probability is below min_p times the
+    top token's probability.
+    """
+    temperature = _column([p.temperature for p in params], logits)
+    scaled = logits / temperature
+    if any(_uses_top_k(p, logits.shape[1]) or p.top_p < 1.0 for p in params):
+        scaled = _apply_top_k_top_p(scaled, params)
+    probs = torch.softmax(scaled, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = _column([p.min_p for p in params], logits)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p
+        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def exponential_race(
+    probs: torch.Tensor, generators: list[torch.Generator | None], default_generator: torch.Generator
+) -> torch.Tensor:
+    """Draw one token per row: argmax(probs / q) with q ~ Exp(1).
+
+    Args:
+        probs: [num_rows, vocab_size] float32, each row a distribution.
+        generators: [num_rows] a row's own generator, or None to use default_generator.
+
+    Returns:
+        [num_rows] int64 token ids.
+    """
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_(
+            generator=default_generator
+        )
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            q[row].exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """Raw logprobs of the given tokens plus the top-num_top of each row.
+
+    Args:
+        logits: [num_rows, vocab_size] float32 raw logits.
+        token_ids: [num_rows] int64, the token whose logprob comes first in each row.
+        num_top: how many most likely tokens follow it (>= 0).
+
+    Returns:
+        [num_rows] TokenLogprobs with 1 + num_top entries: token_ids[i] first, then the top tokens in
+        descending order. Ranks are 1-based: 1 + the number of tokens with a strictly larger logprob.
+
+    Raises:
+        ValueError: num_top < 0 or larger than the vocabulary, or mismatched shapes.
+    """
+    if not 0 <= num_top <= logits.shape[-1]:
+        raise ValueError(f"num_top must be in [0, {logits.shape[-1]}], got {num_top}")
+    if token_ids.shape != (logits.shape[0],):
+        raise ValueError(f"token_ids must have shape ({logits.shape[0]},), got {tuple(token_ids.shape)}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    token_ids = token_ids.to(device=logits.device, dtype=torch.long)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
+    chosen_rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # sorted, descending
+    # Anything strictly larger than the j-th top value is itself among the top values.
+    top_ranks = (top_values.unsqueeze(1) > top_values.unsqueeze(2)).sum(dim=-1) + 1
+    ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
+    values = torch.cat([chosen, top_values], dim=1).tolist()
+    ranks = torch.cat([chosen_rank, top_ranks], dim=1).tolist()
+    return [TokenLogprobs(token_ids=i, logprobs=v, ranks=r) for i, v, r in zip(ids, values, ranks)]
+
+
+def _requested_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, inputs: list[SamplingInput]
+) -> list[TokenLogprobs | None]:
+    """Logprobs for the rows whose params.logprobs is set, computed once with the largest top-N."""
+    rows = [i for i, inp in enumerate(inputs) if inp.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(inputs)
+    if not rows:
+        return result
+    num_top = min(max(inputs[i].params.logprobs or 0 for i in rows), logits.shape[1])
+    for row, entry in zip(rows, compute_token_logprobs(logits[rows], sampled[rows], num_top)):
+        keep = 1 + min(inputs[row].params.logprobs or 0, num_top)
+        result[row] = TokenLogprobs(entry.token_ids[:keep], entry.logprobs[:keep], entry.ranks[:keep])
+    return result
+
+
+def _uses_top_k(params: SamplingParams, vocab_size: int) -> bool:
+    return 0 < params.top_k < vocab_size
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[num_rows, vocab_size] logits with the tokens outside top_k / top_p set to -inf (new tensor)."""
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+    top_k = _column([p.top_k if _uses_top_k(p, vocab_size) else vocab_size for p in params], logits)
+    sorted_logits = sorted_logits.masked_fill(positions >= top_k, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # top_p == 1 must keep everything, even where the float cumsum creeps past 1.
+    top_p = _column([p.top_p if p.top_p < 1.0 else 2.0 for p in params], logits)
+    drop = (mass_before >= top_p) & (positions > 0)  # the top token is always kept
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
+    """[len(values), 1] float32 on like's device, to broadcast one value per row."""
+    return torch.tensor(values, dtype=torch.float32, device=like.device).unsqueeze(1)
