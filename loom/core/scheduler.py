@@ -1,0 +1,340 @@
+"""The scheduler: each step, a token budget shared by running then waiting requests.
+
+Model (vLLM v1, docs/design/v1 scheduler): there is no prefill/decode phase. Every request moves its
+num_computed_tokens towards num_tokens; a step gives each request some tokens:
+  1. RUNNING requests in admission order get min(num_tokens - num_computed_tokens, budget left).
+     When the KV pool cannot hold them, the most recently admitted running request is preempted
+     (recompute: its blocks are freed, it goes back to the front of the waiting queue).
+  2. WAITING requests in FIFO order are admitted while budget and seats (max_num_seqs) remain and no
+     preemption happened this step: prefix-cache lookup and allocation go together; a prompt longer
+     than the budget left gets the chunk that fits (chunked prefill).
+num_computed_tokens is advanced when a request is scheduled, not when the runner returns: the runner
+computes exactly the scheduled tokens, and the next schedule() can then be built from the request
+alone. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from loom.config import CacheConfig, SchedulerConfig
+from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.sched_output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from loom.core.stop import check_stop
+from loom.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting_requests already (the server answers 503/429)."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Decides which tokens of which requests the model runner computes each step."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        """Args: num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config)."""
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len  # tokens
+        self.num_blocks = num_blocks  # KV blocks in the pool
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # request_id -> unfinished request
+        self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
+        self.running: list[Request] = []  # admission order
+        self._finished_req_ids: list[str] = []  # ended since the last schedule()
+        self._prompt_logprobs_sent: dict[str, int] = {}  # request_id -> prompt logprobs passed on so far
+        self._prompt_logprobs_seen: dict[str, int] = {}  # request_id -> prompt logprobs received since admission
+        self.num_preemptions_total = 0  # cumulative
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or reject at once what can never run.
+
+        Raises:
+            ValueError: empty prompt (`prompt`); prompt too long for the model (`max_model_len`);
+                more KV blocks needed than the whole pool (`num_kv_blocks`); duplicate `request_id`.
+            QueueFullError: max_waiting_requests requests are already waiting.
+        """
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        if n > self.max_model_len or (request.max_tokens > 0 and n >= self.max_model_len):
+            raise ValueError(
+                f"prompt of {n} tokens does not fit max_model_len={self.max_model_len} "
+                f"(with max_tokens={request.max_tokens})"
+            )
+        max_len = min(self.max_model_len, n + max(request.max_tokens, 1))
+        blocks_needed = _cdiv(max_len, self.cache_config.block_size)
+        if blocks_needed > self.num_blocks:
+            raise ValueError(
+                f"request needs {blocks_needed} KV blocks of {self.cache_config.block_size} tokens, "
+                f"more than the whole pool (num_kv_blocks={self.num_blocks})"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        limit = self.scheduler_config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"{len(self.waiting)} requests waiting (max_waiting_requests={limit})")
+        request.status = RequestStatus.WAITING
+        self.kv_cache_manager.update_block_hashes(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ---- schedule --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens. Advances num_computed_tokens of every scheduled request.
+
+        Returns:
+            SchedulerOutput: running requests first (admission order), then newly admitted ones.
+        """
+        budget = self.scheduler_config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # it preempted itself; it was the last running request
+            scheduled.append(self._schedule_one(request, num_new, is_new=False))
+            budget -= num_new
+            i += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        total = self.scheduler_config.max_num_batched_tokens - budget
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self._finished_req_ids = []
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        """Allocate for `request`, preempting from the back of running until it fits.
+
+        Returns False when `request` itself had to be preempted.
+        """
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._prompt_logprobs_seen.pop(request.request_id, None)
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        manager = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if manager.allocate_slots(request, num_new, hits, num_hit) is None:
+                break  # FIFO: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
+                request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._schedule_one(request, num_new, is_new=True))
+            budget -= num_new
+        return budget
+
+    def _schedule_one(self, request: Request, num_new: int, is_new: bool) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, end),
+            start_position=start,
+            block_table=self.kv_cache_manager.get_block_ids(request.request_id),
+            sample=end == request.num_tokens and request.max_tokens > 0,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            is_new=is_new,
+        )
+
+    # ---- update ----------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply token-level stops, finish ended requests.
+
+        Requests finished or aborted since `scheduler_output` was built are skipped.
+
+        Returns:
+            One EngineCoreOutput per request with news (new tokens, prompt logprobs, or finished).
+        """
+        outputs: list[EngineCoreOutput] = []
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            out = self._update_one(request, sched, runner_output)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _update_one(
+        self, request: Request, sched: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        rid = request.request_id
+        new_token_ids: list[int] = []
+        status: RequestStatus | None = None
+        if sched.sample:
+            for token_id in runner_output.sampled_token_ids[rid]:
+                request.output_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                status = check_stop(request, self.max_model_len)
+                if status is not None:
+                    break
+            self.kv_cache_manager.update_block_hashes(request)
+        elif request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        logprobs = runner_output.logprobs.get(rid)
+        if logprobs is not None:
+            logprobs = logprobs[: len(new_token_ids)]
+        prompt_logprobs = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
+        if status is not None:
+            self._finish(request, status)
+        if not new_token_ids and not prompt_logprobs and status is None:
+            return None
+        return EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs or None,
+            finish_reason=request.finish_reason.value if request.finish_reason is not None else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _new_prompt_logprobs(self, request_id: str, entries: list[TokenLogprobs] | None) -> list[TokenLogprobs]:
+        """Drop prompt logprobs already passed on before a preemption made the runner recompute them."""
+        if not entries:
+            return []
+        seen = self._prompt_logprobs_seen.get(request_id, 0)
+        sent = self._prompt_logprobs_sent.get(request_id, 0)
+        self._prompt_logprobs_seen[request_id] = seen + len(entries)
+        fresh = entries[max(0, sent - seen) :]
+        self._prompt_logprobs_sent[request_id] = sent + len(fresh)
+        return fresh
+
+    # ---- finish ----------------------------------------------------------------------------------
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort; a stop string found by the output processor).
+
+        Unknown or already finished ids are ignored.
+
+        Raises:
+            ValueError: `status` is not a finished status.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._prompt_logprobs_sent.pop(request.request_id, None)
+        self._prompt_logprobs_seen.pop(request.request_id, None)
+        self._finished_req_ids.append(request.request_id)
+
+    # ---- stats -----------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests, in [0, 1] (vllm:kv_cache_usage_perc)."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache, cumulative (vllm:prefix_cache_queries)."""
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens found in the prefix cache, cumulative (vllm:prefix_cache_hits)."""
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def check_invariants(self) -> None:
+        """Assert the queues, the request table and the KV blocks agree."""
+        self.kv_cache_manager.check_invariants()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids) and len(set(waiting_ids)) == len(waiting_ids)
+        assert not set(running_ids) & set(waiting_ids)
+        assert set(running_ids) | set(waiting_ids) == set(self.requests)
+        assert len(self.running) <= self.scheduler_config.max_num_seqs
+        holders = set(self.kv_cache_manager.req_to_blocks)
+        assert holders <= set(running_ids), f"waiting requests hold blocks: {holders - set(running_ids)}"
+        bs = self.cache_config.block_size
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING
+            assert 0 < r.num_computed_tokens <= r.num_tokens
+            assert len(self.kv_cache_manager.get_block_ids(r.request_id)) >= _cdiv(r.num_computed_tokens, bs)
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0
+
+
+__all__ = ["Scheduler", "QueueFullError"]
