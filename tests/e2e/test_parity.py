@@ -1,0 +1,76 @@
+"""Reference parity: loom's greedy tokens equal transformers' on the same weights, alone and batched."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom import SamplingParams
+from tests.helpers import hf_greedy, save_tiny_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "Translate to German: Good morning, how are you?",
+    "1, 2, 3, 4, 5,",
+    "Explain photosynthesis in one sentence.",
+    "Bonjour ! Comment ça va ? 日本語も少し話せます。",
+    "Once upon a time, in a land far away, there lived a",
+]
+NEW_TOKENS = 32
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf_tokenizer) -> list[list[int]]:
+    # Half raw text, half through the chat template: different lengths and token mixes.
+    return [
+        _chat_ids(hf_tokenizer, p) if i % 2 else hf_tokenizer.encode(p) for i, p in enumerate(PROMPTS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_gguf_model, prompt_ids) -> list[tuple[list[int], list[float]]]:
+    return [hf_greedy(hf_gguf_model, ids, NEW_TOKENS) for ids in prompt_ids]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _check(outputs, reference) -> None:
+    for out, (ref_tokens, ref_logprobs) in zip(outputs, reference):
+        comp = out.outputs[0]
+        assert comp.token_ids == ref_tokens
+        got = [comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)]
+        assert got == pytest.approx(ref_logprobs, abs=1e-3)
+
+
+def test_gguf_greedy_one_by_one_matches_transformers(llm, prompt_ids, reference) -> None:
+    outputs = [llm.generate([ids], GREEDY, use_tqdm=False)[0] for ids in prompt_ids]
+    _check(outputs, reference)
+
+
+def test_gguf_greedy_batched_matches_transformers(llm, prompt_ids, reference) -> None:
+    _check(llm.generate(prompt_ids, GREEDY, use_tqdm=False), reference)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_tiny_random_safetensors_match_transformers(tmp_path, hf_tokenizer, architecture: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loom import LLM
+
+    directory = save_tiny_model(tmp_path / architecture, architecture, hf_tokenizer)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompts = [hf_tokenizer.encode(p) for p in PROMPTS[:4]]
+    reference = [hf_greedy(hf, ids, 16) for ids in prompts]
+    tiny = LLM(model=str(directory), dtype="float32", block_size=4, num_kv_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    _check(tiny.generate(prompts, params, use_tqdm=False), reference)

@@ -1,0 +1,164 @@
+"""Every request rule on the real model: stops, EOS, min/max tokens, tiny top_p, bad requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom import LLM, SamplingParams
+from loom.request import RequestStatus
+
+PROMPT = "Write one sentence about the moon."
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(llm: LLM) -> list[int]:
+    return llm.engine.apply_chat_template([{"role": "user", "content": PROMPT}])
+
+
+@pytest.fixture(scope="module")
+def free_run(llm: LLM, chat_prompt: list[int]):
+    """The unconstrained greedy continuation, used to pick stop strings that must occur."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    return llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def _token_texts(llm: LLM, token_ids: list[int]) -> list[str]:
+    # Text contributed by each token, from cumulative decodes (robust to multi-token characters).
+    texts, prev = [], ""
+    for i in range(1, len(token_ids) + 1):
+        cur = llm.tokenizer.decode(token_ids[:i], skip_special_tokens=True)
+        texts.append(cur[len(prev):])
+        prev = cur
+    return texts
+
+
+def _stop_run(llm: LLM, prompt: list[int], stop: str, **kw) -> object:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], logprobs=2, **kw)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_string_inside_one_token(llm: LLM, chat_prompt, free_run) -> None:
+    texts = _token_texts(llm, free_run.token_ids)
+    k, piece = next((i, t) for i, t in enumerate(texts) if i > 0 and len(t.strip()) >= 3)
+    stop = piece.strip()[1:3]  # strictly inside the token's text
+    out = _stop_run(llm, chat_prompt, stop)
+    expected = free_run.text[: free_run.text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == expected
+    assert len(out.logprobs) == len(out.token_ids)
+
+
+def test_stop_string_across_three_tokens(llm: LLM, chat_prompt, free_run) -> None:
+    texts = _token_texts(llm, free_run.token_ids)
+    k = next(i for i in range(2, len(texts) - 3) if all(texts[i + j] for j in range(3)))
+    stop = texts[k][-1] + texts[k + 1] + texts[k + 2][:1]  # last char of one, all of the next, first of a third
+    out = _stop_run(llm, chat_prompt, stop)
+    cut = free_run.text.index(stop)
+    assert out.text == free_run.text[:cut]
+    assert out.finish_reason == "stop"
+    assert len(out.logprobs) == len(out.token_ids) <= k + 3
+
+
+def test_stop_string_on_the_first_token_with_logprobs(llm: LLM, chat_prompt, free_run) -> None:
+    first = _token_texts(llm, free_run.token_ids)[0]
+    out = _stop_run(llm, chat_prompt, first)
+    assert out.text == ""
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) == 1 and len(out.logprobs) == 1
+
+
+def test_include_stop_str_in_output(llm: LLM, chat_prompt, free_run) -> None:
+    texts = _token_texts(llm, free_run.token_ids)
+    stop = texts[3]
+    out = _stop_run(llm, chat_prompt, stop, include_stop_str_in_output=True)
+    assert out.text == free_run.text[: free_run.text.index(stop) + len(stop)]
+
+
+def test_early_eos_ignore_eos_and_min_tokens(llm: LLM) -> None:
+    prompt = llm.engine.apply_chat_template([{"role": "user", "content": "Reply with just the word yes."}])
+    natural = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    assert natural.finish_reason == "stop"  # the model ends its short answer with EOS
+    n = len(natural.token_ids)
+    assert n < 40
+    ignored = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 40
+    held = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=n + 5),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= n + 5
+    assert held.token_ids[: n - 1] == natural.token_ids[: n - 1]  # same text until the held-back stop
+
+
+def test_very_small_top_p_is_greedy(llm: LLM, chat_prompt, free_run) -> None:
+    params = SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=24, ignore_eos=True, seed=3)
+    assert llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0].token_ids == free_run.token_ids
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_max_tokens_zero_and_one(llm: LLM, chat_prompt, free_run, max_tokens: int) -> None:
+    out = llm.generate([chat_prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run.token_ids[:max_tokens]
+    assert out.finish_reason == "length"
+
+
+def test_prompt_logprobs_cover_every_prompt_token(llm: LLM, chat_prompt) -> None:
+    out = llm.generate([chat_prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(chat_prompt)
+    assert out.prompt_logprobs[0] is None
+    for pos, lp in enumerate(out.prompt_logprobs[1:], start=1):
+        assert chat_prompt[pos] in lp
+        assert 1 <= len(lp) <= 4
+
+
+def test_empty_prompt_is_rejected(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_too_long_prompt_next_to_normal_requests(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("ok-1", "Hello there", SamplingParams(temperature=0.0, max_tokens=4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("too-long", [1] * (engine.max_model_len + 1), SamplingParams(max_tokens=4))
+    engine.add_request("ok-2", "Good morning", SamplingParams(temperature=0.0, max_tokens=4))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].finish_reason
+    assert finished == {"ok-1": "length", "ok-2": "length"}
+
+
+def test_out_of_vocabulary_token_id_is_rejected(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, llm.engine.vocab_size]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_invalid_sampling_values_name_the_parameter() -> None:
+    for kwargs, name in [({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature"), ({"n": 0}, "n"),
+                         ({"max_tokens": -1}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
+                         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+
+
+def test_abort_frees_every_block(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("to-abort", "Tell me a long story", SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request(["to-abort"])
+    assert not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert engine.scheduler.get_request("to-abort") is None or \
+        engine.scheduler.get_request("to-abort").status == RequestStatus.FINISHED_ABORTED
+
+
+def test_capital_of_france_answers_paris(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text

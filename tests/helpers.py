@@ -1,0 +1,47 @@
+"""Test helpers: the Hugging Face greedy oracle and tiny random-weight models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens (never stopping at EOS) and log-softmax of each chosen token."""
+    input_ids = torch.tensor([prompt_token_ids])
+    past = None
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        token = int(torch.argmax(lp))
+        tokens.append(token)
+        logprobs.append(float(lp[token]))
+        input_ids = torch.tensor([[token]])
+    return tokens, logprobs
+
+
+def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int = 0, **overrides: object) -> Path:
+    """A 2-layer random-weight Llama or Qwen2 with the SmolLM2 tokenizer, saved as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id,
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if architecture == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif architecture == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(architecture)
+    model.save_pretrained(directory, safe_serialization=True)
+    hf_tokenizer.save_pretrained(directory)
+    return directory
