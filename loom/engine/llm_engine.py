@@ -100,6 +100,7 @@ class LLMEngine:
         """
         if request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_token_ids_in_vocab(params)
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = self.tokenize(prompt)
         if not prompt_token_ids:
@@ -135,6 +136,13 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids, params=params, arrival_time=arrival_time,
             )
         self._children[request_id] = child_ids
+
+    def _check_token_ids_in_vocab(self, params: SamplingParams) -> None:
+        # Checked here, at the edge: inside a batched step a bad id would fail every request of the step.
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            for token_id in ids:
+                if not 0 <= token_id < self.vocab_size:
+                    raise ValueError(f"{name} token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by their user-facing ids; unknown ids are ignored. Frees their KV blocks."""
