@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build the llama.cpp peer binaries (llama-bench, llama-batched-bench, llama-server) from the
+# source distribution of llama-cpp-python, which vendors a pinned llama.cpp tree.
+#
+# Usage:  nice -n 19 bash benchmarks/install_peers.sh [-j N]
+# Env:    LLAMA_CPP_PYTHON_VERSION (pin, default below), PIP (pip executable), PEERS_BUILD_DIR.
+# Output: benchmarks/peers/build/bin/{llama-bench,llama-batched-bench,llama-server}
+# Never run from tests: it takes minutes on two cores.
+set -euo pipefail
+
+PIN="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+JOBS=2
+if [[ "${1:-}" == "-j" ]]; then JOBS="$2"; fi
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PIP="${PIP:-$ROOT/.venv/bin/pip}"
+BUILD_DIR="${PEERS_BUILD_DIR:-$ROOT/benchmarks/peers/build}"
+SRC_DIR="$BUILD_DIR/src"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+
+echo "[install_peers] llama-cpp-python==$PIN sdist -> $SRC_DIR"
+"$PIP" download --no-deps --no-binary :all: --dest "$TMP" "llama-cpp-python==$PIN"
+shopt -s nullglob
+sdists=("$TMP"/llama_cpp_python-*.tar.gz "$TMP"/llama-cpp-python-*.tar.gz)
+if (( ${#sdists[@]} == 0 )); then echo "no sdist downloaded" >&2; exit 1; fi
+tar -xzf "${sdists[0]}" -C "$TMP"
+vendors=("$TMP"/llama*cpp*python-*/vendor/llama.cpp)
+if (( ${#vendors[@]} == 0 )); then echo "no vendor/llama.cpp in the sdist" >&2; exit 1; fi
+VENDOR="${vendors[0]}"
+
+rm -rf "$SRC_DIR"
+mkdir -p "$BUILD_DIR"
+cp -r "$VENDOR" "$SRC_DIR"
+echo "$PIN" > "$BUILD_DIR/LLAMA_CPP_PYTHON_VERSION"
+
+cmake -S "$SRC_DIR" -B "$BUILD_DIR/cmake" \
+  -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF \
+  -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=ON \
+  -DLLAMA_BUILD_TOOLS=ON \
+  -DLLAMA_BUILD_SERVER=ON \
+  -DBUILD_SHARED_LIBS=OFF \
+  -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$BUILD_DIR/bin"
+cmake --build "$BUILD_DIR/cmake" --config Release -j "$JOBS" \
+  --target llama-bench llama-batched-bench llama-server
+
+for exe in llama-bench llama-batched-bench llama-server; do
+  test -x "$BUILD_DIR/bin/$exe" || { echo "missing $BUILD_DIR/bin/$exe" >&2; exit 1; }
+done
+echo "[install_peers] done: $(ls "$BUILD_DIR/bin")"

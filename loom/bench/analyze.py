@@ -1,0 +1,105 @@
+"""`loom analyze`: print the roofline floors of a model on this machine, and measured figures against them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from loom.bench.roofline import Roofline
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    batch: int  # B, sequences decoded together
+    context: int  # C, tokens of context per sequence during decode
+    prompt_len: int  # N, prompt tokens for the prefill floor
+    kv_budget_bytes: float  # memory given to the KV cache, bytes
+    max_model_len: int  # tokens per request, for the "max concurrency" figure
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredFigures:
+    tpot_s: float | None = None  # measured time per output token at (batch, context), seconds
+    ttft_s: float | None = None  # measured time to first token for prompt_len tokens (no queueing), seconds
+    output_tok_s: float | None = None  # measured decode throughput at (batch, context), tokens/s
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    name: str  # what was measured
+    measured: float  # in `unit`
+    floor: float  # best physically possible value, in `unit`
+    unit: str  # "s" or "tok/s"
+    fraction: float  # share of the floor reached: floor/measured for times, measured/ceiling for rates (1 = at the roofline)
+
+
+def floor_summary(roof: Roofline, work: Workload) -> dict[str, float | str]:
+    """Every floor and derived figure for `work`, keyed by a name that includes its unit."""
+    a, m = roof.arch, roof.machine
+    kv_tokens = roof.kv_capacity_tokens(work.kv_budget_bytes)
+    return {
+        "model": a.name,
+        "params": a.num_params,
+        "weight_bytes_per_step": roof.weight_bytes,
+        "stored_weight_bytes": a.stored_weight_bytes or 0,
+        "kv_bytes_per_token": roof.kv_bytes_per_token,
+        "kv_capacity_tokens": kv_tokens,
+        "max_concurrency_at_max_model_len": kv_tokens / work.max_model_len,
+        "bandwidth_GBps": m.bandwidth / 1e9,
+        "matmul_GFLOPs": m.flops / 1e9,
+        "ridge_FLOP_per_byte": m.ridge,
+        "decode_step_floor_ms_B1_C0": roof.decode_step_floor(1, 0) * 1e3,
+        f"decode_step_floor_ms_B{work.batch}_C{work.context}": roof.decode_step_floor(work.batch, work.context) * 1e3,
+        f"decode_bound_B{work.batch}_C{work.context}": roof.decode_bound(work.batch, work.context),
+        f"prefill_floor_ms_N{work.prompt_len}": roof.prefill_floor(work.prompt_len) * 1e3,
+        "saturation_batch_C0": roof.saturation_batch(0),
+        f"saturation_batch_C{work.context}": roof.saturation_batch(work.context),
+        "single_stream_ceiling_tok_s_C0": roof.single_stream_ceiling(0),
+        f"single_stream_ceiling_tok_s_C{work.context}": roof.single_stream_ceiling(work.context),
+        f"decode_throughput_ceiling_tok_s_B{work.batch}_C{work.context}":
+            roof.decode_throughput_ceiling(work.batch, work.context),
+    }
+
+
+def efficiencies(roof: Roofline, work: Workload, measured: MeasuredFigures) -> list[Efficiency]:
+    """Each measured figure as a fraction of its roofline floor (1.0 = at the physical limit)."""
+    out: list[Efficiency] = []
+    if measured.tpot_s is not None:
+        floor = roof.decode_step_floor(work.batch, work.context)
+        out.append(Efficiency(f"TPOT B={work.batch} C={work.context}", measured.tpot_s, floor, "s",
+                              floor / measured.tpot_s))
+        achieved_bw = roof.decode_bytes(work.batch, work.context) / measured.tpot_s
+        out.append(Efficiency("achieved bandwidth", achieved_bw, roof.machine.bandwidth, "B/s",
+                              achieved_bw / roof.machine.bandwidth))
+    if measured.ttft_s is not None:
+        floor = roof.prefill_floor(work.prompt_len)
+        out.append(Efficiency(f"TTFT N={work.prompt_len}", measured.ttft_s, floor, "s", floor / measured.ttft_s))
+    if measured.output_tok_s is not None:
+        ceiling = roof.decode_throughput_ceiling(work.batch, work.context)
+        out.append(Efficiency(f"output tok/s B={work.batch} C={work.context}", measured.output_tok_s, ceiling,
+                              "tok/s", measured.output_tok_s / ceiling))
+    return out
+
+
+def format_summary(summary: dict[str, float | str]) -> str:
+    """Two-column text table of floor_summary()."""
+    width = max(len(k) for k in summary)
+    lines = []
+    for key, value in summary.items():
+        shown = f"{value:,.4g}" if isinstance(value, float) else (f"{value:,}" if isinstance(value, int) else value)
+        lines.append(f"{key:<{width}}  {shown}")
+    return "\n".join(lines)
+
+
+def format_efficiencies(rows: list[Efficiency]) -> str:
+    """One line per measured figure: measured, floor, fraction of the floor."""
+    return "\n".join(f"{r.name:<32} measured {r.measured:.4g} {r.unit}  floor {r.floor:.4g} {r.unit}  "
+                     f"-> {100 * r.fraction:.1f}% of roofline" for r in rows)
+
+
+def to_json(summary: dict[str, float | str], rows: list[Efficiency]) -> str:
+    """Summary and efficiencies as one JSON document (inf becomes null)."""
+    clean = {k: (None if isinstance(v, float) and v == float("inf") else v) for k, v in summary.items()}
+    return json.dumps({"floors": clean, "efficiency": [asdict(r) for r in rows]}, indent=2)
