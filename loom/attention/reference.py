@@ -1,0 +1,94 @@
+"""Reference paged attention in plain torch: one request at a time, correctness over speed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loom.attention.backend import write_kv_cache
+from loom.attention.metadata import AttentionMetadata
+
+
+def causal_mask(
+    query_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean mask [query_len, seq_len], True = may attend, for queries that are the last
+    query_len positions of a seq_len context (bottom-right aligned causal mask).
+
+    With a sliding window w a query at position p sees keys at positions p - w + 1 .. p (Mistral,
+    arXiv:2310.06825). Returns None when every query sees every key (a single decode token, no window).
+    """
+    if query_len == 1 and (sliding_window is None or sliding_window >= seq_len):
+        return None
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= (q_pos - k_pos) < sliding_window
+    return allowed
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read one request's first seq_len K/V rows through its block table.
+
+    Args:
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
+        block_table: [max_num_blocks] int32 block ids of the request (only the first
+            ceil(seq_len / block_size) are read).
+
+    Returns:
+        key, value: each [seq_len, num_kv_heads, head_dim].
+    """
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    key = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    value = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return key, value
+
+
+class TorchReferenceBackend:
+    """Paged attention with torch's scaled_dot_product_attention, one request per call.
+
+    GQA/MQA (arXiv:2305.13245): query head h reads KV head h // (num_heads // num_kv_heads).
+    """
+
+    name: str = "torch_reference"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """See AttentionBackend.forward. Shapes: query [num_tokens, num_heads, head_dim],
+        key/value [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim]."""
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        output = torch.empty_like(query)
+        group = query.shape[1] // kv_cache.shape[-2]
+        starts = attn_metadata.query_start_loc_cpu
+        for i in range(attn_metadata.num_reqs):
+            start, end = starts[i], starts[i + 1]
+            if end == start:
+                continue
+            seq_len = attn_metadata.seq_lens_cpu[i]
+            k, v = gather_kv(kv_cache, attn_metadata.block_tables[i], seq_len, attn_metadata.block_size)
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            mask = causal_mask(end - start, seq_len, sliding_window, query.device)
+            out = F.scaled_dot_product_attention(
+                query[start:end].transpose(0, 1),  # [num_heads, q_len, head_dim]
+                k.transpose(0, 1).to(query.dtype),  # [num_heads, seq_len, head_dim]
+                v.transpose(0, 1).to(query.dtype),
+                attn_mask=mask,
+                scale=scale,
+            )
+            output[start:end] = out.transpose(0, 1)
+        return output

@@ -1,0 +1,46 @@
+"""ModelArchConfig: the architecture facts the model, the KV cache and the scheduler need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArchConfig:
+    """Shape and numerics of a Llama-family decoder, whatever checkpoint format it came from."""
+
+    architecture: str  # registry key, e.g. "LlamaForCausalLM", "Qwen2ForCausalLM"
+    num_layers: int  # decoder layers
+    hidden_size: int  # model width d_model
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (== num_heads: MHA, 1: MQA, else GQA)
+    head_dim: int  # features per head
+    intermediate_size: int  # MLP width
+    vocab_size: int  # rows of the embedding / columns of the logits
+    max_position_embeddings: int  # tokens the model was trained for (context length)
+    rope_theta: float  # rotary base frequency
+    rope_scaling: dict[str, Any] | None  # {"rope_type": "linear"|"llama3", ...}; None = plain rotary
+    rms_norm_eps: float  # epsilon inside RMSNorm
+    tie_word_embeddings: bool  # lm_head shares the embedding matrix
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None  # tokens each query may look back (Mistral); None = full attention
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projections: num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim

@@ -1,0 +1,44 @@
+"""The attention layer of a decoder: reshapes to heads and hands off to a paged attention backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loom.attention.backend import AttentionBackend
+from loom.attention.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's K/V in the layer's paged cache and attends over each request's context."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.backend = backend
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
+        kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
+        out = self.backend.forward(
+            query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window
+        )
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,99 @@
+"""Rotary position embedding (RoPE, Su et al. 2021, arXiv:2104.09864), rotate-half layout.
+
+Scalings: "linear" (position interpolation, Chen et al. 2023, arXiv:2306.15595) and "llama3"
+(frequency-dependent rescaling published with Llama 3.1: low frequencies divided by `factor`, high
+ones kept, a smooth blend between low_freq_factor and high_freq_factor wavelengths), and
+"freq_factors" (the same rescaling stored by llama.cpp as one divisor per frequency).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] float32 of RoPE with the given scaling.
+
+    Raises:
+        ValueError: rope_scaling names a type outside SUPPORTED_ROPE_TYPES, or lacks a needed key.
+    """
+    # float32 throughout, as the HF reference computes it, so long positions round the same way.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    assert rope_scaling is not None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "freq_factors":  # llama.cpp's rope_freqs tensor: one divisor per frequency
+        factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_scaling freq_factors needs {inv_freq.numel()} values, got {factors.numel()}")
+        return inv_freq / factors
+    try:
+        factor = float(rope_scaling["factor"])
+        if rope_type == "linear":
+            return inv_freq / factor
+        low = float(rope_scaling["low_freq_factor"])
+        high = float(rope_scaling["high_freq_factor"])
+        original = float(rope_scaling["original_max_position_embeddings"])
+    except KeyError as exc:
+        raise ValueError(f"rope_scaling of type {rope_type!r} lacks key {exc.args[0]!r}") from None
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key given each token's absolute position.
+
+    A cos/sin table for positions [0, max_position) is precomputed in float32 (not a parameter).
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, rope_scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
+        # Angles are formed in fp32 like the HF reference so both round identically.
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [num_tokens, 1, head_dim] float32 for positions [num_tokens] int64; compute once
+        per forward and reuse in every layer.
+
+        Raises:
+            ValueError: a position is beyond the precomputed table.
+        """
+        if positions.numel() and int(positions.max()) >= self.cos_sin_cache.shape[0]:
+            raise ValueError(
+                f"positions must be < {self.cos_sin_cache.shape[0]} (max_position), got {int(positions.max())}"
+            )
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim // 2]
+        return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([sin, sin], dim=-1)[:, None, :]
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads, head_dim]
+        by positions [num_tokens] int64. Returns new tensors of the input dtypes."""
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, heads, head_dim] (rotate-half pairing: i with i + head_dim/2) by the
+    angles behind cos/sin [num_tokens, 1, head_dim]. Returns a tensor of x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

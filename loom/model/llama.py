@@ -1,0 +1,257 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened, paged batch.
+
+Architecture: Touvron et al. 2023 (arXiv:2302.13971): pre-norm RMSNorm, RoPE, SwiGLU MLP, GQA.
+Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are stored
+stacked (qkv_proj, gate_up_proj) so each is one matmul; `load_weights` does the stacking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.attention.backend import AttentionBackend
+from loom.attention.metadata import AttentionMetadata
+from loom.model.arch import ModelArchConfig
+from loom.model.layers import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    apply_rotary,
+)
+
+# checkpoint projection -> (stacked parameter, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        o_proj_bias: bool,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+        self.qkv_proj = MergedLinear(arch.hidden_size, sizes, arch.attention_bias, dtype, device)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, o_proj_bias, dtype, device)
+        self.attn = PagedAttention(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.sliding_window
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), *cos_sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), *cos_sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        sizes = [intermediate_size, intermediate_size]
+        self.gate_up_proj = MergedLinear(hidden_size, sizes, False, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        o_proj_bias: bool,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
+        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        o_proj_bias: bool,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, o_proj_bias, backend, dtype, device) for _ in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        ).to(device=device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        cos_sin = self.rotary_emb.cos_sin(positions)
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. Build with the target dtype/device, then `load_weights`.
+
+    Do not call `.to(dtype)` afterwards: the rotary table must stay float32.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        o_proj_bias: bool | None = None,
+    ) -> None:
+        """o_proj_bias: None = same as arch.attention_bias (Llama); Qwen2 passes False."""
+        super().__init__()
+        self.arch = arch
+        bias = arch.attention_bias if o_proj_bias is None else o_proj_bias
+        self.model = LlamaModel(arch, bias, backend, dtype, device)
+        tied = self.model.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run every layer over a flattened batch, writing its K/V into the paged caches.
+
+        Args:
+            input_ids: [num_tokens] int64, tokens of all requests concatenated (no padding).
+            positions: [num_tokens] int64, position of each token in its request.
+            kv_caches: num_layers tensors [2, num_blocks, block_size, num_kv_heads, head_dim].
+            attn_metadata: where each token's K/V goes and what each request attends to.
+
+        Returns:
+            Final-norm hidden states [num_tokens, hidden_size], model dtype.
+
+        Raises:
+            ValueError: a position beyond max_position_embeddings.
+        """
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named checkpoint tensors into the parameters (casting dtype/device).
+
+        Raises:
+            ValueError: an unknown tensor name, a shape mismatch, or parameters left unloaded.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from rope_theta
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # the tied head reads the embedding
+            target, shard = _stacked_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            param = params[target]
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            else:
+                owner = self.get_submodule(target.rsplit(".", 1)[0])
+                assert isinstance(owner, MergedLinear)
+                owner.load_shard(shard, tensor, is_bias=target.endswith(".bias"))
+            loaded.add(f"{name}")
+        missing = _missing(params, loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for parameters: {sorted(missing)[:8]}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with an optional sliding attention window (arch.sliding_window)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on q/k/v (not on o_proj)."""
+
+    def __init__(
+        self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(arch, backend, dtype, device, o_proj_bias=False)
+
+
+def _stacked_target(name: str) -> tuple[str, int | None]:
+    """Map a checkpoint name to (our parameter name, shard index or None)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _STACKED:
+            stacked, shard = _STACKED[part]
+            return ".".join(parts[:i] + [stacked] + parts[i + 1 :]), shard
+    return name, None
+
+
+def _missing(params: dict[str, nn.Parameter], loaded: set[str]) -> set[str]:
+    """Parameters not covered by the loaded checkpoint names (a stacked one needs all its shards)."""
+    covered: dict[str, int] = {}
+    for name in loaded:
+        target, _ = _stacked_target(name)
+        covered[target] = covered.get(target, 0) + 1
+    missing = set()
+    for pname in params:
+        want = 3 if ".qkv_proj." in pname else 2 if ".gate_up_proj." in pname else 1
+        if covered.get(pname, 0) < want:
+            missing.add(pname)
+    return missing

@@ -1,0 +1,158 @@
+"""GGUF checkpoints (llama.cpp format) read with the `gguf` library.
+
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md. Tensor names are mapped to
+Hugging Face names; quantized tensors are dequantized to float32 by `gguf.quants.dequantize`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from loom.model.arch import ModelArchConfig
+
+# general.architecture -> our architecture name
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# GGUF per-layer tensor stem -> Hugging Face module path under model.layers.{i}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Memory-map a GGUF file.
+
+    Raises:
+        ValueError: the file is not a readable GGUF file.
+    """
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"model {str(path)!r} is not a readable GGUF file: {exc}") from exc
+
+
+def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """Value of a metadata key (scalar, string or list), or `default` when absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
+    """Architecture of a GGUF model from its `{arch}.*` metadata.
+
+    Raises:
+        ValueError: general.architecture is not supported, or a rope scaling type is unknown.
+    """
+    gguf_arch = gguf_field(reader, "general.architecture")
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {gguf_arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+
+    def meta(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{gguf_arch}.{key}", default)
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden_size = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    return ModelArchConfig(
+        architecture=GGUF_ARCHITECTURES[gguf_arch],
+        num_layers=int(meta("block_count")),
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden_size // num_heads)),
+        intermediate_size=int(meta("feed_forward_length")),
+        vocab_size=int(vocab),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(reader, gguf_arch),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=None,
+    )
+
+
+def _gguf_rope_scaling(reader: gguf.GGUFReader, gguf_arch: str) -> dict[str, Any] | None:
+    kind = gguf_field(reader, f"{gguf_arch}.rope.scaling.type", "none")
+    freq_factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freq_factors is not None:
+        # llama.cpp stores Llama-3 style scaling as per-frequency divisors instead of metadata.
+        factors = gguf.quants.dequantize(freq_factors.data, freq_factors.tensor_type).reshape(-1)
+        return {"rope_type": "freq_factors", "freq_factors": tuple(float(f) for f in factors)}
+    if kind in ("none", None):
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported; supported: ['linear']")
+    return {"rope_type": "linear", "factor": float(gguf_field(reader, f"{gguf_arch}.rope.scaling.factor"))}
+
+
+def gguf_eos_token_ids(reader: gguf.GGUFReader) -> set[int]:
+    """End-of-generation ids from tokenizer metadata: eos, and end-of-turn / end-of-message if present."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return {int(v) for v in (gguf_field(reader, k) for k in keys) if v is not None}
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's converter reordering of Q/K projection rows for llama-arch models.
+
+    The converter interleaves each head's two rotary halves (rows i and i + d/2 become rows 2i and
+    2i + 1) for its pairwise rope; HF's rotate-half rope needs the original order back.
+    weight: [num_heads * head_dim, ...] (a weight or a bias). Returns the same shape.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_tensor_name(name: str) -> str | None:
+    """Hugging Face name of a GGUF tensor name, or None for tensors the model does not use."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor in HF layout) for every model tensor of the file.
+
+    Raises:
+        ValueError: a tensor name the mapping does not know (other than rope_freqs).
+    """
+    permuted = gguf_field(reader, "general.architecture") == "llama"
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # folded into arch.rope_scaling
+        hf_name = gguf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no known parameter")
+        array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:
+            array = array.copy()  # unquantized tensors come back as read-only views of the mmap
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        weight = torch.from_numpy(array).reshape(shape)
+        if permuted and ".self_attn.q_proj." in hf_name:
+            weight = unpermute_rope_rows(weight, arch.num_heads)
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            weight = unpermute_rope_rows(weight, arch.num_kv_heads)
+        yield hf_name, weight

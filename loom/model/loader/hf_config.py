@@ -1,0 +1,115 @@
+"""Hugging Face model directories: config.json and generation_config.json -> ModelArchConfig, EOS ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from loom.model.arch import ModelArchConfig
+
+# config.json model_type -> architecture, for configs saved without an `architectures` list
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON object file.
+
+    Raises:
+        ValueError: the file is missing or not a JSON object.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"model directory lacks {path.name}: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def hf_architecture(config: dict[str, Any]) -> str:
+    """First entry of `architectures`, else the one implied by `model_type`, else ValueError."""
+    archs = config.get("architectures") or []
+    if archs:
+        return str(archs[0])
+    model_type = config.get("model_type")
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(f"config.json names no architectures and an unknown model_type {model_type!r}")
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None). transformers 5 nests both under `rope_parameters`."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = params or config.get("rope_scaling") or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            return theta, None
+        scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
+    window = config.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM":
+        if config.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+        return None
+    if architecture == "MistralForCausalLM" and window is not None:
+        return int(window)
+    return None
+
+
+def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
+    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2 fields).
+
+    Raises:
+        ValueError: a required key is missing, or an unsupported sliding-window layout.
+    """
+    architecture = hf_architecture(config)
+    try:
+        hidden_size = int(config["hidden_size"])
+        num_heads = int(config["num_attention_heads"])
+        theta, scaling = _rope(config)
+        return ModelArchConfig(
+            architecture=architecture,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            sliding_window=_sliding_window(architecture, config),
+        )
+    except KeyError as exc:
+        raise ValueError(f"config.json lacks the key {exc.args[0]!r}") from None
+
+
+def eos_ids_of(value: Any) -> set[int]:
+    """eos_token_id as found in a config: None, an int, or a list of ints."""
+    if value is None:
+        return set()
+    if isinstance(value, list):
+        return {int(v) for v in value}
+    return {int(value)}
+
+
+def hf_eos_token_ids(model_dir: Path, config: dict[str, Any]) -> set[int]:
+    """EOS ids from config.json and, when present, generation_config.json."""
+    ids = eos_ids_of(config.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        ids |= eos_ids_of(read_json(gen_path).get("eos_token_id"))
+    return ids

@@ -1,0 +1,112 @@
+"""The public loading API: a checkpoint path (or None for the bundled model) -> a ready model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom.attention.backend import get_attention_backend
+from loom.model.arch import ModelArchConfig
+from loom.model.loader.default import default_model_path
+from loom.model.loader.gguf import gguf_arch_config, gguf_eos_token_ids, iter_gguf_weights, open_gguf
+from loom.model.loader.hf_config import hf_arch_config, hf_eos_token_ids, read_json
+from loom.model.loader.safetensors import iter_safetensors_weights
+from loom.model.loader.tokenizer import tokenizer_eos_ids, tokenizer_from_path
+from loom.model.registry import get_model_class
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for `forward`, with what the engine needs around it."""
+
+    model: torch.nn.Module  # LlamaForCausalLM-like: forward(input_ids, positions, kv_caches, attn_metadata), compute_logits
+    arch: ModelArchConfig  # shapes for the KV cache and the scheduler
+    tokenizer: Any  # transformers tokenizer (with chat template when the checkpoint has one); None if absent
+    eos_token_ids: frozenset[int]  # token ids that end generation
+    model_path: str  # resolved checkpoint path (GGUF file or HF directory)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The checkpoint path: `model`, or the bundled SmolLM2 GGUF when None.
+
+    Raises:
+        ValueError: the path does not exist, or is neither a file nor a directory with config.json.
+    """
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json (expected a Hugging Face model directory)")
+    return path
+
+
+def read_arch(model: str | None) -> ModelArchConfig:
+    """Architecture of a checkpoint without loading its weights (cheap for HF dirs, a few s for GGUF).
+
+    Raises:
+        ValueError: as resolve_model_path, or an unsupported architecture.
+    """
+    path = resolve_model_path(model)
+    if path.is_file():
+        return gguf_arch_config(open_gguf(path))
+    return hf_arch_config(read_json(path / "config.json"))
+
+
+def load_tokenizer(model: str | None) -> Any:
+    """The tokenizer of a checkpoint (None = bundled default model).
+
+    Returns None for a Hugging Face directory without tokenizer files.
+
+    Raises:
+        ValueError: as resolve_model_path.
+    """
+    return tokenizer_from_path(resolve_model_path(model))
+
+
+def load_model(
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    attention_backend: str = "torch_reference",
+) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory into a loom model on `device` in `dtype`.
+
+    GGUF tensors are dequantized to float32, then cast to dtype. llama-arch Q/K rows are put back in
+    the Hugging Face order (see loader.gguf.unpermute_rope_rows).
+
+    Args:
+        model: GGUF file path, HF model directory, or None for the bundled SmolLM2-135M-Instruct.
+        dtype: a floating dtype for weights and activations (torch.float32, bfloat16, float16).
+        device: where the parameters live.
+        attention_backend: name in loom.attention.ATTENTION_BACKENDS.
+
+    Raises:
+        ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
+            checkpoint tensors that do not match the architecture, unknown attention backend.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    path = resolve_model_path(model)
+    weights: Iterator[tuple[str, torch.Tensor]]
+    if path.is_file():
+        reader = open_gguf(path)
+        arch = gguf_arch_config(reader)
+        weights, eos = iter_gguf_weights(reader, arch), gguf_eos_token_ids(reader)
+    else:
+        config = read_json(path / "config.json")
+        arch = hf_arch_config(config)
+        weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
+    model_cls = get_model_class(arch.architecture)
+    net = model_cls(arch, get_attention_backend(attention_backend), dtype, device)
+    net.load_weights(weights)
+    net.eval()
+    tokenizer = tokenizer_from_path(path)
+    eos |= tokenizer_eos_ids(tokenizer)
+    return LoadedModel(net, arch, tokenizer, frozenset(eos), str(path))

@@ -1,0 +1,47 @@
+"""Paged K/V tensors: their size per token, how many blocks fit a budget, and their allocation."""
+
+from __future__ import annotations
+
+import torch
+
+from loom.model.arch import ModelArchConfig
+
+
+def kv_cache_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies over all layers: 2 * L * H_kv * d_h * element size."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element_size
+
+
+def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:
+    """Whole KV blocks of block_size tokens that fit in budget_bytes.
+
+    Raises:
+        ValueError: block_size < 1, or the budget does not hold a single block.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    bytes_per_block = kv_cache_bytes_per_token(arch, dtype) * block_size
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes ({budget_bytes}) is below one KV block ({bytes_per_block} bytes)"
+        )
+    return num_blocks
+
+
+def allocate_kv_caches(
+    arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]
+    (index 0 = keys, 1 = values); slot s lives at [:, s // block_size, s % block_size].
+
+    Raises:
+        ValueError: num_blocks or block_size < 1.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
