@@ -1,0 +1,139 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncLLMEngine, built by `build_app`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loom.engine.async_engine import AsyncLLMEngine
+from loom.server.metrics import ServerMetrics
+from loom.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest, check_token_ids,
+)
+from loom.server.serving_chat import chat_prompt_ids, create_chat_completion
+from loom.server.serving_common import RETRY_AFTER_S, ServingContext, check_model
+from loom.server.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                500: "internal_server_error", 503: "service_unavailable"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request body.", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return f"Malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    return f"{where}: {first.get('msg', 'invalid value')}", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    async def on_request_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)
+        return error_response(exc.status_code, exc.message, exc.param, exc.code)
+
+    async def on_http(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def on_any(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, RecursionError):  # absurdly nested JSON: the client's fault
+            return error_response(400, "Request body is nested too deeply.")
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return error_response(500, f"Internal server error: {type(exc).__name__}")
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(RequestError, on_request_error)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_any)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
+              disconnect_poll_s: float = 0.05) -> FastAPI:
+    """Build the OpenAI-compatible app over a started AsyncLLMEngine.
+
+    The app has its own Prometheus registry (app.state.metrics). It does not start or stop the
+    engine: the caller owns its lifecycle (see loom.server.cli).
+    """
+    ctx = ServingContext(engine, served_model_name or engine.model_name, disconnect_poll_s)
+    metrics = ServerMetrics(ctx.model_name)
+    engine.add_listener(metrics)
+    app = FastAPI(title="loom", description="OpenAI-compatible LLM server")
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(503, "The engine is not running.", code="engine_not_running")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": ctx.model_name, "object": "model", "created": created, "owned_by": "loom",
+            "root": ctx.model_name, "max_model_len": engine.max_model_len,
+        }]}
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(ctx, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = chat_prompt_ids(ctx, body.messages)
+        else:
+            tokens = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(ctx, body.model)
+        check_token_ids("tokens", body.tokens, engine.vocab_size)
+        return {"prompt": str(engine.tokenizer.decode(body.tokens, skip_special_tokens=False))}
+
+    return app
+
+
+__all__ = ["build_app", "error_response"]

@@ -1,0 +1,206 @@
+"""OpenAI-compatible request bodies (pydantic) and their translation to SamplingParams.
+
+Types are strict (no "0.5" for a float, no true for an int) and non-finite floats are refused, so
+wrong types never reach the engine. Every user error becomes `RequestError` (HTTP 400) naming the
+parameter, before the engine sees the request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loom.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; we allow a few more
+
+
+class RequestError(ValueError):
+    """A client error, answered with an OpenAI-style error body naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status_code: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message  # human-readable explanation
+        self.param = param  # the offending request field, or None
+        self.status_code = status_code  # HTTP status (400, 404, 503)
+        self.code = code  # short machine-readable code, e.g. "model_not_found"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False  # send a last chunk with the usage and no choices
+    continuous_usage_stats: bool = False  # accepted and ignored
+
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Stop = str | list[str] | None
+TokenIdList = list[int]
+
+
+class _SamplingFields(_Strict):
+    """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI names plus extras)."""
+
+    model: str | None = None  # served model name; None = the one model served
+    n: int = 1  # samples per prompt
+    temperature: Float | None = None  # None = 1.0
+    top_p: Float | None = None  # None = 1.0
+    stop: Stop = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    user: str | None = None  # accepted for compatibility, unused
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # extras beyond the OpenAI API
+    top_k: int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # separates prefix-cache entries between tenants
+    request_id: str | None = Field(default=None, max_length=256)  # client id echoed in the response id
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # None = until max_model_len
+    echo: bool = False  # prepend the prompt to each choice's text (and its logprobs)
+    logprobs: int | None = None  # top logprobs per token, 0..20
+    suffix: str | None = None  # not supported: refused with 400 when set
+    best_of: int | None = None  # only None or equal to n (no server-side ranking)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # text, or content parts of type "text"
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated OpenAI name
+    max_completion_tokens: int | None = None  # preferred; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None  # 0..20, needs logprobs=true
+    tools: list[dict[str, Any]] | None = None  # not supported: refused when non-empty
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None  # alternative to prompt: tokenize the chat prompt
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _range(name: str, value: float | int | None, lo: float, hi: float) -> None:
+    if value is not None and not lo <= value <= hi:
+        raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", name)
+
+
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    """Raise RequestError when an id is outside [0, vocab_size)."""
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{name} contains token id {t} outside the vocabulary [0, {vocab_size})", name)
+
+
+def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size: int,
+                       logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    """Translate the validated body into SamplingParams. Raises RequestError naming the parameter."""
+    if not 1 <= req.n <= MAX_N:
+        raise RequestError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    if max_tokens is not None and max_tokens < 0:
+        raise RequestError(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+    if req.temperature is not None and req.temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {req.temperature}", "temperature")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise RequestError(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+    _range("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _range("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _range("min_p", req.min_p, 0.0, 1.0)
+    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+        raise RequestError(f"repetition_penalty must be > 0, got {req.repetition_penalty}", "repetition_penalty")
+    if req.top_k is not None and req.top_k < -1:
+        raise RequestError(f"top_k must be -1 (off), 0 (off) or >= 1, got {req.top_k}", "top_k")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    stop_token_ids = list(req.stop_token_ids or [])
+    check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
+    logit_bias = _logit_bias(req.logit_bias, vocab_size)
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        _range(name, value, 0, MAX_LOGPROBS)
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=-1 if req.top_k is None else req.top_k,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=logit_bias,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:  # SamplingParams' own checks: its messages start with the parameter name
+        raise RequestError(str(e), param_of(str(e))) from e
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError as e:
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from e
+        if not 0 <= token_id < vocab_size:
+            raise RequestError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                               "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        out[token_id] = value
+    return out
+
+
+_KNOWN_PARAMS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
+
+def param_of(message: str) -> str | None:
+    """The parameter an engine/SamplingParams ValueError names (its first word), if it is one."""
+    first = message.split(" ", 1)[0].strip(":,.'\"")
+    return first if first in _KNOWN_PARAMS else None
+
+
+__all__ = [
+    "RequestError", "StreamOptions", "CompletionRequest", "ChatMessage", "ChatCompletionRequest",
+    "TokenizeRequest", "DetokenizeRequest", "to_sampling_params", "check_token_ids", "param_of",
+    "INT64_MIN", "INT64_MAX", "TokenIdList",
+]

@@ -1,0 +1,157 @@
+"""POST /v1/chat/completions: messages through the model's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loom.engine.async_engine import RequestStream
+from loom.outputs import CompletionOutput
+from loom.sampling_params import MAX_LOGPROBS, SamplingParams
+from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
+from loom.server.serving_common import (
+    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, collect, new_request_id,
+    now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+)
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Plain {"role", "content"} dicts for the chat template; text content parts are joined.
+
+    Raises RequestError (param "messages") for non-text content parts.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages[{i}].content: only text content parts are supported",
+                                       "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of the templated conversation. Raises RequestError when the template refuses it."""
+    dicts = messages_to_dicts(messages)
+    try:
+        return ctx.engine.apply_chat_template(dicts)
+    except Exception as e:  # noqa: BLE001 - jinja2 TemplateError and friends: the conversation is bad
+        raise RequestError(f"messages could not be rendered by the chat template: {e}", "messages") from e
+
+
+def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None]:
+    check_model(ctx, body.model)
+    if body.tools:
+        raise RequestError("tools are not supported", "tools")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise RequestError("only response_format {\"type\": \"text\"} is supported", "response_format")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                               "top_logprobs")
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 0:
+        raise RequestError(f"{name} must be >= 0, got {max_tokens}", name)
+    params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, None)
+    return chat_prompt_ids(ctx, body.messages), params, num_top
+
+
+def _logprobs(ctx: ServingContext, c: CompletionOutput, start: int, num_top: int | None) -> dict[str, Any] | None:
+    if num_top is None:
+        return None
+    return {"content": chat_logprobs(ctx.engine.tokenizer, c.token_ids[start:], (c.logprobs or [])[start:], num_top)}
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
+    """Serve one /v1/chat/completions request. Raises RequestError for client errors (400/404/503)."""
+    arrival = time.monotonic()
+    prompt_ids, params, num_top = _validate(ctx, body)
+    streams = await submit_all(ctx, "chatcmpl", [prompt_ids], params, arrival, body.cache_salt)
+    response_id = f"chatcmpl-{body.request_id}" if body.request_id else new_request_id("chatcmpl")
+    if body.stream:
+        return EngineStreamingResponse(_stream(ctx, body, streams[0], response_id, num_top), streams)
+    try:
+        gone, finals = await until_disconnected(raw, collect(streams), ctx.disconnect_poll_s)
+    finally:
+        streams[0].close()
+    if gone:
+        return Response(status_code=499)
+    raise_if_failed(finals)
+    out = finals[0]
+    choices = [{
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": _logprobs(ctx, c, 0, num_top),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    } for c in out.outputs]
+    return JSONResponse({
+        "id": response_id, "object": "chat.completion", "created": now_unix(), "model": ctx.model_name,
+        "choices": choices,
+        "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
+    })
+
+
+@dataclass(slots=True)
+class _Sent:
+    chars: int = 0  # characters of the cumulative text sent
+    tokens: int = 0  # generated tokens whose logprobs were sent
+    started: bool = False  # the role chunk went out
+    finished: bool = False
+
+
+async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: RequestStream, response_id: str,
+                  num_top: int | None) -> AsyncIterator[str]:
+    created = now_unix()
+    sent: dict[int, _Sent] = {}
+    last = None
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
+        return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                    "model": ctx.model_name,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    try:
+        async for out in stream:
+            last = out
+            for c in out.outputs:
+                s = sent.setdefault(c.index, _Sent())
+                if s.finished:
+                    continue
+                if not s.started:
+                    s.started = True
+                    yield chunk(c.index, {"role": "assistant", "content": ""}, None, None)
+                text = c.text[s.chars:]
+                logprobs = _logprobs(ctx, c, s.tokens, num_top)
+                s.chars, s.tokens = len(c.text), len(c.token_ids)
+                s.finished = c.finish_reason is not None
+                if text or s.finished or (logprobs and logprobs["content"]):
+                    yield chunk(c.index, {"content": text} if text else {}, logprobs, c.finish_reason)
+        if body.stream_options is not None and body.stream_options.include_usage and last is not None:
+            yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                       "model": ctx.model_name, "choices": [],
+                       "usage": usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
+                                      last.num_cached_tokens)})
+        yield SSE_DONE
+    finally:
+        stream.close()
+
+
+__all__ = ["create_chat_completion", "chat_prompt_ids", "messages_to_dicts"]

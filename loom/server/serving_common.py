@@ -1,0 +1,240 @@
+"""Pieces shared by the completion and chat handlers: submission, disconnects, SSE, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from loom.outputs import PositionLogprobs, RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.server.protocol import RequestError, param_of
+
+NEG_INF_LOGPROB = -9999.0  # what -inf (and NaN) logprobs become: JSON has no infinities
+RETRY_AFTER_S = 1  # Retry-After of a 503 when the waiting queue is full, seconds
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """What every handler needs; one per app."""
+
+    engine: AsyncLLMEngine  # the shared async engine front
+    model_name: str  # served model name (the `model` field of requests and responses)
+    disconnect_poll_s: float  # how often a non-streaming handler checks for a gone client, seconds
+
+
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    """Raise RequestError (404) unless `model` is None or the served model."""
+    if model is not None and model != ctx.model_name:
+        raise RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
+
+
+def new_request_id(prefix: str) -> str:
+    """A fresh engine-unique id; client-supplied ids are never used inside the engine."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def clamp_logprob(value: float) -> float:
+    return value if math.isfinite(value) else NEG_INF_LOGPROB
+
+
+def now_unix() -> int:
+    return int(time.time())
+
+
+async def submit_all(ctx: ServingContext, prefix: str, prompts: Sequence[str | list[int]],
+                     params: SamplingParams, arrival_time: float,
+                     cache_salt: str | None) -> list[RequestStream]:
+    """Add one engine request per prompt. All or nothing: on error, those added are aborted.
+
+    Raises RequestError: 400 for bad prompts, 503 when the waiting queue is full or the engine is down.
+    """
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            streams.append(await ctx.engine.add_request(new_request_id(prefix), prompt, params,
+                                                        arrival_time=arrival_time, cache_salt=cache_salt))
+    except BaseException as e:
+        for s in streams:
+            s.close()
+        if isinstance(e, QueueFullError):
+            raise RequestError("The server is overloaded: too many requests waiting. Retry later.",
+                               None, 503, "queue_full") from e
+        if isinstance(e, EngineDeadError):
+            raise RequestError("The engine is not running.", None, 503, "engine_not_running") from e
+        if isinstance(e, ValueError) and not isinstance(e, RequestError):
+            raise RequestError(str(e), param_of(str(e)) or "prompt") from e
+        raise
+    return streams
+
+
+async def merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item[1], BaseException):
+                raise item[1]
+            yield item  # type: ignore[misc]
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The final RequestOutput of each stream, in stream order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        finals[i] = out
+    assert all(f is not None for f in finals)
+    return finals  # type: ignore[return-value]
+
+
+async def until_disconnected(raw: Request, work: Awaitable[Any], poll_s: float) -> tuple[bool, Any]:
+    """Run `work` while watching the client; returns (True, None) as soon as the client is gone."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return False, task.result()
+            if await raw.is_disconnected():
+                return True, None
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event; raises ValueError rather than emit a non-finite float."""
+    return f"data: {json.dumps(obj, allow_nan=False, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its engine streams however the response ends.
+
+    The body generator's own `finally` does not run if the client leaves before the first chunk,
+    so the streams are closed here too (closing twice is harmless).
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = list(streams)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
+def token_text(tokenizer: Any, token_id: int, entry: PositionLogprobs | None) -> str:
+    lp = entry.get(token_id) if entry else None
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def top_entries(entry: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
+    """(token id, logprob) of the `num_top` best-ranked tokens, best first."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+    return [(t, clamp_logprob(lp.logprob)) for t, lp in ranked if lp.rank <= num_top][:num_top]
+
+
+def completion_logprobs(tokenizer: Any, token_ids: Sequence[int],
+                        entries: Sequence[PositionLogprobs | None], num_top: int,
+                        first_offset: int) -> dict[str, Any]:
+    """The /v1/completions `logprobs` object for `token_ids` (entries[i] belongs to token_ids[i])."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = first_offset
+    for token_id, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, token_id, entry)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        chosen = entry.get(token_id)
+        token_logprobs.append(clamp_logprob(chosen.logprob) if chosen is not None else None)
+        top = {token_text(tokenizer, t, entry): lp for t, lp in top_entries(entry, num_top)}
+        if chosen is not None:
+            top.setdefault(text, clamp_logprob(chosen.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Any, token_ids: Sequence[int], entries: Sequence[PositionLogprobs | None],
+                  num_top: int) -> list[dict[str, Any]]:
+    """The chat `logprobs.content` list for `token_ids`."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        text = token_text(tokenizer, token_id, entry)
+        chosen = entry.get(token_id) if entry else None
+        top = [] if entry is None else [
+            {"token": (t_text := token_text(tokenizer, t, entry)), "logprob": lp,
+             "bytes": list(t_text.encode("utf-8"))}
+            for t, lp in top_entries(entry, num_top)]
+        content.append({
+            "token": text,
+            "logprob": clamp_logprob(chosen.logprob) if chosen is not None else NEG_INF_LOGPROB,
+            "bytes": list(text.encode("utf-8")),
+            "top_logprobs": top,
+        })
+    return content
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def raise_if_failed(finals: Sequence[RequestOutput]) -> None:
+    reasons = {c.finish_reason for o in finals for c in o.outputs}
+    if "error" in reasons:
+        raise RequestError("The engine failed while serving this request.", None, 500, "engine_error")
+    if "abort" in reasons:
+        raise RequestError("The request was aborted (the server is shutting down).", None, 503, "aborted")

@@ -1,0 +1,176 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from loom.engine.async_engine import RequestStream
+from loom.outputs import CompletionOutput, RequestOutput
+from loom.server.protocol import CompletionRequest, RequestError, check_token_ids, to_sampling_params
+from loom.server.serving_common import (
+    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, collect, completion_logprobs, merge,
+    new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+)
+
+MAX_CHOICES = 1024  # prompts x n in one request
+
+
+@dataclass(slots=True)
+class _Prompt:
+    engine_prompt: str | list[int]  # what the engine gets
+    text: str  # the prompt as text, for echo
+
+
+def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
+    p = body.prompt
+    tokenizer = ctx.engine.tokenizer
+    if isinstance(p, str):
+        items: list[str | list[int]] = [p]
+    elif not p:
+        raise RequestError("prompt must not be empty", "prompt")
+    elif isinstance(p[0], int):
+        items = [list(p)]  # type: ignore[arg-type]
+    else:
+        items = list(p)  # type: ignore[arg-type]
+    out = []
+    for item in items:
+        if isinstance(item, list):
+            if not item:
+                raise RequestError("prompt token lists must not be empty", "prompt")
+            check_token_ids("prompt", item, ctx.engine.vocab_size)
+            out.append(_Prompt(item, str(tokenizer.decode(item, skip_special_tokens=False)) if body.echo else ""))
+        else:
+            out.append(_Prompt(item, item))
+    if len(out) * body.n > MAX_CHOICES:
+        raise RequestError(f"prompts x n must be <= {MAX_CHOICES}, got {len(out) * body.n}", "prompt")
+    return out
+
+
+def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Prompt], Any]:
+    check_model(ctx, body.model)
+    if body.suffix is not None:
+        raise RequestError("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise RequestError("best_of is not supported (only best_of == n)", "best_of")
+    prompts = _prompts(ctx, body)
+    num_logprobs = body.logprobs
+    params = to_sampling_params(body, body.max_tokens, ctx.engine.vocab_size, num_logprobs,
+                                num_logprobs if body.echo and num_logprobs is not None else None)
+    return prompts, params
+
+
+def _choice_logprobs(ctx: ServingContext, body: CompletionRequest, out: RequestOutput, c: CompletionOutput,
+                     prompt: _Prompt) -> dict[str, Any] | None:
+    if body.logprobs is None:
+        return None
+    tok = ctx.engine.tokenizer
+    ids, entries = list(c.token_ids), list(c.logprobs or [])
+    if body.echo:
+        prompt_entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+        ids, entries = list(out.prompt_token_ids) + ids, prompt_entries + entries
+    return completion_logprobs(tok, ids, entries, body.logprobs, 0)
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
+    """Serve one /v1/completions request. Raises RequestError for client errors (400/404/503)."""
+    arrival = time.monotonic()
+    prompts, params = _validate(ctx, body)
+    streams = await submit_all(ctx, "cmpl", [p.engine_prompt for p in prompts], params, arrival, body.cache_salt)
+    response_id = f"cmpl-{body.request_id}" if body.request_id else new_request_id("cmpl")
+    if body.stream:
+        return EngineStreamingResponse(_stream(ctx, body, prompts, streams, response_id), streams)
+    try:
+        gone, finals = await until_disconnected(raw, collect(streams), ctx.disconnect_poll_s)
+    finally:
+        for s in streams:
+            s.close()
+    if gone:
+        return Response(status_code=499)
+    raise_if_failed(finals)
+    choices = []
+    for i, (out, prompt) in enumerate(zip(finals, prompts)):
+        for c in out.outputs:
+            choices.append({
+                "index": i * body.n + c.index,
+                "text": (prompt.text if body.echo else "") + c.text,
+                "logprobs": _choice_logprobs(ctx, body, out, c, prompt),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+    return JSONResponse({
+        "id": response_id, "object": "text_completion", "created": now_unix(), "model": ctx.model_name,
+        "choices": choices, "usage": _usage(finals),
+    })
+
+
+def _usage(finals: Sequence[RequestOutput]) -> dict[str, Any]:
+    return usage(sum(len(o.prompt_token_ids) for o in finals),
+                 sum(len(c.token_ids) for o in finals for c in o.outputs),
+                 sum(o.num_cached_tokens for o in finals))
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    """What one streamed choice has sent so far."""
+
+    chars: int = 0  # characters of the cumulative text
+    tokens: int = 0  # generated tokens covered by sent logprobs
+    offset: int = 0  # text_offset of the next token
+    finished: bool = False
+    started: bool = False
+
+
+@dataclass(slots=True)
+class _StreamState:
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    finals: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> newest output
+
+
+async def _stream(ctx: ServingContext, body: CompletionRequest, prompts: list[_Prompt],
+                  streams: list[RequestStream], response_id: str) -> AsyncIterator[str]:
+    created, st = now_unix(), _StreamState()
+    tok = ctx.engine.tokenizer
+    try:
+        async for i, out in merge(streams):
+            st.finals[i] = out
+            for c in out.outputs:
+                index = i * body.n + c.index
+                cs = st.choices.setdefault(index, _ChoiceState())
+                if cs.finished:
+                    continue
+                text, logprobs = c.text[cs.chars:], None
+                if not cs.started and body.echo:
+                    text = prompts[i].text + text
+                    cs.offset = 0
+                if body.logprobs is not None:
+                    ids, entries = list(c.token_ids[cs.tokens:]), list((c.logprobs or [])[cs.tokens:])
+                    if not cs.started and body.echo:
+                        ids = list(out.prompt_token_ids) + ids
+                        entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+                    logprobs = completion_logprobs(tok, ids, entries, body.logprobs, cs.offset)
+                    cs.offset += sum(len(t) for t in logprobs["tokens"])
+                cs.chars, cs.tokens = len(c.text), len(c.token_ids)
+                cs.finished = c.finish_reason is not None
+                if not text and not cs.finished and not (logprobs and logprobs["tokens"]):
+                    continue
+                cs.started = True
+                yield sse({"id": response_id, "object": "text_completion", "created": created,
+                           "model": ctx.model_name,
+                           "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield sse({"id": response_id, "object": "text_completion", "created": created,
+                       "model": ctx.model_name, "choices": [], "usage": _usage(list(st.finals.values()))})
+        yield SSE_DONE
+    finally:
+        for s in streams:
+            s.close()
+
+
+__all__ = ["create_completion"]
