@@ -151,6 +151,9 @@ def run_until_done(
         sched = scheduler.schedule()
         scheduler.check_invariants()
         assert sched.total_num_scheduled_tokens == sum(len(r.token_ids) for r in sched.scheduled)
+        if sched.preempted_req_ids:  # no admission in a step that had to preempt
+            assert not any(r.is_new for r in sched.scheduled)
+        assert not {r.request_id for r in sched.scheduled} & set(sched.preempted_req_ids)
         for out in scheduler.update_from_output(sched, runner.execute(sched)):
             result.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason is not None:

@@ -62,8 +62,10 @@ def test_shared_prefix_hits_and_reference_counts(make_request: Callable[..., Req
 
 def test_same_block_tokens_after_a_different_prefix_is_not_a_hit(make_request: Callable[..., Request]) -> None:
     manager = KVCacheManager(16, BS, True)
-    _admit(manager, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    assert _admit(manager, make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == 0
+    _admit(manager, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))  # caches [1,2,3,4] then [5,6,7,8]
+    _admit(manager, make_request("b", [0, 0, 0, 0, 9]))  # caches [0,0,0,0]
+    # Block 0 matches b's, block 1 has a's tokens but followed a different prefix: one block only.
+    assert _admit(manager, make_request("c", [0, 0, 0, 0, 5, 6, 7, 8, 9])) == 4
 
 
 def test_exact_multiple_of_block_size_keeps_the_last_token_uncomputed(make_request: Callable[..., Request]) -> None:
