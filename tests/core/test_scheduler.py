@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -11,10 +12,13 @@ from loom.request import Request, RequestStatus
 
 MakeRequest = Callable[..., Request]
 MakeScheduler = Callable[..., Scheduler]
+FakeRunnerFactory = Callable[[int], Any]  # block_size -> conftest.FakeRunner
+RunUntilDone = Callable[..., Any]  # conftest.run_until_done
+ReferenceOutput = Callable[[list[int], int], list[int]]
 
 
 def test_requests_generate_the_reference_tokens(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done, reference_output
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done: RunUntilDone, reference_output
 ) -> None:
     sched = make_scheduler()
     prompts = {f"r{i}": list(range(i, i + 3 + 2 * i)) for i in range(5)}
@@ -28,7 +32,7 @@ def test_requests_generate_the_reference_tokens(
 
 
 def test_chunked_prefill_respects_the_budget(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, reference_output
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, reference_output
 ) -> None:
     sched = make_scheduler(max_num_batched_tokens=5)
     runner = fake_runner(4)
@@ -52,7 +56,7 @@ def test_chunked_prefill_respects_the_budget(
 
 
 def test_max_num_seqs_bounds_running(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done, reference_output
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done: RunUntilDone, reference_output
 ) -> None:
     sched = make_scheduler(max_num_seqs=2)
     for i in range(5):
@@ -66,7 +70,7 @@ def test_max_num_seqs_bounds_running(
 
 
 def test_rejections_name_the_parameter_and_leave_others_running(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done, reference_output
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done: RunUntilDone, reference_output
 ) -> None:
     sched = make_scheduler(num_blocks=4, max_model_len=32)  # the pool holds 16 tokens
     sched.add_request(make_request("ok", range(5), 4, max_model_len=32))
@@ -91,7 +95,7 @@ def test_rejections_name_the_parameter_and_leave_others_running(
 
 
 def test_prompt_of_max_model_len_with_max_tokens_zero_is_accepted(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done
 ) -> None:
     sched = make_scheduler(max_model_len=16)
     sched.add_request(make_request("z", range(16), 0, max_model_len=16))
@@ -120,7 +124,7 @@ def test_max_tokens_zero_returns_prompt_logprobs_once_and_no_tokens(
 
 
 def test_stop_token_finishes_with_stop_reason(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done, reference_output
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done: RunUntilDone, reference_output
 ) -> None:
     prompt = [3, 1, 4, 1, 5]
     expected = reference_output(prompt, 10)
@@ -184,7 +188,7 @@ def test_finish_requests_rejects_an_unfinished_status(make_scheduler: MakeSchedu
 
 
 def test_num_cached_tokens_and_prefix_stats(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done
 ) -> None:
     sched = make_scheduler()
     runner = fake_runner(4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +14,9 @@ from loom.request import Request, RequestStatus
 
 MakeRequest = Callable[..., Request]
 MakeScheduler = Callable[..., Scheduler]
+FakeRunnerFactory = Callable[[int], Any]  # block_size -> conftest.FakeRunner
+RunUntilDone = Callable[..., Any]  # conftest.run_until_done
+ReferenceOutput = Callable[[list[int], int], list[int]]
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
@@ -20,9 +24,9 @@ MakeScheduler = Callable[..., Scheduler]
 def test_preemption_around_block_boundaries(
     make_request: MakeRequest,
     make_scheduler: MakeScheduler,
-    fake_runner,
-    run_until_done,
-    reference_output,
+    fake_runner: FakeRunnerFactory,
+    run_until_done: RunUntilDone,
+    reference_output: ReferenceOutput,
     prompt_len: int,
     enable_prefix_caching: bool,
 ) -> None:
@@ -57,7 +61,7 @@ def test_the_most_recently_admitted_request_is_preempted(
 
 
 def test_preempted_request_resumes_with_prompt_logprobs_sent_once(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, reference_output
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, reference_output
 ) -> None:
     sched = make_scheduler(num_blocks=6, max_num_batched_tokens=5)
     runner = fake_runner(4)
@@ -80,7 +84,7 @@ def test_preempted_request_resumes_with_prompt_logprobs_sent_once(
 
 
 def test_waiting_request_whose_cached_prefix_is_evicted(
-    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done, reference_output
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done: RunUntilDone, reference_output
 ) -> None:
     outputs = []
     for enable in (True, False):
@@ -107,7 +111,7 @@ class Traffic:
 
 
 def _random_traffic(seed: int, enable_prefix_caching: bool, make_request: MakeRequest, make_scheduler: MakeScheduler,
-                    fake_runner, run_until_done) -> Traffic:
+                    fake_runner: FakeRunnerFactory, run_until_done: RunUntilDone) -> Traffic:
     rng = random.Random(seed)
     sched = make_scheduler(
         num_blocks=24, max_num_batched_tokens=rng.choice([7, 16, 32]), max_num_seqs=6,
@@ -145,7 +149,7 @@ def _random_traffic(seed: int, enable_prefix_caching: bool, make_request: MakeRe
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_prefix_cache_on_and_off_agree(
-    seed: int, make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner, run_until_done, reference_output
+    seed: int, make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory, run_until_done: RunUntilDone, reference_output
 ) -> None:
     on = _random_traffic(seed, True, make_request, make_scheduler, fake_runner, run_until_done)
     off = _random_traffic(seed, False, make_request, make_scheduler, fake_runner, run_until_done)
