@@ -1,0 +1,101 @@
+"""Hugging Face directory loading: config variants, sharded weights, EOS ids, and user errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.model.loader import load_model, load_tokenizer, read_arch
+from loom.model.loader.hf_config import hf_arch_config
+from loom.model.registry import get_model_class
+from tests.model.model_harness import PagedHarness, TinyModel, hf_logits, save_tiny_model
+
+CPU = torch.device("cpu")
+
+
+def test_arch_config_from_tiny_configs(tiny_models: dict[str, TinyModel]) -> None:
+    qwen = read_arch(str(tiny_models["qwen2_gqa"].path))
+    assert qwen.architecture == "Qwen2ForCausalLM" and qwen.attention_bias and qwen.num_kv_heads == 2
+    llama3 = read_arch(str(tiny_models["llama_mqa_llama3"].path))
+    assert llama3.num_kv_heads == 1 and llama3.rope_scaling is not None
+    assert llama3.rope_scaling["rope_type"] == "llama3" and llama3.rope_scaling["factor"] == 8.0
+    assert read_arch(str(tiny_models["llama_gqa"].path)).rope_theta == 500.0
+    assert read_arch(str(tiny_models["llama_mha_tied"].path)).tie_word_embeddings
+    assert read_arch(str(tiny_models["mistral_window"].path)).sliding_window == 5
+
+
+def test_legacy_rope_scaling_keys_and_missing_architectures() -> None:
+    config = {
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "intermediate_size": 96, "vocab_size": 10, "rope_theta": 123.0,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+    }  # fmt: skip
+    arch = hf_arch_config(config)
+    assert arch.architecture == "LlamaForCausalLM" and arch.rope_theta == 123.0
+    assert arch.rope_scaling == {"type": "linear", "factor": 4.0, "rope_type": "linear"}
+    assert arch.num_kv_heads == 4 and arch.head_dim == 16
+
+
+def test_sharded_checkpoint_and_generation_config_eos(tmp_path: Path, tiny_models: dict[str, TinyModel]) -> None:
+    from transformers import LlamaConfig
+
+    src = tiny_models["llama_gqa"]
+    config = LlamaConfig.from_pretrained(src.path)
+    hf = save_tiny_model(config, tmp_path, seed=7, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 5]}))
+    loaded = load_model(str(tmp_path), torch.float32, CPU)
+    assert loaded.eos_token_ids == frozenset({3, 5})
+    assert loaded.tokenizer is None and load_tokenizer(str(tmp_path)) is None
+    prompt = [5, 9, 11, 2, 40]
+    out = PagedHarness(loaded.model, loaded.arch, block_size=2).step({0: prompt})[0]
+    torch.testing.assert_close(out, hf_logits(hf, prompt), atol=1e-4, rtol=0)
+
+
+def test_unknown_architecture_names_it_and_lists_supported(tmp_path: Path, tiny_models: dict[str, TinyModel]) -> None:
+    shutil.copytree(tiny_models["llama_gqa"].path, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        load_model(str(tmp_path / "m"), torch.float32, CPU)
+    with pytest.raises(ValueError, match="'Foo'"):
+        get_model_class("Foo")
+
+
+def test_path_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(str(tmp_path / "nope"), torch.float32, CPU)
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path), torch.float32, CPU)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="GGUF"):
+        load_model(str(junk), torch.float32, CPU)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(str(tmp_path), torch.int64, CPU)
+
+
+def test_checkpoint_missing_a_tensor_is_refused(tmp_path: Path, tiny_models: dict[str, TinyModel]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_models["llama_gqa"].path
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="qkv_proj"):
+        load_model(str(tmp_path), torch.float32, CPU)
+
+
+def test_unsupported_rope_type_is_refused(tmp_path: Path, tiny_models: dict[str, TinyModel]) -> None:
+    shutil.copytree(tiny_models["llama_gqa"].path, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="yarn"):
+        load_model(str(tmp_path / "m"), torch.float32, CPU)
