@@ -110,6 +110,11 @@ def gguf_eos_token_ids(reader: gguf.GGUFReader) -> set[int]:
     return {int(v) for v in (gguf_field(reader, k) for k in keys) if v is not None}
 
 
+def gguf_has_tokenizer(reader: gguf.GGUFReader) -> bool:
+    """Whether the file carries a tokenizer (tokenizer.ggml.* metadata)."""
+    return "tokenizer.ggml.tokens" in reader.fields
+
+
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's converter reordering of Q/K projection rows for llama-arch models.
 

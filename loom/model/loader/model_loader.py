@@ -12,7 +12,13 @@ import torch
 from loom.attention.backend import get_attention_backend
 from loom.model.arch import ModelArchConfig
 from loom.model.loader.default import default_model_path
-from loom.model.loader.gguf import gguf_arch_config, gguf_eos_token_ids, iter_gguf_weights, open_gguf
+from loom.model.loader.gguf import (
+    gguf_arch_config,
+    gguf_eos_token_ids,
+    gguf_has_tokenizer,
+    iter_gguf_weights,
+    open_gguf,
+)
 from loom.model.loader.hf_config import hf_arch_config, hf_eos_token_ids, read_json
 from loom.model.loader.safetensors import iter_safetensors_weights
 from loom.model.loader.tokenizer import tokenizer_eos_ids, tokenizer_from_path
@@ -25,7 +31,7 @@ class LoadedModel:
 
     model: torch.nn.Module  # LlamaForCausalLM-like: forward(input_ids, positions, kv_caches, attn_metadata), compute_logits
     arch: ModelArchConfig  # shapes for the KV cache and the scheduler
-    tokenizer: Any  # transformers tokenizer (with chat template when the checkpoint has one); None if absent
+    tokenizer: Any  # transformers tokenizer (with chat template when the checkpoint has one); None if the checkpoint has none
     eos_token_ids: frozenset[int]  # token ids that end generation
     model_path: str  # resolved checkpoint path (GGUF file or HF directory)
 
@@ -95,10 +101,12 @@ def load_model(
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     path = resolve_model_path(model)
     weights: Iterator[tuple[str, torch.Tensor]]
+    has_tokenizer = True
     if path.is_file():
         reader = open_gguf(path)
         arch = gguf_arch_config(reader)
         weights, eos = iter_gguf_weights(reader, arch), gguf_eos_token_ids(reader)
+        has_tokenizer = gguf_has_tokenizer(reader)
     else:
         config = read_json(path / "config.json")
         arch = hf_arch_config(config)
@@ -107,6 +115,6 @@ def load_model(
     net = model_cls(arch, get_attention_backend(attention_backend), dtype, device)
     net.load_weights(weights)
     net.eval()
-    tokenizer = tokenizer_from_path(path)
+    tokenizer = tokenizer_from_path(path) if has_tokenizer else None
     eos |= tokenizer_eos_ids(tokenizer)
     return LoadedModel(net, arch, tokenizer, frozenset(eos), str(path))

@@ -1,0 +1,155 @@
+"""GGUF loading: name mapping and llama.cpp's Q/K row permutation on synthetic files written with
+gguf.GGUFWriter from tiny HF models, plus the real bundled SmolLM2 against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loom.model.loader import load_model
+from loom.model.loader.gguf import gguf_tensor_name, unpermute_rope_rows
+from tests.model.model_harness import PagedHarness, TinyModel, hf_logits
+
+CPU = torch.device("cpu")
+
+# HF module path under model.layers.{i} -> GGUF stem (the inverse of the loader's table, written out
+# independently here so a typo on either side shows up).
+_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The reordering llama.cpp's HF->GGUF converter applies to llama Q/K rows."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    if not hf_name.startswith("model.layers."):
+        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}[hf_name]  # fmt: skip
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_TO_GGUF[module]}.{suffix}"
+
+
+def write_gguf(tiny: TinyModel, path: Path, gguf_arch: str) -> None:
+    import gguf
+
+    cfg = tiny.hf.config
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_eos_token_id(3)
+    writer.add_eot_token_id(4)
+    for name, tensor in tiny.hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.float().numpy().copy()
+        if gguf_arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif gguf_arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unpermute_inverts_the_converter_permutation() -> None:
+    weight = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(6 * 4, 3)
+    permuted = torch.from_numpy(llama_cpp_permute(weight.numpy(), 6))
+    assert not torch.equal(permuted, weight)
+    assert torch.equal(unpermute_rope_rows(permuted, 6), weight)
+    bias = torch.arange(8.0)
+    assert torch.equal(unpermute_rope_rows(torch.from_numpy(llama_cpp_permute(bias.numpy(), 2)), 2), bias)
+
+
+def test_tensor_name_mapping() -> None:
+    assert gguf_tensor_name("blk.12.attn_k.bias") == "model.layers.12.self_attn.k_proj.bias"
+    assert gguf_tensor_name("output.weight") == "lm_head.weight"
+    assert gguf_tensor_name("blk.0.mystery.weight") is None
+
+
+@pytest.mark.parametrize(
+    "name,gguf_arch", [("llama_gqa", "llama"), ("llama_mha_tied", "llama"), ("qwen2_gqa", "qwen2")]
+)
+def test_synthetic_gguf_matches_hf(
+    name: str, gguf_arch: str, tiny_models: dict[str, TinyModel], tmp_path: Path
+) -> None:
+    tiny = tiny_models[name]
+    path = tmp_path / f"{name}.gguf"
+    write_gguf(tiny, path, gguf_arch)
+    loaded = load_model(str(path), torch.float32, CPU)
+    assert loaded.arch.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[gguf_arch]
+    assert loaded.arch.tie_word_embeddings == tiny.hf.config.tie_word_embeddings
+    assert loaded.arch.attention_bias == (gguf_arch == "qwen2")
+    assert loaded.eos_token_ids == frozenset({3, 4}) and loaded.tokenizer is None
+    harness = PagedHarness(loaded.model, loaded.arch, block_size=4)
+    prompts = {0: [5, 17, 33, 2, 8, 60, 41], 1: [9, 90, 11]}
+    out = harness.step(prompts)
+    for i, prompt in prompts.items():
+        torch.testing.assert_close(out[i], hf_logits(tiny.hf, prompt), atol=1e-4, rtol=0)
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'gpt2'.*llama.*qwen2"):
+        load_model(str(path), torch.float32, CPU)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<|im_start|>user\nHi!<|im_end|>\n"]
+
+
+@pytest.fixture(scope="session")
+def loom_smollm2():  # noqa: ANN201 (LoadedModel)
+    return load_model(None, torch.float32, CPU)
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_matches_transformers(loom_smollm2, hf_gguf_model) -> None:  # noqa: ANN001
+    tok = loom_smollm2.tokenizer
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    harness = PagedHarness(loom_smollm2.model, loom_smollm2.arch, block_size=4, num_blocks=32)
+    out = harness.step(dict(enumerate(prompts)))
+    nxt = {i: [int(out[i][-1].argmax())] for i in out}
+    decoded = harness.step(nxt)
+    for i, prompt in enumerate(prompts):
+        ref = hf_logits(hf_gguf_model, prompt + nxt[i])
+        torch.testing.assert_close(out[i], ref[:-1], atol=1e-3, rtol=0)
+        torch.testing.assert_close(decoded[i][-1], ref[-1], atol=1e-3, rtol=0)
+        assert torch.equal(out[i].argmax(-1), ref[:-1].argmax(-1))
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_arch_tokenizer_and_eos(loom_smollm2) -> None:  # noqa: ANN001
+    arch = loom_smollm2.arch
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
+    assert arch.vocab_size == 49152 and arch.tie_word_embeddings and arch.head_dim == 64
+    assert 2 in loom_smollm2.eos_token_ids  # <|im_end|>
+    tok = loom_smollm2.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
