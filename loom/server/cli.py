@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import time
 from types import FrameType
 
@@ -40,6 +41,25 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+class _Terminated(Exception):
+    """SIGTERM, re-raised by uvicorn once it has shut down."""
+
+
+def _raise_terminated(sig: int, frame: FrameType | None) -> None:
+    raise _Terminated()
+
+
+def _run_until_signal(server: uvicorn.Server) -> None:
+    """Run uvicorn; the SIGINT/SIGTERM it re-raises after its graceful shutdown ends the call normally."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        server.run()
+    except (KeyboardInterrupt, _Terminated):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """Start the engine, serve until a signal, then free everything. Returns the exit code.
 
@@ -65,7 +85,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             kv_tokens / inner.max_model_len, inner.max_model_len)
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                                 lifespan="off", timeout_graceful_shutdown=5)
-        _Server(config, engine).run()
+        _run_until_signal(_Server(config, engine))
     finally:
         engine.shutdown()
     logger.info("server stopped")
