@@ -35,7 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="bound on the waiting queue; when full, new requests are refused (HTTP 503)")
     g.add_argument("--num-threads", type=int, default=None,
-                   help="torch CPU threads (default: the number of cores)")
+                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else the number of cores)")
     return parser
 
 

@@ -38,7 +38,7 @@ class LLMEngine:
     """Single-threaded engine. Not thread-safe: one owner calls every method (see AsyncLLMEngine)."""
 
     def __init__(self, args: EngineArgs) -> None:
-        torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+        _set_num_threads(args.num_threads)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model_config = args.model_config()
         cache_config = args.cache_config()
@@ -198,6 +198,16 @@ class LLMEngine:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions_total,
         )
+
+
+def _set_num_threads(num_threads: int | None) -> None:
+    """One intra-op thread per core unless the user chose (num_threads, or OMP_NUM_THREADS in the environment).
+
+    More threads than free cores is far worse than fewer: OpenMP workers spin-wait on each other.
+    """
+    if num_threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return
+    torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
 def _resolve_max_model_len(requested: int | None, model_max: int) -> int:
