@@ -58,11 +58,10 @@ def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Promp
         raise RequestError("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise RequestError("best_of is not supported (only best_of == n)", "best_of")
-    prompts = _prompts(ctx, body)
     num_logprobs = body.logprobs
     params = to_sampling_params(body, body.max_tokens, ctx.engine.vocab_size, num_logprobs,
                                 num_logprobs if body.echo and num_logprobs is not None else None)
-    return prompts, params
+    return _prompts(ctx, body), params
 
 
 def _choice_logprobs(ctx: ServingContext, body: CompletionRequest, out: RequestOutput, c: CompletionOutput,

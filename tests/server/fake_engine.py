@@ -224,9 +224,9 @@ class FakeEngine:
             finished=finished, metrics=RequestMetrics(**{k: getattr(r.metrics, k) for k in RequestMetrics.__slots__}))
 
     def _position_logprobs(self, tok: int, top: int) -> dict[int, Logprob]:
-        """The chosen token at -0.5, then `top` others; the last of those is -inf to exercise clamping."""
+        """The chosen token (rank 1, -0.5) plus others up to rank `top`; the last of those is -inf (clamping)."""
         d = {tok: Logprob(-0.5, 1, self.tokenizer.decode([tok]))}
-        for k in range(top):
+        for k in range(top - 1):
             other = 3 + ord("A") + k
-            d.setdefault(other, Logprob(-math.inf if k == top - 1 else -2.0 - k, k + 2, self.tokenizer.decode([other])))
+            d.setdefault(other, Logprob(-math.inf if k == top - 2 else -2.0 - k, k + 2, self.tokenizer.decode([other])))
         return d

@@ -1,0 +1,235 @@
+"""The HTTP layer against the fake engine on a live 127.0.0.1 server: errors, streaming, lifecycle, metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tests.server.conftest import LiveServer, make_fake_front, serve, wait_for
+from tests.server.fuzz_bodies import chat_bodies, completion_bodies, resolve_model
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def sse_events(text: str) -> list[Any]:
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 1_000_000}, "n"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "x", "n": True}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "suffix": "end"}, "suffix"),
+    ({"prompt": [5, 100_000]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "a" * 300}, "prompt"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "seed": 2**80}, "seed"),
+    ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"max_tokens": 2}, "prompt"),
+])
+def test_completion_bad_input_is_400_naming_the_param(client: httpx.Client, body: dict, param: str) -> None:
+    assert_error(client.post("/v1/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+    ({"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+])
+def test_chat_bad_input_is_400_naming_the_param(client: httpx.Client, body: dict, param: str) -> None:
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_malformed_json_unknown_model_and_routes(client: httpx.Client) -> None:
+    r = client.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+    assert_error(r, 400, None)
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}',
+                    headers={"content-type": "application/json"})
+    assert_error(r, 400, "temperature")
+    assert_error(client.post("/v1/completions", json=["x"]), 400, None)
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "model": "gpt-5"}), 404, "model")
+    assert client.get("/v1/nothing").status_code == 404
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_completion_echo_logprobs_usage_and_clamped_inf(client: httpx.Client) -> None:
+    r = client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 3, "echo": True, "logprobs": 2,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["text"].startswith("hey") and len(choice["text"]) == 6
+    lp = choice["logprobs"]
+    assert lp["tokens"][:3] == ["h", "e", "y"] and lp["token_logprobs"][0] is None
+    assert -9999.0 in lp["top_logprobs"][3].values()  # the fake's -inf, clamped
+    assert lp["text_offset"] == list(range(6))
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_multiple_prompts_and_n_index_choices(client: httpx.Client) -> None:
+    for prompt in (["ab", "cde"], [[70, 71], [72, 73, 74]]):
+        r = client.post("/v1/completions", json={"prompt": prompt, "n": 2, "max_tokens": 2, "seed": 3})
+        choices = r.json()["choices"]
+        assert sorted(c["index"] for c in choices) == [0, 1, 2, 3]
+        assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["usage"]["prompt_tokens"] == 5
+    assert_error(client.post("/v1/completions", json={"prompt": ["ab", [70, 71]]}), 400, "prompt")
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": ["ab", "cd"], "n": 2, "max_tokens": 6, "temperature": 0.8, "seed": 1,
+                         "echo": True, "logprobs": 1}),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 3, "max_tokens": 6, "temperature": 0.8, "seed": 5,
+                              "logprobs": True, "top_logprobs": 1}),
+])
+def test_streamed_equals_non_streamed(client: httpx.Client, path: str, body: dict) -> None:
+    full = client.post(path, json=body).json()
+    events = sse_events(client.post(path, json={**body, "stream": True,
+                                                "stream_options": {"include_usage": True}}).text)
+    usage = events[-1]["usage"]
+    assert events[-1]["choices"] == [] and usage == full["usage"]
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for ev in events[:-1]:
+        for ch in ev["choices"]:
+            piece = ch["text"] if "text" in ch else ch["delta"].get("content", "")
+            texts[ch["index"]] = texts.get(ch["index"], "") + piece
+            if ch["finish_reason"]:
+                assert ch["index"] not in finish
+                finish[ch["index"]] = ch["finish_reason"]
+    for ch in full["choices"]:
+        text = ch["text"] if "text" in ch else ch["message"]["content"]
+        assert texts[ch["index"]] == text
+        assert finish[ch["index"]] == ch["finish_reason"]
+
+
+def test_stop_string_finish_reason(client: httpx.Client) -> None:
+    full = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 20, "temperature": 0}).json()
+    text = full["choices"][0]["text"]
+    stop = text[3:5]
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 20, "temperature": 0, "stop": [stop]})
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["text"] == text[: text.index(stop)]
+
+
+def test_tokenize_detokenize_models(client: httpx.Client, fake_server: LiveServer) -> None:
+    toks = client.post("/tokenize", json={"prompt": "hé"}).json()
+    assert toks["count"] == 3
+    assert client.post("/detokenize", json={"tokens": toks["tokens"]}).json()["prompt"] == "hé"
+    assert client.post("/tokenize", json={"messages": CHAT}).json()["count"] > 3
+    assert_error(client.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")
+    assert_error(client.post("/tokenize", json={}), 400, "prompt")
+    assert client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+
+
+def test_metrics_exposition(client: httpx.Client) -> None:
+    client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+    text = client.get("/metrics").text
+    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total"):
+        assert f'loom:{name}{{model_name="fake-model"}}' in text, name
+    assert 'loom:request_success_total{finished_reason="length",model_name="fake-model"}' in text
+
+
+def _raw_post(port: int, path: str, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_running_or_queued_aborts_and_frees(stream: bool) -> None:
+    front, fake = make_fake_front(step_delay_s=0.01, max_num_seqs=1)
+    with serve(front) as live:
+        port = int(live.base_url.rsplit(":", 1)[1])
+        body = {"prompt": "hello", "max_tokens": 200, "stream": stream}
+        running = _raw_post(port, "/v1/completions", body)
+        assert wait_for(lambda: any(r.running for r in list(fake.reqs.values())), 5)
+        queued = _raw_post(port, "/v1/completions", body)
+        assert wait_for(lambda: len(fake.reqs) == 2, 5)
+        queued.close()
+        assert wait_for(lambda: len(fake.reqs) == 1, 2)  # the queued one is gone, the running one goes on
+        running.close()
+        assert wait_for(lambda: not fake.reqs, 2)
+        stats = front.get_stats()
+        assert wait_for(lambda: front.get_stats().num_free_blocks == fake.num_kv_blocks, 2), stats
+        with httpx.Client(base_url=live.base_url) as c:
+            assert c.get("/health").status_code == 200
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_full_queue_answers_503_with_retry_after() -> None:
+    front, fake = make_fake_front(step_delay_s=0.02, max_num_seqs=1, max_waiting_requests=1)
+    with serve(front) as live, httpx.Client(base_url=live.base_url, timeout=10) as c:
+        port = int(live.base_url.rsplit(":", 1)[1])
+        socks = [_raw_post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 200})]
+        assert wait_for(lambda: any(r.running for r in list(fake.reqs.values())), 5)
+        socks.append(_raw_post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 200}))
+        assert wait_for(lambda: len(fake.reqs) == 2, 5)
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert_error(r, 503, None)
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+        for s in socks:
+            s.close()
+        assert wait_for(lambda: not fake.reqs, 3)
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_engine_step_failure_fails_only_that_request() -> None:
+    front, fake = make_fake_front(step_delay_s=0.01)
+    with serve(front) as live, httpx.Client(base_url=live.base_url, timeout=10) as c:
+        fake.fail_next_step = True
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 50})
+        assert_error(r, 500, None)
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(completion=completion_bodies(), chat=chat_bodies())
+def test_fuzz_never_5xx(client: httpx.Client, completion: dict, chat: dict) -> None:
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        r = client.post(path, json=resolve_model(body, "fake-model"))
+        assert r.status_code < 500, (path, body, r.text)
+        if r.status_code != 200:
+            assert r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_server_healthy_after_fuzz(client: httpx.Client, fake_server: LiveServer) -> None:
+    assert wait_for(lambda: fake_server.engine.get_stats().num_running == 0, 5)
+    assert client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}).status_code == 200
+    time.sleep(0)
