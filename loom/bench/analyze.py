@@ -88,6 +88,8 @@ def format_summary(summary: dict[str, float | str]) -> str:
     width = max(len(k) for k in summary)
     lines = []
     for key, value in summary.items():
+        if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+            value = int(value)
         shown = f"{value:,.4g}" if isinstance(value, float) else (f"{value:,}" if isinstance(value, int) else value)
         lines.append(f"{key:<{width}}  {shown}")
     return "\n".join(lines)

@@ -74,7 +74,7 @@ def meets_slo(slo: dict[str, float], ttft_s: float, tpot_s: float | None, e2e_s:
 
 
 def machine_info() -> dict[str, str]:
-    """CPU model name (lscpu), core count, Python and torch versions, for every result file."""
+    """CPU model name (lscpu), cores, Python/torch versions and load average (others sharing the cores)."""
     import os
 
     import torch
@@ -87,8 +87,10 @@ def machine_info() -> dict[str, str]:
                 cpu = line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    load1, load5, _ = os.getloadavg()
     return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": str(torch.get_num_threads())}
+            "torch": torch.__version__, "torch_threads": str(torch.get_num_threads()),
+            "loadavg_1m_5m": f"{load1:.2f} {load5:.2f}"}
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:

@@ -1,0 +1,77 @@
+"""Handler of `loom analyze`: roofline floors of a model on this machine, and measured figures against them."""
+
+from __future__ import annotations
+
+import argparse
+
+from loom.bench.analyze import (
+    GIB,
+    MeasuredFigures,
+    Workload,
+    efficiencies,
+    floor_summary,
+    format_efficiencies,
+    format_summary,
+    to_json,
+)
+from loom.bench.model_arch import load_model_arch
+from loom.bench.roofline import BYTES_PER_KV_ELEMENT, BYTES_PER_WEIGHT, Roofline
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_roofline(ns: argparse.Namespace) -> Roofline:
+    """Model arch + machine (probed unless both --bandwidth-gbs and --gflops are given) + dtypes.
+
+    Raises:
+        ValueError: unknown --dtype, --kv-dtype or --compute-dtype, or 'stored' for a model without stored bytes.
+    """
+    from loom.bench.probe import DTYPES, MachineSpec, probe_machine
+
+    compute = ns.compute_dtype or (ns.dtype if ns.dtype in FLOAT_DTYPES else "float32")
+    if compute not in DTYPES:
+        raise ValueError(f"--compute-dtype must be one of {tuple(DTYPES)}, got {compute!r}")
+    kv = ns.kv_dtype or compute
+    if kv not in BYTES_PER_KV_ELEMENT:
+        raise ValueError(f"--kv-dtype must be one of {tuple(BYTES_PER_KV_ELEMENT)}, got {kv!r}")
+    if ns.dtype != "stored" and ns.dtype not in BYTES_PER_WEIGHT:
+        raise ValueError(f"--dtype must be 'stored' or one of {tuple(BYTES_PER_WEIGHT)}, got {ns.dtype!r}")
+    arch = load_model_arch(ns.model)
+    if ns.dtype == "stored":
+        if arch.stored_weight_bytes is None:
+            raise ValueError("--dtype stored needs a GGUF model")
+        b = arch.stored_weight_bytes / arch.num_params
+    else:
+        b = BYTES_PER_WEIGHT[ns.dtype]
+    if ns.bandwidth_gbs is not None and ns.gflops is not None:
+        machine = MachineSpec(ns.bandwidth_gbs * 1e9, ns.gflops * 1e9, compute, ns.threads or 0, "given")
+    else:
+        probed = probe_machine(compute, ns.threads)
+        machine = MachineSpec(ns.bandwidth_gbs * 1e9 if ns.bandwidth_gbs else probed.bandwidth,
+                              ns.gflops * 1e9 if ns.gflops else probed.flops, compute, probed.threads, "probe")
+    return Roofline(arch, machine, b, BYTES_PER_KV_ELEMENT[kv])
+
+
+def cmd_analyze(ns: argparse.Namespace) -> int:
+    """Print the floors (and efficiencies when measured figures are given); optionally write JSON."""
+    roof = build_roofline(ns)
+    work = Workload(ns.batch, ns.context, ns.prompt_len, ns.kv_budget_gb * GIB, ns.max_model_len)
+    if work.batch < 1 or work.prompt_len < 1 or work.context < 0 or work.max_model_len < 1:
+        raise ValueError("--batch, --prompt-len and --max-model-len must be >= 1 and --context >= 0")
+    measured = MeasuredFigures(
+        tpot_s=ns.measured_tpot_ms / 1e3 if ns.measured_tpot_ms else None,
+        ttft_s=ns.measured_ttft_ms / 1e3 if ns.measured_ttft_ms else None,
+        output_tok_s=ns.measured_output_tok_s,
+    )
+    summary = {"weight_dtype": ns.dtype, "weight_bytes_per_param": roof.weight_bytes_per_param,
+               "kv_bytes_per_element": roof.kv_bytes_per_element, "machine_source": roof.machine.source,
+               "threads": roof.machine.threads, **floor_summary(roof, work)}
+    print(format_summary(summary))
+    rows = efficiencies(roof, work, measured)
+    if rows:
+        print()
+        print(format_efficiencies(rows))
+    if ns.json is not None:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(to_json(summary, rows))
+    return 0
