@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     srv = bench_sub.add_parser("serve", help="stream requests to an OpenAI-compatible server (loom or llama-server)")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default: %(default)s)")
-    srv.add_argument("--model", default="default", help="'model' field of each request (default: %(default)s)")
+    srv.add_argument("--model", default=None, help="'model' field of each request (default: the first of GET /v1/models)")
     srv.add_argument("--tokenizer", default=None,
                      help="GGUF or HF directory whose tokenizer counts prompt tokens and whose vocab the synthetic "
                           "prompts use (default: the bundled SmolLM2-135M-Instruct)")

@@ -126,10 +126,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     """`loom bench serve`: stream the dataset to --base-url; summary table, JSON, four-panel PNG."""
     from loom.bench.cli import result_path
     from loom.bench.plots import plot_serve
-    from loom.bench.serve import ServeConfig, format_summary, run_serve_benchmark, summarize
+    from loom.bench.serve import ServeConfig, first_model_id, format_summary, run_serve_benchmark, summarize
 
     slo = parse_goodput(ns.goodput)
-    cfg = ServeConfig(base_url=ns.base_url, model=ns.model, request_rate=ns.request_rate,
+    model = ns.model or asyncio.run(first_model_id(ns.base_url))
+    cfg = ServeConfig(base_url=ns.base_url, model=model, request_rate=ns.request_rate,
                       max_concurrency=ns.max_concurrency, seed=ns.dataset_seed)
     requests = build_requests(ns, ns.tokenizer)
     results, duration = asyncio.run(run_serve_benchmark(cfg, requests, use_tqdm=not ns.no_tqdm))

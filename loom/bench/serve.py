@@ -82,6 +82,24 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
     return out
 
 
+async def first_model_id(base_url: str, timeout_s: float = 30.0) -> str:
+    """The first model id listed by GET /v1/models (loom and llama-server both serve it).
+
+    Raises:
+        ValueError: naming base_url when the server lists no model or cannot be reached.
+    """
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            response = await client.get(f"{base_url.rstrip('/')}/v1/models")
+            response.raise_for_status()
+            models = response.json().get("data") or []
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        raise ValueError(f"base_url {base_url!r}: GET /v1/models failed: {exc}") from None
+    if not models:
+        raise ValueError(f"base_url {base_url!r} lists no model")
+    return str(models[0]["id"])
+
+
 async def _sse_payloads(response: httpx.Response) -> AsyncIterator[dict[str, object]]:
     async for line in response.aiter_lines():
         line = line.strip()

@@ -12,7 +12,7 @@ import pytest
 from loom.bench.datasets import SampleRequest
 from loom.bench.metrics import latency_stats, parse_goodput, tpot_seconds
 from loom.bench.plots import plot_serve
-from loom.bench.serve import ServeConfig, arrival_offsets, run_serve_benchmark, summarize
+from loom.bench.serve import ServeConfig, arrival_offsets, first_model_id, run_serve_benchmark, summarize
 
 FIRST_DELAY_S = 0.05  # fake prefill time before the first chunk
 GAP_S = 0.01  # fake decode time between chunks
@@ -20,6 +20,13 @@ GAP_S = 0.01  # fake decode time between chunks
 
 async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
+    if head.startswith(b"GET /v1/models"):
+        data = json.dumps({"object": "list", "data": [{"id": "fake-model", "object": "model"}]}).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (len(data), data))
+        await writer.drain()
+        writer.close()
+        return
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
     body = json.loads(await reader.readexactly(length))
     if body["max_tokens"] == 999:
@@ -46,7 +53,9 @@ async def _bench(cfg_kwargs: dict[str, object], requests: list[SampleRequest]) -
     server = await asyncio.start_server(_handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        cfg = ServeConfig(base_url=f"http://127.0.0.1:{port}", model="fake", **cfg_kwargs)
+        base_url = f"http://127.0.0.1:{port}"
+        cfg = ServeConfig(base_url=base_url, model=await first_model_id(base_url), **cfg_kwargs)
+        assert cfg.model == "fake-model"
         return await run_serve_benchmark(cfg, requests, use_tqdm=False)
     finally:
         server.close()
