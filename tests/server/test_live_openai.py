@@ -1,0 +1,223 @@
+"""The official `openai` client against a live server on the real bundled model (127.0.0.1, one module-wide server).
+
+Bounded for 2 CPU cores: small max_tokens, 60 fuzz examples, 32 concurrent streams of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.server.conftest import LiveServer, serve, wait_for
+from tests.server.fuzz_bodies import chat_bodies, completion_bodies, resolve_model
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    from loom.config import EngineArgs
+    from loom.engine.async_engine import AsyncLLMEngine
+    from loom.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(max_model_len=512, max_num_seqs=32, max_waiting_requests=64))
+    front = AsyncLLMEngine(engine)
+    front.start()
+    with serve(front) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def oai(live: LiveServer) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=live.v1, api_key="unused", max_retries=0, timeout=120)
+
+
+def _model(live: LiveServer) -> str:
+    return live.engine.model_name
+
+
+def test_chat_usage_is_exact(oai: "openai.OpenAI", live: LiveServer) -> None:
+    r = oai.chat.completions.create(model=_model(live), messages=CHAT, max_tokens=8, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    with httpx.Client(base_url=live.base_url) as c:
+        n_prompt = c.post("/tokenize", json={"messages": CHAT}).json()["count"]
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.completion_tokens <= 8 and r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+
+
+def test_streaming_chat_equals_non_streaming(oai: "openai.OpenAI", live: LiveServer) -> None:
+    kw = dict(model=_model(live), messages=CHAT, max_tokens=12, temperature=0)
+    full = oai.chat.completions.create(**kw)
+    text, finish, usage = "", None, None
+    for chunk in oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert text == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_logprobs(oai: "openai.OpenAI", live: LiveServer) -> None:
+    r = oai.chat.completions.create(model=_model(live), messages=CHAT, max_tokens=4, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for pos in content:
+        assert len(pos.top_logprobs) == 3 and pos.logprob <= 0
+        assert pos.top_logprobs[0].logprob >= pos.top_logprobs[-1].logprob
+        assert pos.token == pos.top_logprobs[0].token  # greedy picks the most likely token
+
+
+def test_completion_logprobs_and_echo(oai: "openai.OpenAI", live: LiveServer) -> None:
+    prompt = "The capital of France is"
+    r = oai.completions.create(model=_model(live), prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                               logprobs=2)
+    ch = r.choices[0]
+    assert ch.text.startswith(prompt)
+    lp = ch.logprobs
+    n = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == ch.text
+
+
+def test_n_greater_than_one(oai: "openai.OpenAI", live: LiveServer) -> None:
+    kw = dict(model=_model(live), prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7, n=3)
+    r = oai.completions.create(**kw)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert 3 <= r.usage.completion_tokens <= 18
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    finished: set[int] = set()
+    for chunk in oai.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    assert streamed == {c.index: c.text for c in r.choices}  # same seed, same samples
+
+
+def test_stop_strings(oai: "openai.OpenAI", live: LiveServer) -> None:
+    kw = dict(model=_model(live), prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    text = oai.completions.create(**kw).choices[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    r = oai.completions.create(**kw, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(stop)]
+    r = oai.completions.create(**kw, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_errors_through_the_client(oai: "openai.OpenAI", live: LiveServer) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=_model(live), prompt="x", top_p=1.5)
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=_model(live), prompt="hello " * 600, max_tokens=1)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=_model(live), prompt=[1, live.engine.vocab_size])
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=_model(live), prompt="x", suffix="y")
+    assert e.value.body["param"] == "suffix"
+    assert [m.id for m in oai.models.list().data] == [_model(live)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(kind=st.booleans(), completion=completion_bodies(), chat=chat_bodies())
+def test_fuzz_never_5xx(live: LiveServer, kind: bool, completion: dict, chat: dict) -> None:
+    path, body = ("/v1/completions", completion) if kind else ("/v1/chat/completions", chat)
+    with httpx.Client(base_url=live.base_url, timeout=60) as c:
+        r = c.post(path, json=resolve_model(body, _model(live)))
+        assert r.status_code < 500, (path, body, r.text)
+        assert c.get("/health").status_code == 200
+
+
+def _free_blocks(live: LiveServer) -> int:
+    return asyncio.run(live.engine.call(lambda e: e.get_stats().num_free_blocks))
+
+
+def _raw_post(live: LiveServer, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", int(live.base_url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_blocks(live: LiveServer, stream: bool) -> None:
+    assert wait_for(lambda: live.engine.get_stats().num_running == 0, 30)
+    start = _free_blocks(live)
+    sock = _raw_post(live, {"model": _model(live), "prompt": "Tell me a long story. " * 20, "max_tokens": 400,
+                            "temperature": 0, "stream": stream})
+    assert wait_for(lambda: _free_blocks(live) < start, 30)
+    sock.close()
+    t0 = time.monotonic()
+    assert wait_for(lambda: _free_blocks(live) == start, 10)
+    assert time.monotonic() - t0 < 5
+    with httpx.Client(base_url=live.base_url) as c:
+        assert c.get("/health").status_code == 200
+
+
+def test_32_concurrent_streams_match_sequential_runs(live: LiveServer) -> None:
+    prompts = [f"Fact {i}: the number {i * 7} is" for i in range(32)]
+    client = openai.AsyncOpenAI(base_url=live.v1, api_key="unused", max_retries=0, timeout=300)
+
+    async def one(prompt: str, stream: bool) -> str:
+        kw = dict(model=_model(live), prompt=prompt, max_tokens=16, temperature=0)
+        if not stream:
+            return (await client.completions.create(**kw)).choices[0].text
+        text = ""
+        async for chunk in await client.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                text += ch.text
+        return text
+
+    async def go() -> tuple[list[str], list[str]]:
+        alone = [await one(p, False) for p in prompts]
+        together = await asyncio.gather(*(one(p, True) for p in prompts))
+        await client.close()
+        return alone, list(together)
+
+    t0 = time.monotonic()
+    alone, together = asyncio.run(go())
+    assert together == alone
+    assert time.monotonic() - t0 < 150
+
+
+def test_metrics_after_traffic(live: LiveServer) -> None:
+    with httpx.Client(base_url=live.base_url) as c:
+        text = c.get("/metrics").text
+    name = _model(live)
+    # request_queue_time_seconds is exported too, but stays empty until the engine fills
+    # RequestMetrics.first_scheduled_time (it does not yet).
+    assert f'loom:request_queue_time_seconds_count{{model_name="{name}"}}' in text
+    for metric in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                   "inter_token_latency_seconds_count"):
+        line = next(x for x in text.splitlines() if x.startswith(f'loom:{metric}{{model_name="{name}"}}'))
+        assert float(line.split()[-1]) > 0, line
+    assert f'loom:kv_cache_usage_perc{{model_name="{name}"}}' in text
+    assert "loom:request_success_total{" in text
