@@ -1,0 +1,1 @@
+"""Benchmarks: roofline analysis, datasets, latency, throughput and serving benches (`loom bench`, `loom analyze`)."""

@@ -41,8 +41,8 @@ def build_requests(ns: argparse.Namespace, model: str | None) -> list[SampleRequ
 def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     from loom.engine.arg_utils import engine_args_from_namespace
 
-    return {f.name: getattr(args, f.name) for args in [engine_args_from_namespace(ns)]
-            for f in dataclasses.fields(args)}
+    args = engine_args_from_namespace(ns)
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
 
 
 def _make_llm(ns: argparse.Namespace) -> Any:

@@ -23,10 +23,12 @@ class ThroughputResult:
 
     @property
     def requests_per_s(self) -> float:
+        """Completed requests / elapsed, requests/s."""
         return self.num_requests / self.elapsed_s
 
     @property
     def output_tok_s(self) -> float:
+        """Generated tokens / elapsed, tokens/s."""
         return self.output_tokens / self.elapsed_s
 
     @property
@@ -35,6 +37,7 @@ class ThroughputResult:
         return (self.input_tokens + self.output_tokens) / self.elapsed_s
 
     def summary(self) -> dict[str, float]:
+        """Counts, seconds and the three rates, for printing and JSON."""
         return {"requests": self.num_requests, "elapsed_s": self.elapsed_s, "input_tokens": self.input_tokens,
                 "output_tokens": self.output_tokens, "requests_per_s": self.requests_per_s,
                 "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s}
