@@ -239,8 +239,7 @@ class AsyncLLMEngine:
         state = self._state
         try:
             while not self._stop.is_set():
-                busy = bool(state.streams) or self.engine.has_unfinished_requests()
-                self._drain(state, block=not busy)
+                self._drain(state, block=not self.engine.has_unfinished_requests())
                 if self._stop.is_set():
                     break
                 if self.engine.has_unfinished_requests():

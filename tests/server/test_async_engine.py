@@ -4,31 +4,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 
 from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
 from tests.server.conftest import make_fake_front, wait_for
+from tests.server.fake_engine import FakeEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
 
 
-def run(coro):  # noqa: ANN001, ANN201 - tiny test helper
+T = TypeVar("T")
+Front = tuple[AsyncLLMEngine, FakeEngine]
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 @pytest.fixture()
-def front():  # noqa: ANN201
+def front() -> Iterator[Front]:
     eng, fake = make_fake_front(max_waiting_requests=2, max_num_seqs=2)
     yield eng, fake
     eng.shutdown()
 
 
-def test_generate_yields_until_finished(front) -> None:  # noqa: ANN001
+def test_generate_yields_until_finished(front: Front) -> None:
     eng, fake = front
 
-    async def go() -> list:
+    async def go() -> list[RequestOutput]:
         return [o async for o in eng.generate("a", "hello", GREEDY)]
 
     outs = run(go())
@@ -38,7 +46,7 @@ def test_generate_yields_until_finished(front) -> None:  # noqa: ANN001
     assert not fake.reqs
 
 
-def test_consumer_leaving_early_aborts_and_frees(front) -> None:  # noqa: ANN001
+def test_consumer_leaving_early_aborts_and_frees(front: Front) -> None:
     eng, fake = front
     fake.step_delay_s = 0.01
 
@@ -53,7 +61,7 @@ def test_consumer_leaving_early_aborts_and_frees(front) -> None:  # noqa: ANN001
     assert wait_for(lambda: eng.get_stats() is not None and eng.get_stats().num_free_blocks == fake.num_kv_blocks, 5)
 
 
-def test_cancelled_consumer_aborts(front) -> None:  # noqa: ANN001
+def test_cancelled_consumer_aborts(front: Front) -> None:
     eng, fake = front
     fake.step_delay_s = 0.01
 
@@ -72,12 +80,13 @@ def test_cancelled_consumer_aborts(front) -> None:  # noqa: ANN001
     assert wait_for(lambda: not fake.reqs, 5)
 
 
-def test_add_errors_reach_the_caller_and_leave_nothing(front) -> None:  # noqa: ANN001
+def test_add_errors_reach_the_caller_and_leave_nothing(front: Front) -> None:
     eng, fake = front
 
-    async def first(rid: str, prompt, params: SamplingParams = GREEDY):  # noqa: ANN001, ANN202
+    async def first(rid: str, prompt: str | list[int], params: SamplingParams = GREEDY) -> RequestOutput | None:
         async for out in eng.generate(rid, prompt, params):
             return out
+        return None
 
     with pytest.raises(ValueError, match="too long"):
         run(first("x", "a" * 400))
@@ -86,7 +95,7 @@ def test_add_errors_reach_the_caller_and_leave_nothing(front) -> None:  # noqa: 
     assert not fake.reqs
 
 
-def test_queue_full_raises_queue_full_error(front) -> None:  # noqa: ANN001
+def test_queue_full_raises_queue_full_error(front: Front) -> None:
     eng, fake = front
     fake.step_delay_s = 0.05
     long = SamplingParams(max_tokens=1000)
@@ -105,7 +114,7 @@ def test_queue_full_raises_queue_full_error(front) -> None:  # noqa: ANN001
     assert wait_for(lambda: not fake.reqs, 5)
 
 
-def test_duplicate_in_flight_id_is_refused_without_disturbing_the_first(front) -> None:  # noqa: ANN001
+def test_duplicate_in_flight_id_is_refused_without_disturbing_the_first(front: Front) -> None:
     eng, fake = front
     fake.step_delay_s = 0.005
 
@@ -119,7 +128,7 @@ def test_duplicate_in_flight_id_is_refused_without_disturbing_the_first(front) -
     run(go())
 
 
-def test_step_failure_fails_requests_in_flight_and_keeps_serving(front) -> None:  # noqa: ANN001
+def test_step_failure_fails_requests_in_flight_and_keeps_serving(front: Front) -> None:
     eng, fake = front
     fake.step_delay_s = 0.01
 
@@ -151,7 +160,7 @@ def test_shutdown_aborts_in_flight_and_refuses_new() -> None:
     assert not fake.reqs
 
 
-def test_call_runs_on_the_engine_thread(front) -> None:  # noqa: ANN001
+def test_call_runs_on_the_engine_thread(front: Front) -> None:
     eng, _ = front
     import threading
 
@@ -159,15 +168,13 @@ def test_call_runs_on_the_engine_thread(front) -> None:  # noqa: ANN001
     assert name == "loom-engine"
 
 
-def test_start_twice_is_an_error(front) -> None:  # noqa: ANN001
+def test_start_twice_is_an_error(front: Front) -> None:
     eng, _ = front
     with pytest.raises(RuntimeError):
         eng.start()
 
 
 def test_not_started_engine_refuses_requests() -> None:
-    from tests.server.fake_engine import FakeEngine
-
     eng = AsyncLLMEngine(FakeEngine())
 
     async def go() -> None:
