@@ -47,15 +47,16 @@ def check_params_against_vocab(params: SamplingParams, vocab_size: int) -> None:
 def banned_token_ids(inp: PenaltyInput) -> set[int]:
     """Token ids that must not be sampled for this request at this step.
 
-    - `ignore_eos`: the EOS set (the request then always runs to its length limit).
-    - fewer than `min_tokens` outputs so far: the EOS set and `stop_token_ids`.
+    Only min_tokens bans: while fewer than `min_tokens` tokens were generated, every token that would
+    stop the request (the EOS set unless `ignore_eos`, and `stop_token_ids`). `ignore_eos` alone bans
+    nothing: an EOS token may be sampled and generation simply goes on (vLLM's semantics), so greedy
+    output with ignore_eos equals the reference model's unconstrained greedy continuation.
     """
     params = inp.params
     banned: set[int] = set()
-    if params.ignore_eos:
-        banned |= inp.eos_token_ids
     if len(inp.output_token_ids) < params.min_tokens:
-        banned |= inp.eos_token_ids
+        if not params.ignore_eos:
+            banned |= inp.eos_token_ids
         banned |= set(params.stop_token_ids)
     return banned
 

@@ -138,20 +138,22 @@ def test_logit_bias_out_of_vocab_raises() -> None:
         sample(random_logits(1), [make_input(logit_bias={VOCAB: 1.0})], gen())
 
 
-def test_ignore_eos_and_min_tokens_ban_tokens() -> None:
-    logits = torch.zeros((3, VOCAB))
+def test_min_tokens_bans_stops_and_ignore_eos_bans_nothing() -> None:
+    logits = torch.zeros((5, VOCAB))
     logits[:, 7] = 50.0  # EOS dominates
     logits[:, 6] = 40.0  # a stop token id next
     inputs = [
-        make_input(temperature=0.0, ignore_eos=True),
+        make_input(temperature=0.0, ignore_eos=True),  # EOS may be sampled; it just does not stop
         make_input(temperature=0.0, min_tokens=2, stop_token_ids=[6], output=[0]),
         make_input(temperature=0.0, min_tokens=2, stop_token_ids=[6], output=[0, 0]),
+        make_input(temperature=0.0, min_tokens=2, output=[0]),
+        make_input(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[6], output=[0]),
     ]
     out = sample(logits, inputs, gen())
-    assert out.sampled_token_ids.tolist() == [6, 0, 7]
+    assert out.sampled_token_ids.tolist() == [7, 0, 7, 6, 7]
     # random rows respect the ban too
     for draw in range(20):
-        drawn = sample(logits[:1], [make_input(ignore_eos=True, temperature=5.0)], gen(draw))
+        drawn = sample(logits[:1], [make_input(min_tokens=1, temperature=5.0)], gen(draw))
         assert drawn.sampled_token_ids.item() != 7
 
 
