@@ -18,7 +18,8 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; we allow a few more
 
 
 class RequestError(ValueError):
-    """A client error, answered with an OpenAI-style error body naming `param`."""
+    """An error answered with an OpenAI-style body: client errors (400/404, naming `param`), plus the
+    503 (queue full, shutting down) and 500 (engine failure) a handler turns into the same shape."""
 
     def __init__(self, message: str, param: str | None = None, status_code: int = 400,
                  code: str | None = None) -> None:

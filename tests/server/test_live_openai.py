@@ -202,10 +202,8 @@ def test_32_concurrent_streams_match_sequential_runs(live: LiveServer) -> None:
         await client.close()
         return alone, list(together)
 
-    t0 = time.monotonic()
     alone, together = asyncio.run(go())
     assert together == alone
-    assert time.monotonic() - t0 < 150
 
 
 def test_metrics_after_traffic(live: LiveServer) -> None:
