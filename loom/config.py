@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache storage; "auto" = the model dtype; int8/fp8_e4m3 keep a float32 scale per (token slot, kv head).
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +30,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 512 * 1024 * 1024  # budget for the paged K/V tensors, bytes
     num_blocks: int | None = None  # overrides the budget when set (tests use it to force pressure)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # one of SUPPORTED_KV_CACHE_DTYPES
+    kv_offload_memory_bytes: int = 0  # host tier for evicted / swapped-out blocks, bytes; 0 = no host tier
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {SUPPORTED_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_offload_memory_bytes < 0:
+            raise ValueError(f"kv_offload_memory_bytes must be >= 0, got {self.kv_offload_memory_bytes}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes < 1:
@@ -43,8 +52,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # most requests running at once
     max_model_len: int = 2048  # tokens; filled in from the model when the user gives none
     max_waiting_requests: int | None = None  # bound on the waiting queue (server back-pressure); None = unbounded
+    preemption_mode: str = "recompute"  # "swap": a preempted request's blocks go to the host tier and come back
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -71,10 +83,17 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_waiting_requests: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None = number of cores
+    kv_cache_dtype: str = "auto"  # KV storage: auto (= dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
+    kv_offload_memory_gb: float = 0.0  # GiB of host memory for offloaded KV blocks; 0 = no host tier
+    preemption_mode: str = "recompute"  # recompute | swap (needs kv_offload_memory_gb > 0)
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_offload_memory_gb < 0:
+            raise ValueError(f"kv_offload_memory_gb must be >= 0, got {self.kv_offload_memory_gb}")
+        if self.preemption_mode == "swap" and self.kv_offload_memory_gb == 0:
+            raise ValueError("preemption_mode='swap' needs a host tier: set kv_offload_memory_gb > 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
@@ -87,6 +106,8 @@ class EngineArgs:
             kv_cache_memory_bytes=int(self.kv_cache_memory_gb * (1 << 30)),
             num_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_offload_memory_bytes=int(self.kv_offload_memory_gb * (1 << 30)),
         )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -95,7 +116,16 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             max_waiting_requests=self.max_waiting_requests,
+            preemption_mode=self.preemption_mode,
         )
 
 
-__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "EngineArgs", "SUPPORTED_DTYPES"]
+__all__ = [
+    "ModelConfig",
+    "CacheConfig",
+    "SchedulerConfig",
+    "EngineArgs",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_KV_CACHE_DTYPES",
+    "PREEMPTION_MODES",
+]

@@ -3,6 +3,7 @@
 from loom.attention.backend import (
     ATTENTION_BACKENDS,
     AttentionBackend,
+    gather_kv,
     get_attention_backend,
     write_kv_cache,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "AttentionMetadata",
     "PAD_SLOT_ID",
     "build_attention_metadata",
+    "gather_kv",
     "get_attention_backend",
     "write_kv_cache",
 ]

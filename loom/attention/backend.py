@@ -1,4 +1,4 @@
-"""AttentionBackend Protocol, the shared K/V cache write, and the backend registry."""
+"""AttentionBackend Protocol, the shared K/V cache write and read (with KV quantization), and the backend registry."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from loom.attention.kv_quant import dequantize_rows, is_quantized, quantize_rows
 from loom.attention.metadata import AttentionMetadata
 
 
@@ -31,7 +32,8 @@ class AttentionBackend(Protocol):
         Args:
             query: [num_tokens, num_heads, head_dim].
             key, value: [num_tokens, num_kv_heads, head_dim] of this step's tokens.
-            kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] of this layer (updated in place).
+            kv_cache: [2, num_blocks, block_size, num_kv_heads, row] of this layer (updated in place); row is
+                head_dim, or head_dim + 4 for int8/fp8 caches: write with `write_kv_cache`, read with `gather_kv`.
             attn_metadata: positions of the tokens in the cache.
             scale: softmax scale, usually head_dim ** -0.5.
             sliding_window: tokens each query may look back (query included); None = unlimited.
@@ -47,21 +49,65 @@ def write_kv_cache(
 ) -> None:
     """Scatter key/value rows into the paged cache at slot_mapping, skipping PAD_SLOT_ID (-1) slots.
 
+    Quantized caches (int8, float8_e4m3fn; see loom.attention.kv_quant) store each (token, kv head) row
+    as values plus its float32 scale. Every backend writes K/V through this function.
+
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim].
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], updated in place.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, row] (row = head_dim, or head_dim + 4 when
+            quantized), updated in place.
         slot_mapping: [num_tokens] int64, block_id * block_size + offset, or -1.
     """
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, H_kv, d]
+    num_kv_heads, row = kv_cache.shape[-2:]
     valid = slot_mapping >= 0
-    if bool(valid.all()):
-        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    if is_quantized(kv_cache.dtype):
+        # index_copy_ lacks float8 kernels on some devices: scatter the raw bytes instead.
+        flat = kv_cache.view(torch.uint8).view(2, -1, num_kv_heads, row)
+        flat[0].index_copy_(0, slot_mapping, quantize_rows(key, kv_cache.dtype).view(torch.uint8))
+        flat[1].index_copy_(0, slot_mapping, quantize_rows(value, kv_cache.dtype).view(torch.uint8))
         return
-    slots = slot_mapping[valid]
-    flat[0].index_copy_(0, slots, key[valid].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value[valid].to(kv_cache.dtype))
+    flat = kv_cache.view(2, -1, num_kv_heads, row)  # [2, num_blocks * block_size, H_kv, d]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read one request's first seq_len K/V rows through its block table, dequantizing when needed.
+
+    Every backend reads K/V through this function (or `dequantize_kv` on rows it indexed itself).
+
+    Args:
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, row] (see write_kv_cache).
+        block_table: [max_num_blocks] int32 block ids of the request (only the first
+            ceil(seq_len / block_size) are read).
+        out_dtype: dtype of the result for quantized caches (default float32); plain caches are returned
+            in their own dtype (callers cast).
+
+    Returns:
+        key, value: each [seq_len, num_kv_heads, head_dim].
+    """
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    num_kv_heads, row = kv_cache.shape[-2:]
+    key = kv_cache[0, blocks].reshape(-1, num_kv_heads, row)[:seq_len]
+    value = kv_cache[1, blocks].reshape(-1, num_kv_heads, row)[:seq_len]
+    return dequantize_kv(key, out_dtype), dequantize_kv(value, out_dtype)
+
+
+def dequantize_kv(rows: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Cache rows [..., row] -> K or V [..., head_dim]: dequantized (to out_dtype, default float32) for
+    int8/fp8 caches, returned unchanged otherwise."""
+    if not is_quantized(rows.dtype):
+        return rows
+    return dequantize_rows(rows, out_dtype or torch.float32)
 
 
 def _make_torch_reference() -> AttentionBackend:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loom.attention.backend import write_kv_cache
+from loom.attention.backend import gather_kv, write_kv_cache
 from loom.attention.metadata import AttentionMetadata
 
 
@@ -26,27 +26,6 @@ def causal_mask(
     if sliding_window is not None:
         allowed &= (q_pos - k_pos) < sliding_window
     return allowed
-
-
-def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one request's first seq_len K/V rows through its block table.
-
-    Args:
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
-        block_table: [max_num_blocks] int32 block ids of the request (only the first
-            ceil(seq_len / block_size) are read).
-
-    Returns:
-        key, value: each [seq_len, num_kv_heads, head_dim].
-    """
-    num_blocks = -(-seq_len // block_size)
-    blocks = block_table[:num_blocks].long()
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    key = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    value = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    return key, value
 
 
 class TorchReferenceBackend:
@@ -71,14 +50,16 @@ class TorchReferenceBackend:
         key/value [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim]."""
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
         output = torch.empty_like(query)
-        group = query.shape[1] // kv_cache.shape[-2]
+        group = query.shape[1] // kv_cache.shape[-2]  # kv_cache [2, blocks, block_size, H_kv, row]
         starts = attn_metadata.query_start_loc_cpu
         for i in range(attn_metadata.num_reqs):
             start, end = starts[i], starts[i + 1]
             if end == start:
                 continue
             seq_len = attn_metadata.seq_lens_cpu[i]
-            k, v = gather_kv(kv_cache, attn_metadata.block_tables[i], seq_len, attn_metadata.block_size)
+            k, v = gather_kv(
+                kv_cache, attn_metadata.block_tables[i], seq_len, attn_metadata.block_size, query.dtype
+            )
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)

@@ -11,7 +11,7 @@ Plain Python, no torch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -25,8 +25,12 @@ class KVBlock:
 class BlockPool:
     """All KV blocks, the free queue (least recently freed first) and hash -> cached block."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, int], None] | None = None) -> None:
         """Create `num_blocks` free, unhashed blocks.
+
+        Args:
+            on_evict: called as on_evict(block_id, block_hash) when a cached block is handed out again,
+                before anything can overwrite it (the host tier copies it out).
 
         Raises:
             ValueError: num_blocks < 1.
@@ -38,6 +42,7 @@ class BlockPool:
         # block_id -> block, in eviction order (front = evicted first); O(1) removal from the middle.
         self._free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_block_hash_to_block: dict[int, KVBlock] = {}
+        self._on_evict = on_evict  # (block_id, block_hash) -> None, or None
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,6 +117,8 @@ class BlockPool:
             return
         assert self.cached_block_hash_to_block.get(block.block_hash) is block
         del self.cached_block_hash_to_block[block.block_hash]
+        if self._on_evict is not None:
+            self._on_evict(block.block_id, block.block_hash)
         block.block_hash = None
 
     def check_invariants(self) -> None:

@@ -2,14 +2,25 @@
 
 Prefix caching follows vLLM v1 (docs/design/prefix_caching.md): the hash of full block i is
 H(hash of block i-1, token ids of block i, extra keys), so two blocks match only when their whole
-prefix matches. Only full blocks are ever cached. Plain Python, no torch.
+prefix matches. Only full blocks are ever cached.
+
+Two extensions:
+  * a host tier (loom.core.offload): cached blocks evicted from the device pool are copied there and
+    can be copied back on a later hit; a request preempted in swap mode parks its blocks there;
+  * sliding-window models: a block wholly older than the window of every future query is released
+    early. Its K/V stay valid for that prefix, so it keeps its hash and may serve another request's
+    prefix hit; the request's block table keeps the position and points it at a live block of the
+    same request, which the window mask hides from attention.
+Plain Python, no torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 
 from loom.core.block_pool import BlockPool, KVBlock
+from loom.core.offload import HostBlockTier, OffloadCounters, StepCopies
 from loom.request import Request
 
 
@@ -26,20 +37,50 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(slots=True)
+class ComputedPrefix:
+    """What a (re)admitted request need not compute: device hits, then blocks copied back from the host."""
+
+    blocks: list[KVBlock] = field(default_factory=list)  # device prefix-cache hits, position order
+    restore_slots: list[int] = field(default_factory=list)  # host slots of the next blocks, position order
+    num_tokens: int = 0  # tokens covered; < request.num_tokens (the last token is always computed)
+
+
 class KVCacheManager:
     """Allocates blocks to requests and finds their longest cached prefix."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        """Raises ValueError when num_blocks or block_size < 1."""
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_host_blocks: int = 0,
+        sliding_window: int | None = None,
+    ) -> None:
+        """Args: num_host_blocks: capacity of the host tier in blocks (0 = none); sliding_window: tokens
+        each query attends back (query included), None = full attention.
+
+        Raises ValueError when num_blocks or block_size < 1, num_host_blocks < 0 or sliding_window < 1.
+        """
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size  # tokens per block
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}  # request_id -> its blocks, position order
+        self.sliding_window = sliding_window  # tokens, or None
+        self.host: HostBlockTier | None = HostBlockTier(num_host_blocks) if num_host_blocks > 0 else None
+        on_evict = self.host.offload_cached_block if self.host is not None and enable_prefix_caching else None
+        self.block_pool = BlockPool(num_blocks, on_evict=on_evict)
+        # request_id -> its blocks, position order; None = released early (outside the sliding window)
+        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
+        self.num_window_blocks_freed = 0  # blocks released early by the sliding window, cumulative
         self._num_cached_blocks: dict[str, int] = {}  # request_id -> leading blocks already offered to the cache
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
-        self.prefix_cache_hits = 0  # tokens found, cumulative
+        self.prefix_cache_hits = 0  # tokens found (device or host tier), cumulative
+        self.num_blocks_recomputed = 0  # computed blocks dropped by preemptions (not swapped), cumulative
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,12 +130,39 @@ class KVCacheManager:
         self.prefix_cache_hits += num_computed
         return blocks, num_computed
 
+    def find_computed_prefix(self, request: Request) -> ComputedPrefix:
+        """What a waiting request need not compute: device hits, then host-tier blocks.
+
+        A request preempted in swap mode gets its parked blocks back (after any device hits); otherwise
+        the device hits are extended by consecutive prefix hits in the host tier (counted as hits).
+        Pass the result to `allocate_slots` in the same step.
+        """
+        blocks, num_hit = self.get_computed_blocks(request)
+        if self.host is None:
+            return ComputedPrefix(blocks, [], num_hit)
+        swapped = self.host.get_swapped(request.request_id)
+        if swapped is not None and swapped.num_computed_tokens > num_hit:
+            end = _cdiv(swapped.num_computed_tokens, self.block_size)
+            return ComputedPrefix(blocks, swapped.host_slots[len(blocks) : end], swapped.num_computed_tokens)
+        slots: list[int] = []
+        if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
+            max_blocks = (request.num_tokens - 1) // self.block_size
+            for block_hash in request.block_hashes[len(blocks) : max_blocks]:
+                slot = self.host.lookup(block_hash)
+                if slot is None:
+                    break
+                slots.append(slot)
+        num_host_hit = len(slots) * self.block_size
+        self.prefix_cache_hits += num_host_hit
+        return ComputedPrefix(blocks, slots, num_hit + num_host_hit)
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        restore_slots: list[int] | None = None,
     ) -> list[int] | None:
         """Ensure blocks for positions [0, num_computed_tokens + num_new_computed_tokens + num_new_tokens).
 
@@ -102,21 +170,30 @@ class KVCacheManager:
             request: its num_computed_tokens are the tokens already covered by its blocks.
             num_new_tokens: tokens whose K/V will be computed this step.
             new_computed_blocks: prefix-cache hits from `get_computed_blocks` (referenced here).
-            num_new_computed_tokens: tokens those hits cover (len(new_computed_blocks) * block_size).
+            num_new_computed_tokens: tokens the hits and the restored blocks cover.
+            restore_slots: host slots copied back into the first newly allocated blocks (see
+                `find_computed_prefix`); the last of them may be partial (a swapped-out request).
 
         Returns:
             Ids of the newly allocated blocks (possibly empty), or None when the pool cannot supply them; then
             nothing is allocated and no hit is referenced. Hits that sit in the free queue count
             against the free blocks, since referencing them takes them out of it.
 
-        After allocation, blocks that become full with this step's tokens enter the hash table.
+        After allocation, blocks that become full with this step's tokens enter the hash table, and
+        with a sliding window the blocks no query of this step or later can see are released.
         """
         assert num_new_tokens >= 0 and num_new_computed_tokens >= 0
         hits = new_computed_blocks or []
-        assert len(hits) * self.block_size == num_new_computed_tokens
+        restores = restore_slots or []
+        bs = self.block_size
+        if restores:
+            assert (len(hits) + len(restores) - 1) * bs < num_new_computed_tokens <= (len(hits) + len(restores)) * bs
+        else:
+            assert len(hits) * bs == num_new_computed_tokens
+        self._free_outside_window(request.request_id, request.num_computed_tokens)
         held = self.req_to_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = _cdiv(num_tokens, self.block_size) - len(held) - len(hits)
+        num_needed = _cdiv(num_tokens, bs) - len(held) - len(hits)
         num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
         if max(num_needed, 0) + num_hits_free > self.block_pool.num_free_blocks:
             return None
@@ -125,8 +202,33 @@ class KVCacheManager:
         blocks.extend(hits)
         new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
         blocks.extend(new_blocks)
+        if self.host is not None:
+            for slot, block in zip(restores, new_blocks, strict=False):
+                self.host.restore(slot, block.block_id)
+            self.host.release_swapped(request.request_id)
         self._cache_full_blocks(request, num_tokens)
+        self._free_outside_window(request.request_id, request.num_computed_tokens + num_new_computed_tokens)
         return [b.block_id for b in new_blocks]
+
+    def _free_outside_window(self, request_id: str, first_query_position: int) -> None:
+        """Release the request's blocks that no query at or after `first_query_position` can see.
+
+        A query at position p sees keys p - w + 1 .. p, so block i is dead once its last position
+        (i + 1) * block_size - 1 < first_query_position - w + 1.
+        """
+        if self.sliding_window is None:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        num_dead = max(0, first_query_position - self.sliding_window + 1) // self.block_size
+        dead = [b for b in blocks[:num_dead] if b is not None]
+        if not dead:
+            return
+        for i in range(num_dead):
+            blocks[i] = None
+        self.block_pool.free_blocks(reversed(dead))
+        self.num_window_blocks_freed += len(dead)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:
@@ -136,26 +238,70 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for i in range(start, end):
-            if blocks[i].block_hash is None:
-                self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            block = blocks[i]
+            if block is not None and block.block_hash is None:
+                self.block_pool.cache_block(block, request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
-        """Release all the request's blocks, tail first (its last blocks are evicted first)."""
+        """Release all the request's blocks, tail first (its last blocks are evicted first), and any
+        blocks it parked in the host tier."""
+        self._free_device_blocks(request)
+        if self.host is not None:
+            self.host.release_swapped(request.request_id)
+
+    def _free_device_blocks(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
+
+    def preempt(self, request: Request, swap: bool) -> bool:
+        """Release a preempted request's device blocks; with `swap`, first park its computed blocks in the
+        host tier. Returns True when swapped; False when they will be recomputed (counted).
+
+        Swapping falls back to recompute when there is no host tier, it is full, or the sliding window
+        already released some of the request's blocks.
+        """
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed_blocks = _cdiv(request.num_computed_tokens, self.block_size)
+        live = [b.block_id for b in blocks[:num_computed_blocks] if b is not None]
+        swapped = (
+            swap
+            and self.host is not None
+            and len(live) == num_computed_blocks
+            and self.host.swap_out(request.request_id, live, request.num_computed_tokens)
+        )
+        if not swapped:
+            self.num_blocks_recomputed += num_computed_blocks
+        self._free_device_blocks(request)
+        return swapped
+
+    def take_step_copies(self) -> StepCopies:
+        """Host-tier copies recorded since the last call (empty without a host tier)."""
+        return self.host.take_step_copies() if self.host is not None else StepCopies()
+
+    @property
+    def offload_counters(self) -> OffloadCounters:
+        """Blocks offloaded, restored and recomputed, cumulative."""
+        offloaded, restored = (self.host.num_blocks_offloaded, self.host.num_blocks_restored) if self.host else (0, 0)
+        return OffloadCounters(offloaded, restored, self.num_blocks_recomputed)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """Block ids of the request in position order (its block_table); [] when it holds none."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """Block ids of the request in position order (its block_table); [] when it holds none.
+
+        Positions whose block the sliding window released repeat the first live block id: the window
+        mask hides them, and a real id keeps every backend's gather in bounds.
+        """
+        blocks = self.req_to_blocks.get(request_id, [])
+        filler = next((b.block_id for b in blocks if b is not None), 0)
+        return [filler if b is None else b.block_id for b in blocks]
 
     def check_invariants(self) -> None:
         """Assert ref counts equal holders, the free queue is the unheld blocks, the hash table is sound."""
         self.block_pool.check_invariants()
         holders = [0] * self.block_pool.num_blocks
         for request_id, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
+            ids = [b.block_id for b in blocks if b is not None]
             assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice"
             for block_id in ids:
                 holders[block_id] += 1
@@ -165,6 +311,8 @@ class KVCacheManager:
             )
         if not self.enable_prefix_caching:
             assert not self.block_pool.cached_block_hash_to_block
+        if self.host is not None:
+            self.host.check_invariants()
 
 
-__all__ = ["KVCacheManager", "hash_block_tokens"]
+__all__ = ["ComputedPrefix", "KVCacheManager", "hash_block_tokens"]

@@ -26,6 +26,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = field(default_factory=list)  # requests that ended since the last step
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Host-tier copies, run by the runner in this order before the forward: offloads first (each device
+    # block is read before anything this step overwrites it), then restores.
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host slot)
+    blocks_to_restore: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block id)
 
     @property
     def is_empty(self) -> bool:

@@ -3,8 +3,10 @@
 Model (vLLM v1, docs/design/v1 scheduler): there is no prefill/decode phase. Every request moves its
 num_computed_tokens towards num_tokens; a step gives each request some tokens:
   1. RUNNING requests in admission order get min(num_tokens - num_computed_tokens, budget left).
-     When the KV pool cannot hold them, the most recently admitted running request is preempted
-     (recompute: its blocks are freed, it goes back to the front of the waiting queue).
+     When the KV pool cannot hold them, the most recently admitted running request is preempted: its
+     blocks are freed and it goes back to the front of the waiting queue; in recompute mode its K/V
+     are computed again on resumption, in swap mode they are parked in the host tier and copied back
+     (recompute when the host tier is full).
   2. WAITING requests in FIFO order are admitted while budget and seats (max_num_seqs) remain and no
      preemption happened this step: prefix-cache lookup and allocation go together; a prompt longer
      than the budget left gets the chunk that fits (chunked prefill).
@@ -20,6 +22,7 @@ from collections.abc import Iterable
 
 from loom.config import CacheConfig, SchedulerConfig
 from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.offload import OffloadCounters
 from loom.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -42,13 +45,26 @@ def _cdiv(a: int, b: int) -> int:
 class Scheduler:
     """Decides which tokens of which requests the model runner computes each step."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
-        """Args: num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config)."""
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        num_host_blocks: int = 0,
+        sliding_window: int | None = None,
+    ) -> None:
+        """Args:
+        num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
+        num_host_blocks: blocks of the host tier (from the runner's kv_offload budget); 0 = none.
+        sliding_window: the model's attention window in tokens (blocks outside it are freed early); None = none.
+        """
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len  # tokens
         self.num_blocks = num_blocks  # KV blocks in the pool
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_host_blocks, sliding_window
+        )
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
         self.running: list[Request] = []  # admission order
@@ -118,11 +134,14 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         total = self.scheduler_config.max_num_batched_tokens - budget
+        copies = self.kv_cache_manager.take_step_copies()
         out = SchedulerOutput(
             scheduled=scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=preempted,
+            blocks_to_offload=copies.blocks_to_offload,
+            blocks_to_restore=copies.blocks_to_restore,
         )
         self._finished_req_ids = []
         return out
@@ -141,21 +160,24 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        swap = self.scheduler_config.preemption_mode == "swap"
+        if not self.kv_cache_manager.preempt(request, swap):
+            # Recomputed prompt positions produce their logprobs again; _new_prompt_logprobs drops them.
+            self._prompt_logprobs_seen.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = 0  # a swapped request gets its count back from the host tier
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self._prompt_logprobs_seen.pop(request.request_id, None)
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         manager = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit = manager.get_computed_blocks(request)
+            prefix = manager.find_computed_prefix(request)
+            num_hit = prefix.num_tokens
             num_new = min(request.num_tokens - num_hit, budget)
-            if manager.allocate_slots(request, num_new, hits, num_hit) is None:
+            if manager.allocate_slots(request, num_new, prefix.blocks, num_hit, prefix.restore_slots) is None:
                 break  # FIFO: nothing overtakes the head of the queue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
@@ -308,6 +330,16 @@ class Scheduler:
     def prefix_cache_hits(self) -> int:
         """Tokens found in the prefix cache, cumulative (vllm:prefix_cache_hits)."""
         return self.kv_cache_manager.prefix_cache_hits
+
+    @property
+    def offload_counters(self) -> OffloadCounters:
+        """Blocks offloaded to / restored from the host tier, and blocks recomputed after preemption."""
+        return self.kv_cache_manager.offload_counters
+
+    @property
+    def num_window_blocks_freed(self) -> int:
+        """Blocks released early because they fell out of the sliding window, cumulative."""
+        return self.kv_cache_manager.num_window_blocks_freed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

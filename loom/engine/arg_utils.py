@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from loom.config import SUPPORTED_DTYPES, EngineArgs
+from loom.config import PREEMPTION_MODES, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,6 +26,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="memory budget of the paged KV cache in GiB (default: %(default)s)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks; overrides --kv-cache-memory-gb")
+    g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=SUPPORTED_KV_CACHE_DTYPES,
+                   help="KV cache storage; auto = --dtype; int8/fp8_e4m3 keep a float32 scale per token and KV head "
+                        "(default: %(default)s)")
+    g.add_argument("--kv-offload-memory", dest="kv_offload_memory_gb", type=float,
+                   default=defaults.kv_offload_memory_gb,
+                   help="GiB of host memory for KV blocks evicted from the prefix cache or swapped out by "
+                        "preemption; 0 = no host tier (default: %(default)s)")
+    g.add_argument("--preemption-mode", default=defaults.preemption_mode, choices=PREEMPTION_MODES,
+                   help="recompute: a preempted request recomputes its KV; swap: its blocks go to the host tier "
+                        "(needs --kv-offload-memory) and are copied back (default: %(default)s)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,

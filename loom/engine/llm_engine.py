@@ -32,6 +32,9 @@ class EngineStats:
     prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative prompt tokens served from it
     num_preemptions: int  # cumulative
+    num_blocks_offloaded: int = 0  # cumulative device -> host tier block copies
+    num_blocks_restored: int = 0  # cumulative host tier -> device block copies
+    num_blocks_recomputed: int = 0  # cumulative computed blocks dropped by (non-swap) preemption
 
 
 class LLMEngine:
@@ -53,13 +56,19 @@ class LLMEngine:
         self.block_size = cache_config.block_size
         self.num_kv_blocks = self.runner.num_blocks
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
-        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), cache_config, self.num_kv_blocks)
+        self.scheduler = Scheduler(
+            args.scheduler_config(self.max_model_len), cache_config, self.num_kv_blocks,
+            num_host_blocks=self.runner.num_host_blocks, sliding_window=arch.sliding_window,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         logger.info(
-            "loaded %s (%s, %s) in %.1f s; KV cache: %d bytes/token, %d blocks of %d tokens = %d tokens max",
+            "loaded %s (%s, %s) in %.1f s; KV cache (%s): %d bytes/token, %d blocks of %d tokens = %d tokens max; "
+            "host tier: %d blocks = %d tokens",
             self.model_name, arch.architecture, self.runner.dtype, time.perf_counter() - started,
-            self.kv_bytes_per_token, self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size,
+            _kv_dtype_label(self.runner.kv_cache_dtype), self.kv_bytes_per_token, self.num_kv_blocks,
+            self.block_size, self.num_kv_blocks * self.block_size,
+            self.runner.num_host_blocks, self.runner.num_host_blocks * self.block_size,
         )
 
     @classmethod
@@ -197,7 +206,18 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions_total,
+            num_blocks_offloaded=s.offload_counters.num_blocks_offloaded,
+            num_blocks_restored=s.offload_counters.num_blocks_restored,
+            num_blocks_recomputed=s.offload_counters.num_blocks_recomputed,
         )
+
+
+def _kv_dtype_label(kv_dtype: torch.dtype) -> str:
+    """"int8 + fp32 scale per token and head" style description of the KV storage for the start-up log."""
+    name = str(kv_dtype).removeprefix("torch.")
+    if kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        return f"{name} + float32 scale per token slot and kv head"
+    return name
 
 
 def _set_num_threads(num_threads: int | None) -> None:

@@ -1,16 +1,21 @@
-"""Paged K/V tensors: their size per token, how many blocks fit a budget, and their allocation."""
+"""Paged K/V tensors: their size per token, how many blocks fit a budget, and their allocation.
+
+The cache dtype may differ from the model dtype (--kv-cache-dtype); int8 and fp8 rows carry a float32
+scale per (token slot, kv head), see loom.attention.kv_quant.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from loom.attention.kv_quant import kv_row_bytes, kv_row_width
 from loom.model.arch import ModelArchConfig
 
 
 def kv_cache_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies over all layers: 2 * L * H_kv * d_h * element size."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element_size
+    """Bytes of K and V one token occupies over all layers: 2 * L * H_kv * row bytes, where a row is
+    d_h * element size, plus 4 scale bytes for int8/fp8 caches."""
+    return 2 * arch.num_layers * arch.num_kv_heads * kv_row_bytes(arch.head_dim, dtype)
 
 
 def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:
@@ -33,8 +38,9 @@ def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size:
 def allocate_kv_caches(
     arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]
-    (index 0 = keys, 1 = values); slot s lives at [:, s // block_size, s % block_size].
+    """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, row]
+    (index 0 = keys, 1 = values; row = head_dim, or head_dim + 4 scale bytes for int8/fp8);
+    slot s lives at [:, s // block_size, s % block_size].
 
     Raises:
         ValueError: num_blocks or block_size < 1.
@@ -43,5 +49,5 @@ def allocate_kv_caches(
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    shape = (2, num_blocks, block_size, arch.num_kv_heads, kv_row_width(arch.head_dim, dtype))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]

@@ -12,7 +12,9 @@ from loom.config import CacheConfig, ModelConfig
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from loom.model.loader import load_model
 from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
+from loom.attention.kv_quant import resolve_kv_cache_dtype
 from loom.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
+from loom.worker.kv_offload import HostKVCache, num_host_blocks_for_budget
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +53,21 @@ class ModelRunner:
         self.eos_token_ids = loaded.eos_token_ids
         self.model_path = loaded.model_path
         self.block_size = cache_config.block_size
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.arch, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.arch, self.kv_cache_dtype)
         self.num_blocks = cache_config.num_blocks or num_blocks_for_budget(
-            self.arch, self.dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes
+            self.arch, self.kv_cache_dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes
         )
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gb is too small for one block of {cache_config.block_size} tokens "
                 f"({self.kv_bytes_per_token * cache_config.block_size} bytes)"
             )
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.dtype, device)
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device)
+        self.num_host_blocks = num_host_blocks_for_budget(
+            self.arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
+        )
+        self.host_kv_cache = HostKVCache(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
         self.default_generator = torch.Generator(device=device).manual_seed(model_config.seed)
         self.generators: dict[str, torch.Generator] = {}
 
@@ -72,6 +79,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.remove_requests(scheduler_output.finished_req_ids)
+        self._copy_host_blocks(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output.scheduled)
@@ -82,6 +90,14 @@ class ModelRunner:
         if inputs.sample_indices:
             self._sample(hidden, inputs, output)
         return output
+
+    def _copy_host_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Run the step's host-tier copies: offloads first (before any block is overwritten), then restores."""
+        if self.host_kv_cache is None:
+            assert not scheduler_output.blocks_to_offload and not scheduler_output.blocks_to_restore
+            return
+        self.host_kv_cache.offload(self.kv_caches, scheduler_output.blocks_to_offload)
+        self.host_kv_cache.restore(self.kv_caches, scheduler_output.blocks_to_restore)
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> _StepInputs:
         input_ids: list[int] = []
