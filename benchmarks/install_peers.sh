@@ -19,20 +19,24 @@ SRC_DIR="$BUILD_DIR/src"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
-echo "[install_peers] llama-cpp-python==$PIN sdist -> $SRC_DIR"
-"$PIP" download --no-deps --no-binary :all: --dest "$TMP" "llama-cpp-python==$PIN"
-shopt -s nullglob
-sdists=("$TMP"/llama_cpp_python-*.tar.gz "$TMP"/llama-cpp-python-*.tar.gz)
-if (( ${#sdists[@]} == 0 )); then echo "no sdist downloaded" >&2; exit 1; fi
-tar -xzf "${sdists[0]}" -C "$TMP"
-vendors=("$TMP"/llama*cpp*python-*/vendor/llama.cpp)
-if (( ${#vendors[@]} == 0 )); then echo "no vendor/llama.cpp in the sdist" >&2; exit 1; fi
-VENDOR="${vendors[0]}"
+if [[ -f "$BUILD_DIR/LLAMA_CPP_PYTHON_VERSION" && "$(cat "$BUILD_DIR/LLAMA_CPP_PYTHON_VERSION")" == "$PIN" && -d "$SRC_DIR" ]]; then
+  echo "[install_peers] llama.cpp of llama-cpp-python==$PIN already unpacked; incremental build"
+else
+  echo "[install_peers] llama-cpp-python==$PIN sdist -> $SRC_DIR"
+  "$PIP" download --no-deps --no-binary :all: --dest "$TMP" "llama-cpp-python==$PIN"
+  shopt -s nullglob
+  sdists=("$TMP"/llama_cpp_python-*.tar.gz "$TMP"/llama-cpp-python-*.tar.gz)
+  if (( ${#sdists[@]} == 0 )); then echo "no sdist downloaded" >&2; exit 1; fi
+  tar -xzf "${sdists[0]}" -C "$TMP"
+  vendors=("$TMP"/llama*cpp*python-*/vendor/llama.cpp)
+  if (( ${#vendors[@]} == 0 )); then echo "no vendor/llama.cpp in the sdist" >&2; exit 1; fi
+  VENDOR="${vendors[0]}"
 
-rm -rf "$SRC_DIR"
-mkdir -p "$BUILD_DIR"
-cp -r "$VENDOR" "$SRC_DIR"
-echo "$PIN" > "$BUILD_DIR/LLAMA_CPP_PYTHON_VERSION"
+  rm -rf "$SRC_DIR"
+  mkdir -p "$BUILD_DIR"
+  cp -r "$VENDOR" "$SRC_DIR"
+  echo "$PIN" > "$BUILD_DIR/LLAMA_CPP_PYTHON_VERSION"
+fi
 
 cmake -S "$SRC_DIR" -B "$BUILD_DIR/cmake" \
   -DCMAKE_BUILD_TYPE=Release \
@@ -42,12 +46,14 @@ cmake -S "$SRC_DIR" -B "$BUILD_DIR/cmake" \
   -DLLAMA_BUILD_EXAMPLES=ON \
   -DLLAMA_BUILD_TOOLS=ON \
   -DLLAMA_BUILD_SERVER=ON \
-  -DBUILD_SHARED_LIBS=OFF \
-  -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$BUILD_DIR/bin"
+  -DBUILD_SHARED_LIBS=OFF
 cmake --build "$BUILD_DIR/cmake" --config Release -j "$JOBS" \
   --target llama-bench llama-batched-bench llama-server
 
+mkdir -p "$BUILD_DIR/bin"
 for exe in llama-bench llama-batched-bench llama-server; do
+  # llama.cpp's CMakeLists sends every executable to <build>/bin
+  cp "$BUILD_DIR/cmake/bin/$exe" "$BUILD_DIR/bin/$exe"
   test -x "$BUILD_DIR/bin/$exe" || { echo "missing $BUILD_DIR/bin/$exe" >&2; exit 1; }
 done
 echo "[install_peers] done: $(ls "$BUILD_DIR/bin")"
