@@ -200,6 +200,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         self.block_pool.touch(hits)
         blocks.extend(hits)
+        if self.host is not None:
+            self.host.pin(restores)  # the evictions below must not hand these slots to an offload
         new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
         blocks.extend(new_blocks)
         if self.host is not None:

@@ -99,6 +99,10 @@ class HostBlockTier:
         """Host slot holding the block cached under `block_hash`, or None."""
         return self._cached.get(block_hash)
 
+    def pin(self, slots: list[int]) -> None:
+        """Keep `slots` from being evicted or reused until this step's copies are issued."""
+        self._pinned.update(slots)
+
     def restore(self, slot: int, block_id: int) -> None:
         """Copy host `slot` into device block `block_id` this step (slot pinned until the copies are issued)."""
         self._pinned.add(slot)
