@@ -308,6 +308,7 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing %d request(s) in flight", len(state.streams))
             self._abort_all(state, "error")
             return
+        self._publish(state, outputs)  # metrics first: a client that sees its last token may read them at once
         for out in outputs:
             stream = state.streams.get(out.request_id)
             if stream is None:
@@ -316,7 +317,6 @@ class AsyncLLMEngine:
             if out.finished:
                 del state.streams[out.request_id]
             stream.put(out)
-        self._publish(state, outputs)
 
     def _publish(self, state: _Loop, outputs: Sequence[RequestOutput]) -> None:
         try:

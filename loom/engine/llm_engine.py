@@ -171,6 +171,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.output_processor.record_scheduled(
+            [r.request_id for r in scheduler_output.scheduled if r.is_new], time.monotonic()
+        )
         try:
             runner_output = self.runner.execute_model(scheduler_output)
         except Exception:  # a failing forward must not take the engine down: fail the requests of this step

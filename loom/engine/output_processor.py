@@ -111,6 +111,18 @@ class OutputProcessor:
         parent.children[index] = child
         self._child_to_parent[request_id] = (parent_id, index)
 
+    def record_scheduled(self, request_ids: list[str], now: float) -> None:
+        """Note when each parent was first scheduled (queue time = first_scheduled_time - arrival_time).
+
+        Args: request_ids: child ids scheduled this step; now: time.monotonic() seconds.
+        """
+        for request_id in request_ids:
+            entry = self._child_to_parent.get(request_id)
+            if entry is not None:
+                metrics = self._parents[entry[0]].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Apply one step's news; return a RequestOutput for every parent with news.
 

@@ -210,3 +210,15 @@ def test_find_stop_and_hold_back_helpers() -> None:
     assert find_stop_string("abc", 0, ["d"]) is None
     assert held_back_len("hello wor", ["world", "or not"]) == 3
     assert held_back_len("hello", ["xyz"]) == 0
+
+
+def test_record_scheduled_keeps_the_first_time(hf_tokenizer) -> None:
+    from loom.engine.output_processor import OutputProcessor
+    from loom.sampling_params import SamplingParams
+
+    proc = OutputProcessor(hf_tokenizer)
+    proc.add_request(request_id="a", parent_id="a", index=0, n=1, prompt=None, prompt_token_ids=[1, 2],
+                     params=SamplingParams(), arrival_time=10.0)
+    proc.record_scheduled(["a", "unknown"], 11.0)
+    proc.record_scheduled(["a"], 12.0)  # e.g. resumed after a preemption
+    assert proc._parents["a"].metrics.first_scheduled_time == 11.0

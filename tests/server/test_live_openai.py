@@ -207,14 +207,13 @@ def test_32_concurrent_streams_match_sequential_runs(live: LiveServer) -> None:
 
 
 def test_metrics_after_traffic(live: LiveServer) -> None:
-    with httpx.Client(base_url=live.base_url) as c:
-        text = c.get("/metrics").text
     name = _model(live)
-    # request_queue_time_seconds is exported too, but stays empty until the engine fills
-    # RequestMetrics.first_scheduled_time (it does not yet).
-    assert f'loom:request_queue_time_seconds_count{{model_name="{name}"}}' in text
+    with httpx.Client(base_url=live.base_url, timeout=120) as c:
+        r = c.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 3, "stream": True})
+        assert r.status_code == 200
+        text = c.get("/metrics").text
     for metric in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
-                   "inter_token_latency_seconds_count"):
+                   "inter_token_latency_seconds_count", "request_queue_time_seconds_count"):
         line = next(x for x in text.splitlines() if x.startswith(f'loom:{metric}{{model_name="{name}"}}'))
         assert float(line.split()[-1]) > 0, line
     assert f'loom:kv_cache_usage_perc{{model_name="{name}"}}' in text
