@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
-from collections.abc import Callable
 
+from loom.bench.cli import register as register_bench
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
+from loom.server.cli import register as register_serve
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +42,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from loom.engine.llm import LLM
 
     params = _sampling_params(ns)
-    llm = LLM(**vars(engine_args_from_namespace(ns)))
+    llm = LLM(**dataclasses.asdict(engine_args_from_namespace(ns)))
     prompt: str | list[int] = ns.prompt
     if not ns.raw and llm.tokenizer.chat_template:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": ns.prompt}])
@@ -55,7 +57,7 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
     from loom.engine.llm import LLM
 
     params = _sampling_params(ns)
-    llm = LLM(**vars(engine_args_from_namespace(ns)))
+    llm = LLM(**dataclasses.asdict(engine_args_from_namespace(ns)))
     messages: list[dict[str, str]] = []
     if ns.system:
         messages.append({"role": "system", "content": ns.system})
@@ -101,19 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
-    for register in _optional_registrars():
-        register(sub)
+    register_serve(sub)
+    register_bench(sub)
     return parser
-
-
-def _optional_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
-    registrars = []
-    for module in ("loom.server.cli", "loom.bench.cli"):
-        try:
-            registrars.append(__import__(module, fromlist=["register"]).register)
-        except ImportError:  # the subsystem is not installed in this build
-            continue
-    return registrars
 
 
 def main(argv: list[str] | None = None) -> int:
