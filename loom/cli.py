@@ -87,7 +87,7 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="loom: LLM inference engine and OpenAI-compatible server")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
