@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_dataset_args(srv, default_num_prompts=64)
     _add_output_args(srv)
     srv.set_defaults(func=cmd_serve)
+    from loom.bench.prefix import register_prefix  # light: no torch at import
+
+    register_prefix(bench_sub)
 
     ana = subparsers.add_parser("analyze", help="roofline floors of a model on this machine (compute the floor first)")
     _add_analyze_args(ana)
