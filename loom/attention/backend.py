@@ -102,6 +102,32 @@ def gather_kv(
     return dequantize_kv(key, out_dtype), dequantize_kv(value, out_dtype)
 
 
+def gather_kv_padded(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the K/V of several requests at once through their block tables, padded to the same length.
+
+    One index_select over the block dimension for K and V together (no per-request loop); rows past a
+    request's seq_len are whatever its padding blocks hold, so callers mask them.
+
+    Args:
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, row] (see write_kv_cache).
+        block_ids: [num_reqs, num_blocks_per_req] int64 block ids, padded with any valid id.
+        out_dtype: dtype of the result for quantized caches (default float32); plain caches are returned
+            in their own dtype (callers cast).
+
+    Returns:
+        key, value: each [num_reqs, num_blocks_per_req * block_size, num_kv_heads, head_dim].
+    """
+    num_reqs, blocks_per_req = block_ids.shape
+    _, _, block_size, num_kv_heads, row = kv_cache.shape
+    # index_select lacks float8 kernels on some devices: move the raw bytes of quantized caches.
+    source = kv_cache.view(torch.uint8) if is_quantized(kv_cache.dtype) else kv_cache
+    rows = source.index_select(1, block_ids.reshape(-1)).view(kv_cache.dtype)
+    rows = rows.view(2, num_reqs, blocks_per_req * block_size, num_kv_heads, row)
+    return dequantize_kv(rows[0], out_dtype), dequantize_kv(rows[1], out_dtype)
+
+
 def dequantize_kv(rows: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Cache rows [..., row] -> K or V [..., head_dim]: dequantized (to out_dtype, default float32) for
     int8/fp8 caches, returned unchanged otherwise."""
@@ -116,10 +142,22 @@ def _make_torch_reference() -> AttentionBackend:
     return TorchReferenceBackend()
 
 
+def _make_cpu_paged() -> AttentionBackend:
+    from loom.attention.cpu_paged import CpuPagedBackend
+
+    return CpuPagedBackend()
+
+
 # Read-only registry: backend name -> factory. New backends add an entry here.
 ATTENTION_BACKENDS: Mapping[str, Callable[[], AttentionBackend]] = MappingProxyType(
-    {"torch_reference": _make_torch_reference}
+    {"torch_reference": _make_torch_reference, "cpu_paged": _make_cpu_paged}
 )
+
+
+def default_attention_backend(device: torch.device) -> str:
+    """Backend used when none is named: cpu_paged (batched decode, plain torch ops, so any device runs it)."""
+    del device  # one default for now; a device-specific kernel would be chosen here
+    return "cpu_paged"
 
 
 def get_attention_backend(name: str = "torch_reference") -> AttentionBackend:

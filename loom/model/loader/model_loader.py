@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from loom.attention.backend import get_attention_backend
+from loom.attention.backend import default_attention_backend, get_attention_backend
 from loom.model.arch import ModelArchConfig
 from loom.model.loader.default import default_model_path
 from loom.model.loader.gguf import (
@@ -80,7 +80,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     *,
-    attention_backend: str = "torch_reference",
+    attention_backend: str | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory into a loom model on `device` in `dtype`.
 
@@ -91,7 +91,7 @@ def load_model(
         model: GGUF file path, HF model directory, or None for the bundled SmolLM2-135M-Instruct.
         dtype: a floating dtype for weights and activations (torch.float32, bfloat16, float16).
         device: where the parameters live.
-        attention_backend: name in loom.attention.ATTENTION_BACKENDS.
+        attention_backend: name in loom.attention.ATTENTION_BACKENDS; None = default_attention_backend(device).
 
     Raises:
         ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
@@ -112,7 +112,8 @@ def load_model(
         arch = hf_arch_config(config)
         weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
-    net = model_cls(arch, get_attention_backend(attention_backend), dtype, device)
+    backend = get_attention_backend(attention_backend or default_attention_backend(device))
+    net = model_cls(arch, backend, dtype, device)
     net.load_weights(weights)
     net.eval()
     tokenizer = tokenizer_from_path(path) if has_tokenizer else None

@@ -1,0 +1,211 @@
+"""Paged attention for CPUs (and any device torch runs on): decode tokens of the whole batch in one call.
+
+Decode requests (one query token) are served together: their blocks are gathered into a padded
+[num_reqs, max_ctx, H_kv, d] tensor and one masked scaled_dot_product_attention runs over the batch.
+Grouped-query attention (arXiv:2305.13245) is a reshape: the G = H / H_kv query heads that share a KV
+head become G query rows of that head, so K/V are never repeated. Prefill chunks run one SDPA per
+request, with K/V broadcast over the group by `expand` (a view, not a copy).
+
+The per-step work that does not depend on the layer (masks, block ids, which rows decode) is planned
+once, on the first layer's call, and reused by the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loom.attention.backend import gather_kv, gather_kv_padded, write_kv_cache
+from loom.attention.metadata import AttentionMetadata
+from loom.attention.reference import causal_mask
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    """The batched decode of one step."""
+
+    token_rows: torch.Tensor | None  # [num_decode] int64 rows of the flattened batch; None = every row, in order
+    block_ids: torch.Tensor  # [num_decode, max_blocks] int64 block ids (padding repeats a valid id)
+    mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool, True = may attend
+
+
+@dataclass(slots=True)
+class _PrefillPlan:
+    """One request whose query has more than one token this step."""
+
+    req_index: int  # row of the request in attn_metadata
+    start: int  # first token row of the request in the flattened batch
+    end: int  # one past its last token row
+    seq_len: int  # tokens of context after this step
+    mask: torch.Tensor | None  # [end - start, seq_len] bool, True = may attend; None = plain causal (is_causal)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """Everything about one step's attention that is the same in every layer."""
+
+    attn_metadata: AttentionMetadata  # the step this plan was made for (compared by identity)
+    sliding_window: int | None  # tokens, the window the masks were made for
+    decode: _DecodePlan | None  # None = no decode tokens this step
+    prefills: list[_PrefillPlan]  # requests with multi-token queries, batch order
+
+
+def plan_step(attn_metadata: AttentionMetadata, sliding_window: int | None) -> _StepPlan:
+    """Split a step into one batched decode and per-request prefills, and build their masks.
+
+    Args:
+        attn_metadata: the step (python lists give the query and context lengths; no device sync).
+        sliding_window: tokens each query may look back, query included; None = unlimited.
+    """
+    starts = attn_metadata.query_start_loc_cpu
+    seq_lens = attn_metadata.seq_lens_cpu
+    decode_reqs: list[int] = []
+    prefills: list[_PrefillPlan] = []
+    device = attn_metadata.block_tables.device
+    for i in range(attn_metadata.num_reqs):
+        q_len = starts[i + 1] - starts[i]
+        if q_len == 1:
+            decode_reqs.append(i)
+        elif q_len > 1:
+            mask = None
+            if sliding_window is not None or q_len != seq_lens[i]:
+                mask = causal_mask(q_len, seq_lens[i], sliding_window, device)
+            prefills.append(_PrefillPlan(i, starts[i], starts[i + 1], seq_lens[i], mask))
+    decode = _plan_decode(attn_metadata, decode_reqs, sliding_window) if decode_reqs else None
+    return _StepPlan(attn_metadata, sliding_window, decode, prefills)
+
+
+def _plan_decode(
+    attn_metadata: AttentionMetadata, decode_reqs: list[int], sliding_window: int | None
+) -> _DecodePlan:
+    """Block ids and key masks of the decode requests (indices into attn_metadata's requests)."""
+    block_size = attn_metadata.block_size
+    seq_lens_cpu = attn_metadata.seq_lens_cpu
+    max_blocks = -(-max(seq_lens_cpu[i] for i in decode_reqs) // block_size)
+    device = attn_metadata.block_tables.device
+    every_row = len(decode_reqs) == attn_metadata.num_reqs == attn_metadata.num_tokens
+    if every_row:
+        block_ids = attn_metadata.block_tables[:, :max_blocks].long()
+        seq_lens = attn_metadata.seq_lens.long()
+        token_rows = None
+    else:
+        req_index = torch.tensor(decode_reqs, dtype=torch.int64, device=device)
+        block_ids = attn_metadata.block_tables.index_select(0, req_index)[:, :max_blocks].long()
+        seq_lens = attn_metadata.seq_lens.index_select(0, req_index).long()
+        token_rows = torch.tensor(
+            [attn_metadata.query_start_loc_cpu[i] for i in decode_reqs], dtype=torch.int64, device=device
+        )
+    key_pos = torch.arange(max_blocks * block_size, device=device)[None, :]
+    mask = key_pos < seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= key_pos >= (seq_lens[:, None] - sliding_window)
+    return _DecodePlan(token_rows, block_ids, mask[:, None, None, :])
+
+
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One-token attention of a batch over padded contexts, GQA by reshape.
+
+    Args:
+        query: [num_reqs, num_heads, head_dim].
+        key, value: [num_reqs, max_ctx, num_kv_heads, head_dim], dtype of query.
+        mask: [num_reqs, 1, 1, max_ctx] bool, True = may attend (at least one True per request).
+        scale: softmax scale.
+
+    Returns:
+        [num_reqs, num_heads, head_dim], dtype of query.
+    """
+    num_reqs, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
+    group = num_heads // num_kv_heads
+    out = F.scaled_dot_product_attention(
+        query.view(num_reqs, num_kv_heads, group, head_dim),  # the group's heads act as query rows
+        key.transpose(1, 2),  # [num_reqs, H_kv, max_ctx, d]
+        value.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out.reshape(num_reqs, num_heads, head_dim)
+
+
+def prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention of one request's query chunk over its context, GQA by broadcasting K/V (no copy).
+
+    Args:
+        query: [q_len, num_heads, head_dim].
+        key, value: [seq_len, num_kv_heads, head_dim], dtype of query.
+        mask: [q_len, seq_len] bool, True = may attend; None = causal with q_len == seq_len.
+        scale: softmax scale.
+
+    Returns:
+        [q_len, num_heads, head_dim], dtype of query.
+    """
+    q_len, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [H_kv, G, q_len, d]
+    k = key.transpose(0, 1)[:, None].expand(num_kv_heads, group, seq_len, head_dim)
+    v = value.transpose(0, 1)[:, None].expand(num_kv_heads, group, seq_len, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+class CpuPagedBackend:
+    """Paged attention with one batched SDPA for all decode tokens and one SDPA per prefill chunk.
+
+    K/V are written with `write_kv_cache` and read with `gather_kv_padded` / `gather_kv`, so quantized
+    caches work unchanged. Keeps the plan of the current step (one instance serves every layer).
+    """
+
+    name: str = "cpu_paged"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None  # plan of the step being run, reused across layers
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """See AttentionBackend.forward. Shapes: query [num_tokens, num_heads, head_dim],
+        key/value [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim]."""
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        plan = self._step_plan(attn_metadata, sliding_window)
+        if plan.decode is not None and plan.decode.token_rows is None:
+            return self._decode(query, kv_cache, plan.decode, scale)  # the common pure-decode step
+        output = torch.empty_like(query)
+        if plan.decode is not None:
+            rows = plan.decode.token_rows
+            assert rows is not None
+            output.index_copy_(0, rows, self._decode(query.index_select(0, rows), kv_cache, plan.decode, scale))
+        for item in plan.prefills:
+            k, v = gather_kv(
+                kv_cache, attn_metadata.block_tables[item.req_index], item.seq_len, attn_metadata.block_size,
+                out_dtype=query.dtype,
+            )
+            output[item.start : item.end] = prefill_attention(
+                query[item.start : item.end], k.to(query.dtype), v.to(query.dtype), item.mask, scale
+            )
+        return output
+
+    def _step_plan(self, attn_metadata: AttentionMetadata, sliding_window: int | None) -> _StepPlan:
+        plan = self._plan
+        if plan is None or plan.attn_metadata is not attn_metadata or plan.sliding_window != sliding_window:
+            plan = plan_step(attn_metadata, sliding_window)
+            self._plan = plan
+        return plan
+
+    @staticmethod
+    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+        key, value = gather_kv_padded(kv_cache, plan.block_ids, out_dtype=query.dtype)
+        return decode_attention(query, key.to(query.dtype), value.to(query.dtype), plan.mask, scale)
