@@ -13,7 +13,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None  # GGUF path or Hugging Face model directory; None = bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # weights and activations; "auto" = float32 on CPU (bfloat16 arrives with the fast path)
+    dtype: str = "auto"  # weights and activations; "auto" = bfloat16 where the device has native bf16 matmul, else float32
     max_model_len: int | None = None  # tokens (prompt + output); None = the model's context length
     seed: int = 0  # seed of the engine-wide generator used by unseeded requests
 

@@ -22,10 +22,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" is float32 for now; bfloat16 becomes the CPU default with the fast path."""
-    if name == "auto":
-        return torch.float32
-    return _DTYPES[name]
+    """Weights/activations dtype of a ModelConfig.dtype name.
+
+    "auto" is bfloat16 where the device multiplies bfloat16 natively (oneDNN reports AVX512_BF16/AMX on
+    CPU, or a CUDA device of compute capability >= 8.0), float32 elsewhere. bfloat16 halves the weight
+    bytes every decode step reads (the roofline floor in benchmarks/NOTES.md). Logits are cast to float32
+    before sampling (as transformers does); RMSNorm statistics and rotary run in float32 and SDPA
+    accumulates its softmax in float32. Pass "float32" for exact transformers parity.
+    """
+    if name != "auto":
+        return _DTYPES[name]
+    return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """True when bfloat16 matmuls run natively on `device` (not emulated through float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
 
 
 @dataclass(slots=True)
