@@ -59,10 +59,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
         n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), *cos_sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)  # [n, (H + 2 H_kv) d]
+        rope_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        # q and k side by side are rotated in one pass: [n, H + H_kv, d], then split back (views).
+        qk = apply_rotary(qkv[:, :rope_width].view(n, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, rope_width:].view(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
@@ -218,6 +220,9 @@ class LlamaForCausalLM(nn.Module):
         missing = _missing(params, loaded)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for parameters: {sorted(missing)[:8]}")
+        for module in self.modules():
+            if isinstance(module, (Linear, LMHead)):
+                module.process_weights_after_loading()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

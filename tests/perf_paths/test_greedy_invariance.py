@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.model.layers import Linear, LMHead, UnquantizedLinearMethod
+from loom.model.layers.linear import onednn_packing_available
 from loom.model.loader import load_model
 from tests.model.model_harness import PagedHarness, TinyModel
 
@@ -36,3 +38,27 @@ def test_cpu_paged_backend_keeps_greedy_tokens(tiny_models: dict[str, TinyModel]
         loaded = load_model(str(tiny_models[name].path), torch.float32, CPU, attention_backend=backend)
         tokens[backend] = _greedy(loaded.model, loaded.arch, new_tokens=12)
     assert tokens["cpu_paged"] == tokens["torch_reference"]
+
+
+def _unpack(model: torch.nn.Module) -> None:
+    """Switch every linear layer and the LM head back to plain F.linear on the dense weights."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quant_method = UnquantizedLinearMethod()
+            module.packed_weight = None
+        elif isinstance(module, LMHead):
+            module.packed_weight = None
+
+
+@pytest.mark.skipif(not onednn_packing_available(torch.bfloat16, CPU), reason="CPU without native bf16")
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa"])
+def test_onednn_packed_bf16_linear_keeps_greedy_tokens(tiny_models: dict[str, TinyModel], name: str) -> None:
+    """Pre-packed oneDNN weights compute the same bf16 products as F.linear: same greedy tokens."""
+    tokens = {}
+    for packed in (True, False):
+        loaded = load_model(str(tiny_models[name].path), torch.bfloat16, CPU)
+        assert (loaded.model.lm_head.packed_weight is not None) is True
+        if not packed:
+            _unpack(loaded.model)
+        tokens[packed] = _greedy(loaded.model, loaded.arch, new_tokens=12)
+    assert tokens[True] == tokens[False]

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.model.layers.linear import onednn_packing_available, pack_onednn_weight
+
 
 class VocabEmbedding(nn.Module):
     """Lookup table: input_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
@@ -39,6 +41,19 @@ class LMHead(nn.Module):
                 torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
             )  # [vocab_size, hidden_size]
 
+        self.packed_weight: torch.Tensor | None = None  # oneDNN layout of weight, set after loading
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
-        return F.linear(hidden, self.weight).float()
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (the matmul runs in the weight dtype
+        and is cast, as transformers does)."""
+        if self.packed_weight is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
+        else:
+            logits = F.linear(hidden, self.weight)
+        return logits.float()
+
+    def process_weights_after_loading(self) -> None:
+        """Pre-pack the (possibly shared) matrix for oneDNN when the CPU has native bf16; the largest
+        matmul of a decode step (vocab x hidden), so packing it pays the most."""
+        if onednn_packing_available(self.weight.dtype, self.weight.device):
+            self.packed_weight = pack_onednn_weight(self.weight)

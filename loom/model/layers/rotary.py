@@ -95,5 +95,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [num_tokens, heads, head_dim] (rotate-half pairing: i with i + head_dim/2) by the
     angles behind cos/sin [num_tokens, 1, head_dim]. Returns a tensor of x's dtype."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    x32 = x.float()  # one upcast; negation and concatenation are exact, so rotating x32 rounds the same
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
