@@ -33,7 +33,7 @@ class AttentionBackend(Protocol):
             query: [num_tokens, num_heads, head_dim].
             key, value: [num_tokens, num_kv_heads, head_dim] of this step's tokens.
             kv_cache: [2, num_blocks, block_size, num_kv_heads, row] of this layer (updated in place); row is
-                head_dim, or head_dim + 4 for int8/fp8 caches: write with `write_kv_cache`, read with `gather_kv`.
+                kv_row_width(head_dim, dtype) (head_dim plus scale bytes for int8/fp8): write with `write_kv_cache`, read with `gather_kv`.
             attn_metadata: positions of the tokens in the cache.
             scale: softmax scale, usually head_dim ** -0.5.
             sliding_window: tokens each query may look back (query included); None = unlimited.
@@ -50,12 +50,13 @@ def write_kv_cache(
     """Scatter key/value rows into the paged cache at slot_mapping, skipping PAD_SLOT_ID (-1) slots.
 
     Quantized caches (int8, float8_e4m3fn; see loom.attention.kv_quant) store each (token, kv head) row
-    as values plus its float32 scale. Every backend writes K/V through this function.
+    as its 1-byte values followed by its own scales (int8: float16 scale + minimum per 32 values; fp8: one
+    float32 scale), so each row is final once written. Every backend writes K/V through this function.
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim].
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, row] (row = head_dim, or head_dim + 4 when
-            quantized), updated in place.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, row] (row = kv_row_width(head_dim, dtype): head_dim,
+            plus the scale bytes when quantized), updated in place.
         slot_mapping: [num_tokens] int64, block_id * block_size + offset, or -1.
     """
     num_kv_heads, row = kv_cache.shape[-2:]

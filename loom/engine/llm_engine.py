@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from loom.attention.kv_quant import describe_kv_format
 from loom.config import EngineArgs
 from loom.core.scheduler import Scheduler
 from loom.core.sched_output import EngineCoreOutput, SchedulerOutput
@@ -216,11 +217,8 @@ class LLMEngine:
 
 
 def _kv_dtype_label(kv_dtype: torch.dtype) -> str:
-    """"int8 + fp32 scale per token and head" style description of the KV storage for the start-up log."""
-    name = str(kv_dtype).removeprefix("torch.")
-    if kv_dtype in (torch.int8, torch.float8_e4m3fn):
-        return f"{name} + float32 scale per token slot and kv head"
-    return name
+    """Description of the KV storage for the start-up log, scale granularity included (kv_quant)."""
+    return describe_kv_format(kv_dtype)
 
 
 def _set_num_threads(num_threads: int | None) -> None:

@@ -55,10 +55,20 @@ class ServerMetrics:
                                    registry=r).labels(model_name)
         self.preemptions = Counter("loom:num_preemptions", "Requests preempted (KV blocks reclaimed).", labels,
                                    registry=r).labels(model_name)
+        self.kv_offloaded = Counter("loom:kv_blocks_offloaded", "KV blocks copied from the device to the host tier.",
+                                    labels, registry=r).labels(model_name)
+        self.kv_restored = Counter("loom:kv_blocks_restored", "KV blocks copied from the host tier to the device.",
+                                   labels, registry=r).labels(model_name)
+        self.kv_recomputed = Counter("loom:kv_blocks_recomputed",
+                                     "Computed KV blocks dropped by preemption (to be recomputed).", labels,
+                                     registry=r).labels(model_name)
         self._seen: dict[str, float | None] = {}  # request_id -> last_token_time seen (engine thread only)
         self._last_queries = 0  # cumulative engine counters at the previous step
         self._last_hits = 0
         self._last_preemptions = 0
+        self._last_offloaded = 0
+        self._last_restored = 0
+        self._last_recomputed = 0
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
@@ -77,6 +87,13 @@ class ServerMetrics:
         self._last_hits = _advance(self.prefix_hits, stats.prefix_cache_hits, self._last_hits)
         self._last_preemptions = _advance(self.preemptions, getattr(stats, "num_preemptions", 0),
                                           self._last_preemptions)
+        # Host offload tier (EngineStats.num_blocks_*; zero on engines without the tier).
+        self._last_offloaded = _advance(self.kv_offloaded, getattr(stats, "num_blocks_offloaded", 0),
+                                        self._last_offloaded)
+        self._last_restored = _advance(self.kv_restored, getattr(stats, "num_blocks_restored", 0),
+                                       self._last_restored)
+        self._last_recomputed = _advance(self.kv_recomputed, getattr(stats, "num_blocks_recomputed", 0),
+                                         self._last_recomputed)
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
         m = out.metrics

@@ -1,7 +1,7 @@
 """Paged K/V tensors: their size per token, how many blocks fit a budget, and their allocation.
 
-The cache dtype may differ from the model dtype (--kv-cache-dtype); int8 and fp8 rows carry a float32
-scale per (token slot, kv head), see loom.attention.kv_quant.
+The cache dtype may differ from the model dtype (--kv-cache-dtype); int8 and fp8 rows carry their own scales
+(int8: float16 scale + minimum per 32 values; fp8: one float32 scale per row), see loom.attention.kv_quant.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from loom.model.arch import ModelArchConfig
 
 def kv_cache_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V one token occupies over all layers: 2 * L * H_kv * row bytes, where a row is
-    d_h * element size, plus 4 scale bytes for int8/fp8 caches."""
+    d_h * element size, plus the row's scale bytes for int8/fp8 caches (kv_quant.kv_row_bytes)."""
     return 2 * arch.num_layers * arch.num_kv_heads * kv_row_bytes(arch.head_dim, dtype)
 
 
@@ -39,7 +39,7 @@ def allocate_kv_caches(
     arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, row]
-    (index 0 = keys, 1 = values; row = head_dim, or head_dim + 4 scale bytes for int8/fp8);
+    (index 0 = keys, 1 = values; row = kv_row_width(head_dim, dtype): head_dim, plus scale bytes for int8/fp8);
     slot s lives at [:, s // block_size, s % block_size].
 
     Raises:

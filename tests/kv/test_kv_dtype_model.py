@@ -1,6 +1,8 @@
 """int8 / fp8 KV cache on the bundled SmolLM2-135M against a bfloat16 cache (model in float32).
 
-Rows are quantized with one absmax scale per (token slot, kv head) (loom.attention.kv_quant).
+int8 rows carry a float16 scale and minimum per 32 values (asymmetric); fp8 rows one float32 absmax scale per
+(token slot, kv head) (loom.attention.kv_quant). The requirement for int8: greedy output equal to the 16-bit
+cache on most prompts for 64 tokens, top-5 logprobs overlapping, about half the bytes per token.
 """
 
 from __future__ import annotations
@@ -32,12 +34,19 @@ def bf16_run() -> tuple[list[RequestOutput], int]:
     return _run("bfloat16")
 
 
+# (dtype, bytes/token over bfloat16, min prompts identical for 64 tokens, min prompts identical for 8 tokens).
+# int8: the requirement ("most prompts" = more than half). fp8: measured floor, not the requirement (see below).
+CASES = [("int8", 0.5625, 4, 5), ("fp8_e4m3", 0.53125, 2, 4)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-def test_quantized_cache_tracks_the_16_bit_cache(bf16_run, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize("kv_cache_dtype,bytes_ratio,min_same,min_agree_8", CASES)
+def test_quantized_cache_tracks_the_16_bit_cache(
+    bf16_run, kv_cache_dtype: str, bytes_ratio: float, min_same: int, min_agree_8: int
+) -> None:
     reference, ref_bytes = bf16_run
     outs, num_bytes = _run(kv_cache_dtype)
-    assert 0.5 < num_bytes / ref_bytes < 0.54  # about half: 1 byte per value + a float32 scale per 64
+    assert num_bytes / ref_bytes == bytes_ratio  # about half: 1 byte per value + in-row scales
     same = agree_8 = 0
     overlaps: list[int] = []
     for got, want in zip(outs, reference, strict=True):
@@ -50,10 +59,11 @@ def test_quantized_cache_tracks_the_16_bit_cache(bf16_run, kv_cache_dtype: str) 
             overlaps.append(len(top_got & top_want))
             if a != b:
                 break
-    # Measured (torch 2.13, cpu_paged backend): int8 keeps 1/6 prompts identical for all 64 tokens and 5/6 for
-    # the first 8, fp8 4/6 and 5/6; top-5 overlap >= 4 everywhere (mean 4.9 / 4.8). Near-ties in this 135M
-    # model flip early: per-(token, head) absmax scales do not reach "identical on most prompts" for int8.
+    # Measured (torch 2.13, cpu_paged backend, these 6 prompts): int8 4/6 identical for 64 tokens, 6/6 for 8,
+    # top-5 overlap mean 4.93 min 4 (per-row absmax scales gave 1/6); fp8 4/6, 5/6, 4.81 min 4. On 24 prompts
+    # int8 keeps 15/24 identical, but fp8 only 2/12 and its teacher-forced top-1 flip rate is 2.7% per token
+    # (int8 0.59%), so the fp8 floor is set below this run's 4/6 (benchmarks/NOTES.md).
     print(kv_cache_dtype, f"identical {same}/6, first 8 identical {agree_8}/6,",
           f"top-5 overlap mean {sum(overlaps) / len(overlaps):.2f} min {min(overlaps)}")
-    assert same >= 1 and agree_8 >= 4
+    assert same >= min_same and agree_8 >= min_agree_8
     assert min(overlaps) >= 3 and sum(overlaps) / len(overlaps) >= 4.5

@@ -52,6 +52,9 @@ class FakeStats:
     prefix_cache_queries: int  # tokens, cumulative
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int  # cumulative
+    num_blocks_offloaded: int = 0  # cumulative device -> host tier block copies
+    num_blocks_restored: int = 0  # cumulative host tier -> device block copies
+    num_blocks_recomputed: int = 0  # cumulative computed blocks dropped by preemption
 
 
 @dataclass(slots=True)
@@ -90,6 +93,7 @@ class FakeEngine:
         self._queries = 0
         self._seen_prefixes: set[tuple[int, ...]] = set()
         self._hits = 0
+        self.offload_counters = [0, 0, 0]  # tests set these: num_blocks_offloaded, _restored, _recomputed
 
     # -- interface --
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -147,7 +151,8 @@ class FakeEngine:
         used = self.used_blocks()
         running = sum(1 for r in self.reqs.values() if r.running)
         return FakeStats(running, len(self.reqs) - running, used / self.num_kv_blocks,
-                         self.num_kv_blocks - used, self.num_kv_blocks, self._queries, self._hits, 0)
+                         self.num_kv_blocks - used, self.num_kv_blocks, self._queries, self._hits, 0,
+                         *self.offload_counters)
 
     def step(self) -> list[RequestOutput]:
         if self.fail_next_step:
