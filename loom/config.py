@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# KV cache storage; "auto" = the model dtype; int8/fp8_e4m3 keep a float32 scale per (token slot, kv head).
+# KV cache storage; "auto" = the model dtype. int8: asymmetric codes with a float16 scale + min per 32
+# values of a (token slot, kv head) row; fp8_e4m3: a float32 scale per row (docs/kv_cache.md).
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
 
