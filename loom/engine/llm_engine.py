@@ -50,6 +50,8 @@ class LLMEngine:
         self.runner = ModelRunner(model_config, cache_config, device)
         arch = self.runner.arch
         self.tokenizer = self.runner.tokenizer
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.runner.model_path!r} has no tokenizer (tokenizer.json or tokenizer.model)")
         self.eos_token_ids = self.runner.eos_token_ids
         self.vocab_size = arch.vocab_size
         self.max_model_len = _resolve_max_model_len(args.max_model_len, arch.max_position_embeddings)
