@@ -308,11 +308,12 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing %d request(s) in flight", len(state.streams))
             self._abort_all(state, "error")
             return
-        self._publish(state, outputs)  # metrics first: a client that sees its last token may read them at once
-        for out in outputs:
-            stream = state.streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted between the step and now
+        # An aborted request's final output was already made and counted when it was aborted; the engine's
+        # own abort output for it must not count twice.
+        live = [out for out in outputs if out.request_id in state.streams]
+        self._publish(state, live)  # metrics first: a client that sees its last token may read them at once
+        for out in live:
+            stream = state.streams[out.request_id]
             stream.last = out
             if out.finished:
                 del state.streams[out.request_id]

@@ -170,8 +170,9 @@ def _raw_post(live: LiveServer, body: dict) -> socket.socket:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_blocks(live: LiveServer, stream: bool) -> None:
-    assert wait_for(lambda: live.engine.get_stats().num_running == 0, 30)
+    assert wait_for(lambda: asyncio.run(live.engine.call(lambda e: e.get_stats().num_running)) == 0, 30)
     start = _free_blocks(live)
+    aborts = _abort_count(live)
     sock = _raw_post(live, {"model": _model(live), "prompt": "Tell me a long story. " * 20, "max_tokens": 400,
                             "temperature": 0, "stream": stream})
     assert wait_for(lambda: _free_blocks(live) < start, 30)
@@ -181,6 +182,16 @@ def test_disconnect_frees_blocks(live: LiveServer, stream: bool) -> None:
     assert time.monotonic() - t0 < 5
     with httpx.Client(base_url=live.base_url) as c:
         assert c.get("/health").status_code == 200
+    assert wait_for(lambda: _abort_count(live) == aborts + 1, 5)  # counted once, not again by the engine
+    time.sleep(0.5)
+    assert _abort_count(live) == aborts + 1
+
+
+def _abort_count(live: LiveServer) -> float:
+    with httpx.Client(base_url=live.base_url) as c:
+        text = c.get("/metrics").text
+    lines = [x for x in text.splitlines() if x.startswith("loom:request_success_total{") and 'finished_reason="abort"' in x]
+    return sum(float(x.split()[-1]) for x in lines)
 
 
 def test_32_concurrent_streams_match_sequential_runs(live: LiveServer) -> None:
