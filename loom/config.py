@@ -44,7 +44,7 @@ class CacheConfig:
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_blocks}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,6 +119,11 @@ class LLMEngine:
             raise ValueError("prompt must not be empty")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         room = self.max_model_len - len(prompt_token_ids)
+        if room < 0 or (room == 0 and params.max_tokens != 0):
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 0))
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         added: list[str] = []

@@ -30,7 +30,8 @@ def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size:
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
-            f"kv_cache_memory_bytes ({budget_bytes}) is below one KV block ({bytes_per_block} bytes)"
+            f"kv_cache_memory_gb ({budget_bytes / (1 << 30):.3g} GiB) holds no KV block of block_size="
+            f"{block_size} tokens ({bytes_per_block} bytes): raise kv_cache_memory_gb or lower block_size"
         )
     return num_blocks
 

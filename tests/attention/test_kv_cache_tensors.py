@@ -23,7 +23,7 @@ def test_bytes_per_token_is_2_layers_kv_heads_head_dim_bytes() -> None:
 def test_num_blocks_for_budget_rounds_down_and_rejects_tiny_budgets() -> None:
     per_block = 46080 * 16
     assert num_blocks_for_budget(SMOLLM2, torch.float32, 16, per_block * 10 + per_block - 1) == 10
-    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+    with pytest.raises(ValueError, match="kv_cache_memory_gb"):
         num_blocks_for_budget(SMOLLM2, torch.float32, 16, per_block - 1)
     with pytest.raises(ValueError, match="block_size"):
         num_blocks_for_budget(SMOLLM2, torch.float32, 0, per_block)

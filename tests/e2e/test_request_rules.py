@@ -162,3 +162,16 @@ def test_capital_of_france_answers_paris(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_prompt_filling_max_model_len_names_its_length(llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(ValueError, match=f"prompt of {engine.max_model_len} tokens leaves no room"):
+        engine.add_request("full", [1] * engine.max_model_len, SamplingParams(max_tokens=4))
+    engine.add_request("full-0", [1] * engine.max_model_len, SamplingParams(max_tokens=0))  # prompt only: fits
+    engine.abort_request(["full-0"])
+
+
+def test_generate_rejects_a_non_list_prompt(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompts"):
+        llm.generate(None)  # type: ignore[arg-type]
