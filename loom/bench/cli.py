@@ -92,8 +92,9 @@ def _add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int) -> N
 
 def _add_analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32",
-                   help="weight dtype: float32, bfloat16, float16, int8, q8_0, q4_1, q4_0, or 'stored' "
+    p.add_argument("--dtype", default="auto",
+                   help="weight dtype: auto (what the engine runs: bfloat16 where the CPU multiplies it natively, "
+                        "else float32), float32, bfloat16, float16, int8, q8_0, q4_1, q4_0, or 'stored' "
                         "(the GGUF's own bytes) (default: %(default)s)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the compute dtype)")
     p.add_argument("--compute-dtype", default=None,
@@ -105,7 +106,8 @@ def _add_analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=0, help="C, context tokens per sequence (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=512, help="N, prompt tokens of the prefill floor (default: %(default)s)")
     p.add_argument("--kv-budget-gb", type=float, default=0.5, help="KV cache budget in GiB (default: %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="tokens per request (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens per request (default: the model's context length, as the engine uses)")
     p.add_argument("--measured-tpot-ms", type=float, default=None, help="measured TPOT at (B, C), ms")
     p.add_argument("--measured-ttft-ms", type=float, default=None, help="measured TTFT for --prompt-len, ms")
     p.add_argument("--measured-output-tok-s", type=float, default=None, help="measured decode tok/s at (B, C)")

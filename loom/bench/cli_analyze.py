@@ -28,6 +28,8 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
     """
     from loom.bench.probe import DTYPES, MachineSpec, probe_machine
 
+    if ns.dtype == "auto":
+        ns.dtype = _engine_dtype()
     compute = ns.compute_dtype or (ns.dtype if ns.dtype in FLOAT_DTYPES else "float32")
     if compute not in DTYPES:
         raise ValueError(f"--compute-dtype must be one of {tuple(DTYPES)}, got {compute!r}")
@@ -52,9 +54,20 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
     return Roofline(arch, machine, b, BYTES_PER_KV_ELEMENT[kv])
 
 
+def _engine_dtype() -> str:
+    """The dtype the engine's "auto" picks on this machine's CPU."""
+    import torch
+
+    from loom.worker.model_runner import bf16_is_fast
+
+    return "bfloat16" if bf16_is_fast(torch.device("cpu")) else "float32"
+
+
 def cmd_analyze(ns: argparse.Namespace) -> int:
     """Print the floors (and efficiencies when measured figures are given); optionally write JSON."""
     roof = build_roofline(ns)
+    if ns.max_model_len is None:
+        ns.max_model_len = roof.arch.max_position_embeddings
     work = Workload(ns.batch, ns.context, ns.prompt_len, ns.kv_budget_gb * GIB, ns.max_model_len)
     if work.batch < 1 or work.prompt_len < 1 or work.context < 0 or work.max_model_len < 1:
         raise ValueError("--batch, --prompt-len and --max-model-len must be >= 1 and --context >= 0")
