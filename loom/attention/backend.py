@@ -45,7 +45,11 @@ class AttentionBackend(Protocol):
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    has_pad_slots: bool | None = None,
 ) -> None:
     """Scatter key/value rows into the paged cache at slot_mapping, skipping PAD_SLOT_ID (-1) slots.
 
@@ -58,10 +62,14 @@ def write_kv_cache(
         kv_cache: [2, num_blocks, block_size, num_kv_heads, row] (row = kv_row_width(head_dim, dtype): head_dim,
             plus the scale bytes when quantized), updated in place.
         slot_mapping: [num_tokens] int64, block_id * block_size + offset, or -1.
+        has_pad_slots: whether slot_mapping holds a -1, when the caller knows (one check per step instead of
+            one device sync per layer); None = check here.
     """
     num_kv_heads, row = kv_cache.shape[-2:]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if has_pad_slots is None:
+        has_pad_slots = not bool((slot_mapping >= 0).all())
+    if has_pad_slots:
+        valid = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     if is_quantized(kv_cache.dtype):
         # index_copy_ lacks float8 kernels on some devices: scatter the raw bytes instead.

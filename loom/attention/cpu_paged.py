@@ -22,13 +22,22 @@ from loom.attention.metadata import AttentionMetadata
 from loom.attention.reference import causal_mask
 
 
+# Decode attention over at most this many gathered K/V rows (requests x padded context) runs on one thread:
+# below it the gather + SDPA are slower on two threads than on one (1 request x 528 tokens, SmolLM2 shapes,
+# 2-core Zen 4: 103 us on 1 thread vs 122 us on 2; equal at 2048 tokens; 4 x 528: 404 vs 299 us).
+_SERIAL_MAX_TOKENS = 2048
+
+
 @dataclass(slots=True)
 class _DecodePlan:
     """The batched decode of one step."""
 
     token_rows: torch.Tensor | None  # [num_decode] int64 rows of the flattened batch; None = every row, in order
     block_ids: torch.Tensor  # [num_decode, max_blocks] int64 block ids (padding repeats a valid id)
-    mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool, True = may attend
+    # [num_decode, 1, 1, max_blocks * block_size] in the query dtype: 0 = may attend, -inf = masked. Additive,
+    # because SDPA turns a bool mask into this with two extra ops in every layer (measured 141 -> 81 us/call).
+    mask: torch.Tensor
+    serial: bool  # run the gather + SDPA on one intra-op thread (small contexts; see _SERIAL_MAX_TOKENS)
 
 
 @dataclass(slots=True)
@@ -48,16 +57,22 @@ class _StepPlan:
 
     attn_metadata: AttentionMetadata  # the step this plan was made for (compared by identity)
     sliding_window: int | None  # tokens, the window the masks were made for
+    dtype: torch.dtype  # query dtype the decode mask was made in
+    has_pad_slots: bool  # some slot_mapping entry is PAD_SLOT_ID (checked once per step, not per layer)
     decode: _DecodePlan | None  # None = no decode tokens this step
     prefills: list[_PrefillPlan]  # requests with multi-token queries, batch order
 
 
-def plan_step(attn_metadata: AttentionMetadata, sliding_window: int | None) -> _StepPlan:
+def plan_step(
+    attn_metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype = torch.float32
+) -> _StepPlan:
     """Split a step into one batched decode and per-request prefills, and build their masks.
 
     Args:
-        attn_metadata: the step (python lists give the query and context lengths; no device sync).
+        attn_metadata: the step (python lists give the query and context lengths; one device sync, for
+            has_pad_slots).
         sliding_window: tokens each query may look back, query included; None = unlimited.
+        dtype: the query dtype, in which the additive decode mask is built.
     """
     starts = attn_metadata.query_start_loc_cpu
     seq_lens = attn_metadata.seq_lens_cpu
@@ -73,14 +88,15 @@ def plan_step(attn_metadata: AttentionMetadata, sliding_window: int | None) -> _
             if sliding_window is not None or q_len != seq_lens[i]:
                 mask = causal_mask(q_len, seq_lens[i], sliding_window, device)
             prefills.append(_PrefillPlan(i, starts[i], starts[i + 1], seq_lens[i], mask))
-    decode = _plan_decode(attn_metadata, decode_reqs, sliding_window) if decode_reqs else None
-    return _StepPlan(attn_metadata, sliding_window, decode, prefills)
+    decode = _plan_decode(attn_metadata, decode_reqs, sliding_window, dtype) if decode_reqs else None
+    has_pad_slots = bool((attn_metadata.slot_mapping < 0).any())
+    return _StepPlan(attn_metadata, sliding_window, dtype, has_pad_slots, decode, prefills)
 
 
 def _plan_decode(
-    attn_metadata: AttentionMetadata, decode_reqs: list[int], sliding_window: int | None
+    attn_metadata: AttentionMetadata, decode_reqs: list[int], sliding_window: int | None, dtype: torch.dtype
 ) -> _DecodePlan:
-    """Block ids and key masks of the decode requests (indices into attn_metadata's requests)."""
+    """Block ids and additive key masks (dtype) of the decode requests (indices into attn_metadata's requests)."""
     block_size = attn_metadata.block_size
     seq_lens_cpu = attn_metadata.seq_lens_cpu
     max_blocks = -(-max(seq_lens_cpu[i] for i in decode_reqs) // block_size)
@@ -101,7 +117,9 @@ def _plan_decode(
     mask = key_pos < seq_lens[:, None]
     if sliding_window is not None:
         mask &= key_pos >= (seq_lens[:, None] - sliding_window)
-    return _DecodePlan(token_rows, block_ids, mask[:, None, None, :])
+    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    serial = mask.numel() < _SERIAL_MAX_TOKENS
+    return _DecodePlan(token_rows, block_ids, additive[:, None, None, :], serial)
 
 
 def decode_attention(
@@ -112,7 +130,8 @@ def decode_attention(
     Args:
         query: [num_reqs, num_heads, head_dim].
         key, value: [num_reqs, max_ctx, num_kv_heads, head_dim], dtype of query.
-        mask: [num_reqs, 1, 1, max_ctx] bool, True = may attend (at least one True per request).
+        mask: [num_reqs, 1, 1, max_ctx] bool (True = may attend) or additive in query's dtype (0 or -inf);
+            at least one attended key per request.
         scale: softmax scale.
 
     Returns:
@@ -179,8 +198,8 @@ class CpuPagedBackend:
     ) -> torch.Tensor:
         """See AttentionBackend.forward. Shapes: query [num_tokens, num_heads, head_dim],
         key/value [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim]."""
-        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        plan = self._step_plan(attn_metadata, sliding_window)
+        plan = self._step_plan(attn_metadata, sliding_window, query.dtype)
+        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, plan.has_pad_slots)
         if plan.decode is not None and plan.decode.token_rows is None:
             return self._decode(query, kv_cache, plan.decode, scale)  # the common pure-decode step
         output = torch.empty_like(query)
@@ -198,14 +217,35 @@ class CpuPagedBackend:
             )
         return output
 
-    def _step_plan(self, attn_metadata: AttentionMetadata, sliding_window: int | None) -> _StepPlan:
+    def _step_plan(
+        self, attn_metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype
+    ) -> _StepPlan:
         plan = self._plan
-        if plan is None or plan.attn_metadata is not attn_metadata or plan.sliding_window != sliding_window:
-            plan = plan_step(attn_metadata, sliding_window)
+        if (
+            plan is None
+            or plan.attn_metadata is not attn_metadata
+            or plan.sliding_window != sliding_window
+            or plan.dtype != dtype
+        ):
+            plan = plan_step(attn_metadata, sliding_window, dtype)
             self._plan = plan
         return plan
 
     @staticmethod
     def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
-        key, value = gather_kv_padded(kv_cache, plan.block_ids, out_dtype=query.dtype)
-        return decode_attention(query, key.to(query.dtype), value.to(query.dtype), plan.mask, scale)
+        """query [num_decode, num_heads, head_dim] -> [num_decode, num_heads, head_dim], on one intra-op
+        thread when plan.serial (restored afterwards)."""
+        threads = torch.get_num_threads()
+        if not plan.serial or threads == 1:
+            return _gather_and_attend(query, kv_cache, plan, scale)
+        torch.set_num_threads(1)  # ~0.1 us each way
+        try:
+            return _gather_and_attend(query, kv_cache, plan, scale)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _gather_and_attend(query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    """Batched decode attention of query [num_decode, num_heads, head_dim] over the plan's blocks."""
+    key, value = gather_kv_padded(kv_cache, plan.block_ids, out_dtype=query.dtype)
+    return decode_attention(query, key.to(query.dtype), value.to(query.dtype), plan.mask, scale)
