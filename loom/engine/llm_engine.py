@@ -17,6 +17,7 @@ from loom.core.sched_output import EngineCoreOutput, SchedulerOutput
 from loom.engine.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
 from loom.request import Request, RequestStatus
+from loom.sample.penalties import check_params_against_vocab
 from loom.sampling_params import SamplingParams
 from loom.worker.model_runner import ModelRunner
 
@@ -112,7 +113,7 @@ class LLMEngine:
         """
         if request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._check_token_ids_in_vocab(params)
+        check_params_against_vocab(params, self.vocab_size)  # here, not mid-batch where it fails every request
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = self.tokenize(prompt)
         if not prompt_token_ids:
@@ -124,7 +125,7 @@ class LLMEngine:
                 f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, max(room, 0))
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         added: list[str] = []
         try:
@@ -153,13 +154,6 @@ class LLMEngine:
                 prompt_token_ids=prompt_token_ids, params=params, arrival_time=arrival_time,
             )
         self._children[request_id] = child_ids
-
-    def _check_token_ids_in_vocab(self, params: SamplingParams) -> None:
-        # Checked here, at the edge: inside a batched step a bad id would fail every request of the step.
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
-            for token_id in ids:
-                if not 0 <= token_id < self.vocab_size:
-                    raise ValueError(f"{name} token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by their user-facing ids; unknown ids are ignored. Frees their KV blocks."""

@@ -37,11 +37,12 @@ def check_params_against_vocab(params: SamplingParams, vocab_size: int) -> None:
     instead of the whole batch at sampling time.
 
     Raises:
-        ValueError: a logit_bias key outside [0, vocab_size) (names `logit_bias`).
+        ValueError: a logit_bias key or a stop_token_ids entry outside [0, vocab_size) (names the parameter).
     """
-    for token_id in (params.logit_bias or {}):
-        if not 0 <= token_id < vocab_size:
-            raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        for token_id in ids:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"{name} token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
 def banned_token_ids(inp: PenaltyInput) -> set[int]:
