@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16, gemv_bf16_kernel
 from loom.model.layers.linear import onednn_packing_available, pack_onednn_weight
 
 
@@ -42,11 +43,14 @@ class LMHead(nn.Module):
             )  # [vocab_size, hidden_size]
 
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout of weight, set after loading
+        self.gemv: GemvBf16 | None = None  # loom's bf16 GEMV for <= GEMV_MAX_ROWS rows, set after loading
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (the matmul runs in the weight dtype
         and is cast, as transformers does)."""
-        if self.packed_weight is not None:
+        if self.gemv is not None and hidden.dim() == 2 and hidden.shape[0] <= GEMV_MAX_ROWS:
+            logits = self.gemv(hidden, self.weight)  # decode: loom's GEMV streams the dense matrix
+        elif self.packed_weight is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
         else:
             logits = F.linear(hidden, self.weight)
@@ -57,3 +61,4 @@ class LMHead(nn.Module):
         matmul of a decode step (vocab x hidden), so packing it pays the most."""
         if onednn_packing_available(self.weight.dtype, self.weight.device):
             self.packed_weight = pack_onednn_weight(self.weight)
+            self.gemv = gemv_bf16_kernel()

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16, gemv_bf16_kernel
+
 
 # Rows the oneDNN weight layout is tuned for: a decode batch. Any number of rows works with it.
 _ONEDNN_PACK_ROWS = 32
@@ -36,15 +38,25 @@ class UnquantizedLinearMethod:
 
 
 class OneDNNPackedLinearMethod:
-    """bfloat16 weight pre-packed once into oneDNN's blocked layout (CPU only).
+    """bfloat16 weight pre-packed once into oneDNN's blocked layout (CPU only), plus loom's GEMV for decode.
 
     F.linear reorders nothing but picks a generic kernel; the pre-packed weight lets oneDNN run its
     AVX512-BF16/AMX micro-kernel directly (measured 1.2x at 32 rows, 1.5-2.5x for one row on Zen 4;
     benchmarks/NOTES.md, "Fast CPU path"). Same arithmetic: outputs equal F.linear's bit for bit in tests.
-    The dense `layer.weight` is kept (loading, tied embeddings) and only the packed copy is read.
+    The dense `layer.weight` is kept (loading, tied embeddings).
+
+    With `gemv` (loom/kernels/csrc/gemv_bf16.c), inputs of at most GEMV_MAX_ROWS rows (single-stream and
+    small-batch decode, memory-bound on the weights) read the dense weight with that kernel instead, which
+    streams it faster than oneDNN at one row (benchmarks/NOTES.md, "Third pass"). Its float32 sums run in
+    another order than oneDNN's, so its bf16 outputs may differ from F.linear's by one bf16 rounding step.
     """
 
+    def __init__(self, gemv: GemvBf16 | None = None) -> None:
+        self.gemv = gemv  # small-row kernel, or None for oneDNN at every size
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return self.gemv(x, layer.weight, layer.bias)
         packed = layer.packed_weight
         if packed is None:  # not processed yet (e.g. called between construction and loading)
             return F.linear(x, layer.weight, layer.bias)
@@ -71,9 +83,10 @@ def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def default_linear_method(dtype: torch.dtype, device: torch.device) -> LinearMethod:
-    """The fastest exact dense method for this dtype/device: oneDNN-packed bf16 on CPU, else F.linear."""
+    """The fastest dense method for this dtype/device: oneDNN-packed bf16 (with loom's decode GEMV when it
+    builds here) on CPU, else F.linear."""
     if onednn_packing_available(dtype, device):
-        return OneDNNPackedLinearMethod()
+        return OneDNNPackedLinearMethod(gemv_bf16_kernel())
     return UnquantizedLinearMethod()
 
 

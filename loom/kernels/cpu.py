@@ -1,0 +1,214 @@
+"""loom's own C kernels for the CPU hot paths, compiled on first use and called through ctypes.
+
+The sources live in `loom/kernels/csrc/`. The first call compiles them with the system C compiler (`$CC`,
+else `cc`) as `-O3 -fopenmp -shared` into `<cache>/kernels/<name>-<hash of source and flags>.so`, where
+<cache> is `$LOOM_CACHE_DIR` or `~/.cache/loom`; later processes load the cached library (well under a
+second to compile, nothing at all to load). The library is opened after torch, so its `libgomp.so.1`
+resolves to the OpenMP runtime torch has loaded and both share one thread pool.
+
+Nothing here is required: without a compiler, on a CPU without AVX512-BF16, off Linux, or with
+`LOOM_CPU_KERNELS=0`, `gemv_bf16_kernel()` and `paged_decode_kernel()` return None (logging why once) and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+# Most rows of x the GEMV kernel takes. Above this a step is no longer weight-bandwidth-bound and oneDNN's
+# blocked GEMM is faster (benchmarks/NOTES.md, "Third pass").
+GEMV_MAX_ROWS = 4
+
+
+def cache_dir() -> Path:
+    """`$LOOM_CACHE_DIR/kernels` or `~/.cache/loom/kernels` (created)."""
+    root = Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
+    path = root / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """True when /proc/cpuinfo lists avx512_bf16 (Linux only; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def build_library(name: str) -> Path:
+    """Compile `csrc/<name>.c` into the cache (once per source/flags hash); returns the .so path.
+
+    Raises:
+        RuntimeError: no C compiler found, or it failed (its stderr is in the message).
+    """
+    source = CSRC / f"{name}.c"
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler ({compiler!r} not on PATH)")
+    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{digest}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class GemvBf16:
+    """ctypes binding of `loom_gemv_bf16` (csrc/gemv_bf16.c): y = x W^T (+ b) for a few rows of x."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.loom_gemv_bf16
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, K] bfloat16, weight [N, K] bfloat16 (contiguous), bias [N] bfloat16 or None ->
+        [M, N] in `out_dtype` (bfloat16, rounded to nearest even, or float32). Float32 accumulation.
+
+        Raises:
+            ValueError: wrong dtype, device, layout or shape (the kernel reads raw pointers, so nothing
+                unchecked reaches it).
+        """
+        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" \
+                or weight.device.type != "cpu":
+            raise ValueError("gemv_bf16 takes bfloat16 CPU tensors")
+        if not weight.is_contiguous():
+            raise ValueError("weight must be contiguous")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (weight.shape[0],)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous bfloat16 [{weight.shape[0]}]")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+        x = x.contiguous()
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=out_dtype)
+        if m and n:
+            self._fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                     m, n, k, int(out_dtype == torch.float32), torch.get_num_threads())
+        return y
+
+
+class PagedDecodeBf16:
+    """ctypes binding of `loom_paged_decode_bf16` (csrc/paged_decode_bf16.c): one-token attention of a batch
+    over its own blocks of a bfloat16 paged KV cache, read in place (no gather)."""
+
+    MAX_HEAD_DIM = 256  # the kernel's register tiles
+    MAX_GROUP = 16  # query heads per KV head
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.loom_paged_decode_bf16
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
+                       + [ctypes.c_float, ctypes.c_int64, ctypes.c_int])
+        fn.restype = None
+        self._fn = fn
+
+    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """True when this kernel can serve query [B, H, D] over kv_cache [2, num_blocks, block_size, H_kv, D]."""
+        if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or query.device.type != "cpu":
+            return False
+        if query.dim() != 3 or kv_cache.dim() != 5 or not kv_cache.is_contiguous():
+            return False
+        heads, head_dim = query.shape[1], query.shape[2]
+        kv_heads = kv_cache.shape[3]
+        return (kv_cache.shape[4] == head_dim and head_dim % 32 == 0 and head_dim <= self.MAX_HEAD_DIM
+                and heads % kv_heads == 0 and heads // kv_heads <= self.MAX_GROUP)
+
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                 num_threads: int | None = None) -> torch.Tensor:
+        """query [B, H, D] bfloat16; kv_cache [2, num_blocks, block_size, H_kv, D] bfloat16 (K then V);
+        block_table [B, >= ceil(max seq_len / block_size)] int64 block ids; seq_lens [B] int64 keys per
+        request (>= 1, the query's own key written); scale: softmax scale; sliding_window: keys each query may
+        see, itself included (None = all). Returns [B, H, D] bfloat16.
+
+        Block ids and lengths are trusted as the engine's own bookkeeping: they are not range-checked per key.
+
+        Raises:
+            ValueError: shapes or dtypes the kernel does not take (see `supports`), or a seq_len < 1.
+        """
+        if not self.supports(query, kv_cache):
+            raise ValueError(f"paged_decode_bf16 does not take query {tuple(query.shape)} {query.dtype} over "
+                             f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        batch, heads, head_dim = query.shape
+        if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or seq_lens.shape != (batch,) \
+                or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.stride(1) != 1:
+            raise ValueError("block_table [B, max_blocks] and seq_lens [B] must be int64 with unit column stride")
+        if batch and int(seq_lens.min()) < 1:
+            raise ValueError("every seq_len must be >= 1")
+        query = query.contiguous()
+        seq_lens = seq_lens.contiguous()
+        out = torch.empty_like(query)
+        if batch:
+            self._fn(query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
+                     block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_cache.shape[3],
+                     head_dim, kv_cache.shape[2], scale, sliding_window or 0,
+                     num_threads or torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def _library(name: str) -> ctypes.CDLL | None:
+    """csrc/<name>.c built and loaded, or None (with one log line saying why) when it cannot run here."""
+    if os.environ.get("LOOM_CPU_KERNELS", "1") == "0":
+        return None
+    if not cpu_has_avx512_bf16():
+        logger.info("loom CPU kernel %s off: this CPU has no AVX512-BF16 (torch/oneDNN paths run)", name)
+        return None
+    try:
+        return ctypes.CDLL(str(build_library(name)))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("loom CPU kernel %s off, torch/oneDNN paths run: %s", name, exc)
+        return None
+
+
+@functools.cache
+def gemv_bf16_kernel() -> GemvBf16 | None:
+    """The compiled bf16 GEMV, or None when it cannot run here."""
+    lib = _library("gemv_bf16")
+    return None if lib is None else GemvBf16(lib)
+
+
+@functools.cache
+def paged_decode_kernel() -> PagedDecodeBf16 | None:
+    """The compiled paged decode attention, or None when it cannot run here."""
+    lib = _library("paged_decode_bf16")
+    return None if lib is None else PagedDecodeBf16(lib)
+
+
+def clear_kernel_cache() -> None:
+    """Forget the loaded kernels, so the next call re-reads LOOM_CPU_KERNELS (tests)."""
+    for fn in (_library, gemv_bf16_kernel, paged_decode_kernel):
+        fn.cache_clear()

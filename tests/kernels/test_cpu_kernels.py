@@ -1,0 +1,198 @@
+"""loom's C GEMV (loom/kernels/csrc/gemv_bf16.c): numerics against float64, validation, build cache, fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.kernels import cpu as kcpu
+
+gemv = kcpu.gemv_bf16_kernel()
+needs_kernel = pytest.mark.skipif(gemv is None, reason="no C compiler or no AVX512-BF16 on this CPU")
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bfloat16 numbers around |x| (8 significand bits)."""
+    exp = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
+    return torch.pow(2.0, exp - 7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 31), (4, 32), (5, 33), (577, 576), (130, 1536), (7, 100)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_float64_reference(m: int, n: int, k: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    y32 = gemv(x, w, b, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32 and y32.shape == (m, n)
+    # float32 sums of k exact products: error within k * eps32 * sum|x w|
+    bound = k * 2.0 ** -23 * ((x.double().abs() @ w.double().abs().T) + (b.double().abs() if b is not None else 0))
+    assert torch.all((y32.double() - ref).abs() <= bound + 1e-30)
+    y = gemv(x, w, b)
+    assert y.dtype == torch.bfloat16
+    # bf16 output = the float32 sum rounded once: within one bf16 ulp of the exact value (plus the sum error)
+    assert torch.all((y.double() - ref).abs() <= bf16_ulp(ref) + bound + 1e-30)
+    # and exactly the round-to-nearest-even of the kernel's own float32 sum
+    assert torch.equal(y, y32.bfloat16())
+
+
+@needs_kernel
+def test_gemv_takes_a_strided_x_and_uses_the_thread_count() -> None:
+    x = torch.randn(4, 128).bfloat16()[:, ::2]  # non-contiguous [4, 64]
+    w = torch.randn(40, 64).bfloat16()
+    ref = (x.float() @ w.float().T)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y = gemv(x, w, out_dtype=torch.float32)
+            assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernel
+def test_gemv_rejects_what_it_cannot_read() -> None:
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(ValueError, match="multiply"):
+        gemv(torch.randn(2, 15).bfloat16(), w)
+    with pytest.raises(ValueError, match="bfloat16"):
+        gemv(torch.randn(2, 16), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(torch.randn(2, 16).bfloat16(), torch.randn(16, 8).bfloat16().T)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(torch.randn(2, 16).bfloat16(), w, torch.randn(7).bfloat16())
+    with pytest.raises(ValueError, match="out_dtype"):
+        gemv(torch.randn(2, 16).bfloat16(), w, out_dtype=torch.float16)
+    assert gemv(torch.empty(0, 16, dtype=torch.bfloat16), w).shape == (0, 8)
+
+
+@needs_kernel
+def test_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    first = kcpu.build_library("gemv_bf16")
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert kcpu.build_library("gemv_bf16") == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+
+
+def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        kcpu.build_library("gemv_bf16")
+
+
+def test_kernels_can_be_switched_off(monkeypatch) -> None:
+    monkeypatch.setenv("LOOM_CPU_KERNELS", "0")
+    kcpu.clear_kernel_cache()
+    try:
+        assert kcpu.gemv_bf16_kernel() is None
+        from loom.model.layers.linear import OneDNNPackedLinearMethod, default_linear_method
+        method = default_linear_method(torch.bfloat16, torch.device("cpu"))
+        assert not isinstance(method, OneDNNPackedLinearMethod) or method.gemv is None
+    finally:
+        monkeypatch.delenv("LOOM_CPU_KERNELS")
+        kcpu.clear_kernel_cache()
+    assert (kcpu.gemv_bf16_kernel() is None) == (gemv is None)
+
+
+@needs_kernel
+def test_linear_layer_routes_decode_rows_to_the_kernel() -> None:
+    from loom.model.layers.linear import Linear, OneDNNPackedLinearMethod, onednn_packing_available
+
+    if not onednn_packing_available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    layer = Linear(64, 48, bias=True, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert isinstance(layer.quant_method, OneDNNPackedLinearMethod) and layer.quant_method.gemv is not None
+    torch.manual_seed(0)
+    layer.weight.data.copy_(torch.randn(48, 64))
+    layer.bias.data.copy_(torch.randn(48))
+    layer.process_weights_after_loading()
+    for rows in (1, kcpu.GEMV_MAX_ROWS, kcpu.GEMV_MAX_ROWS + 1, 32):
+        x = torch.randn(rows, 64).bfloat16()
+        ref = x.double() @ layer.weight.double().T + layer.bias.double()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        assert torch.all((y.double() - ref).abs() <= 2 * bf16_ulp(ref) + 1e-2), rows
+        if rows <= kcpu.GEMV_MAX_ROWS:
+            assert torch.equal(y, gemv(x, layer.weight, layer.bias))
+
+
+def test_no_kernel_when_the_cpu_lacks_bf16(monkeypatch) -> None:
+    monkeypatch.setattr(kcpu, "cpu_has_avx512_bf16", lambda: False)
+    kcpu.clear_kernel_cache()
+    try:
+        assert kcpu.gemv_bf16_kernel() is None
+    finally:
+        monkeypatch.undo()
+        kcpu.clear_kernel_cache()
+
+
+paged = kcpu.paged_decode_kernel()
+needs_paged = pytest.mark.skipif(paged is None, reason="no C compiler or no AVX512-BF16 on this CPU")
+
+
+def reference_decode(q, kv_cache, block_table, seq_lens, scale, window):
+    """float64 softmax attention of each request's one query over its own keys (GQA by repeat)."""
+    batch, heads, dim = q.shape
+    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty(batch, heads, dim, dtype=torch.float64)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        slots = [int(block_table[b, t // block_size]) * block_size + t % block_size for t in range(n)]
+        k = kv_cache[0].reshape(-1, kv_heads, dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        v = kv_cache[1].reshape(-1, kv_heads, dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        s = torch.einsum("hd,thd->ht", q[b].double(), k) * scale
+        if window:
+            s[:, : max(0, n - window)] = float("-inf")
+        out[b] = torch.einsum("ht,thd->hd", s.softmax(-1), v)
+    return out
+
+
+@needs_paged
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (2, 1, 256)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_matches_float64_attention(heads: int, kv_heads: int, dim: int, window: int | None) -> None:
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    block_size, num_blocks = 4, 40
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    seq_lens = torch.tensor([1, 3, 4, 5, 17, 33], dtype=torch.int64)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=g)[:10] for _ in seq_lens])  # int64
+    q = torch.randn(len(seq_lens), heads, dim, generator=g).bfloat16()
+    scale = dim ** -0.5
+    ref = reference_decode(q, kv_cache, block_table, seq_lens, scale, window)
+    for threads in (1, 2):
+        out = paged(q, kv_cache, block_table, seq_lens, scale, window, num_threads=threads)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        # float32 arithmetic, one bf16 rounding of the output
+        assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=1e-3), (out.double() - ref).abs().max()
+
+
+@needs_paged
+def test_paged_decode_reads_through_a_strided_block_table() -> None:
+    kv_cache = torch.randn(2, 8, 4, 1, 32).bfloat16()
+    table = torch.arange(16, dtype=torch.int64).remainder(8).reshape(2, 8)[:, :3]  # row stride 8
+    seq_lens = torch.tensor([9, 12], dtype=torch.int64)
+    q = torch.randn(2, 2, 32).bfloat16()
+    out = paged(q, kv_cache, table, seq_lens, 0.2)
+    assert torch.allclose(out.double(), reference_decode(q, kv_cache, table, seq_lens, 0.2, None), atol=1e-2)
+
+
+@needs_paged
+def test_paged_decode_refuses_what_it_cannot_serve() -> None:
+    kv = torch.randn(2, 4, 4, 2, 64).bfloat16()
+    table = torch.zeros(1, 2, dtype=torch.int64)
+    assert not paged.supports(torch.randn(1, 4, 64), kv)  # float32 query
+    assert not paged.supports(torch.randn(1, 4, 48).bfloat16(), torch.randn(2, 4, 4, 2, 48).bfloat16())  # 48 % 32
+    assert not paged.supports(torch.randn(1, 3, 64).bfloat16(), kv)  # 3 heads over 2 KV heads
+    with pytest.raises(ValueError, match="does not take"):
+        paged(torch.randn(1, 4, 64), kv, table, torch.tensor([3]), 0.1)
+    with pytest.raises(ValueError, match="int64"):
+        paged(torch.randn(1, 4, 64).bfloat16(), kv, table.int(), torch.tensor([3]), 0.1)
+    with pytest.raises(ValueError, match=">= 1"):
+        paged(torch.randn(1, 4, 64).bfloat16(), kv, table, torch.tensor([0]), 0.1)
