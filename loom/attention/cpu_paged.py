@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from loom.attention.backend import gather_kv, gather_kv_padded, write_kv_cache
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.reference import causal_mask
+from loom.kernels.cpu import PagedDecodeBf16, paged_decode_kernel
 
 
 # Decode attention over at most this many gathered K/V rows (requests x padded context) runs on one thread:
@@ -34,6 +35,7 @@ class _DecodePlan:
 
     token_rows: torch.Tensor | None  # [num_decode] int64 rows of the flattened batch; None = every row, in order
     block_ids: torch.Tensor  # [num_decode, max_blocks] int64 block ids (padding repeats a valid id)
+    seq_lens: torch.Tensor  # [num_decode] int64 keys per request, the new token's included
     # [num_decode, 1, 1, max_blocks * block_size] in the query dtype: 0 = may attend, -inf = masked. Additive,
     # because SDPA turns a bool mask into this with two extra ops in every layer (measured 141 -> 81 us/call).
     mask: torch.Tensor
@@ -119,7 +121,7 @@ def _plan_decode(
         mask &= key_pos >= (seq_lens[:, None] - sliding_window)
     additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
     serial = mask.numel() < _SERIAL_MAX_TOKENS
-    return _DecodePlan(token_rows, block_ids, additive[:, None, None, :], serial)
+    return _DecodePlan(token_rows, block_ids, seq_lens, additive[:, None, None, :], serial)
 
 
 def decode_attention(
@@ -185,6 +187,9 @@ class CpuPagedBackend:
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None  # plan of the step being run, reused across layers
+        # loom's C decode kernel for bfloat16 caches on CPU, None where it does not build (LOOM_CPU_KERNELS=0,
+        # no compiler, no AVX512-BF16): then SDPA over gathered blocks serves every decode
+        self.decode_kernel: PagedDecodeBf16 | None = paged_decode_kernel()
 
     def forward(
         self,
@@ -201,12 +206,13 @@ class CpuPagedBackend:
         plan = self._step_plan(attn_metadata, sliding_window, query.dtype)
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, plan.has_pad_slots)
         if plan.decode is not None and plan.decode.token_rows is None:
-            return self._decode(query, kv_cache, plan.decode, scale)  # the common pure-decode step
+            return self._decode(query, kv_cache, plan.decode, scale, sliding_window)  # the common pure-decode step
         output = torch.empty_like(query)
         if plan.decode is not None:
             rows = plan.decode.token_rows
             assert rows is not None
-            output.index_copy_(0, rows, self._decode(query.index_select(0, rows), kv_cache, plan.decode, scale))
+            decoded = self._decode(query.index_select(0, rows), kv_cache, plan.decode, scale, sliding_window)
+            output.index_copy_(0, rows, decoded)
         for item in plan.prefills:
             k, v = gather_kv(
                 kv_cache, attn_metadata.block_tables[item.req_index], item.seq_len, attn_metadata.block_size,
@@ -231,10 +237,19 @@ class CpuPagedBackend:
             self._plan = plan
         return plan
 
-    @staticmethod
-    def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """query [num_decode, num_heads, head_dim] -> [num_decode, num_heads, head_dim], on one intra-op
-        thread when plan.serial (restored afterwards)."""
+        thread when plan.serial (restored afterwards).
+
+        A bfloat16 cache on a CPU with AVX512-BF16 goes to loom's C kernel, which reads each request's blocks
+        in place (no padded gather, no mask); anything else gathers and runs SDPA."""
+        kernel = self.decode_kernel
+        if kernel is not None and kernel.supports(query, kv_cache):
+            return kernel(query, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window,
+                          num_threads=1 if plan.serial else None)
         threads = torch.get_num_threads()
         if not plan.serial or threads == 1:
             return _gather_and_attend(query, kv_cache, plan, scale)
