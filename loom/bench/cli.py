@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_dataset_args(thr, default_num_prompts=32)
     _add_backend_args(thr)
     thr.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of the hf backend (default: %(default)s)")
+    thr.add_argument("--hf-num-prompts", type=int, default=None,
+                     help="the hf backend runs only the first N of the same requests (its static batches are slow; "
+                          "rates stay comparable, totals do not) (default: all)")
     _add_output_args(thr)
     add_engine_args(thr)
     thr.set_defaults(func=cmd_throughput)

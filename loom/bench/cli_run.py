@@ -100,13 +100,16 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     from loom.bench.throughput import run_hf_throughput, run_loom_throughput
 
     requests = build_requests(ns, ns.model)
+    hf_count = len(requests) if ns.hf_num_prompts is None else ns.hf_num_prompts
+    if not 1 <= hf_count <= len(requests):
+        raise ValueError(f"hf_num_prompts must be in [1, {len(requests)}] (num_prompts), got {hf_count}")
     _set_threads(ns)
     results = {}
     for backend in ns.backend:
         if backend == "loom":
             results[backend] = run_loom_throughput(_make_llm(ns), requests, use_tqdm=not ns.no_tqdm)
         else:
-            results[backend] = run_hf_throughput(_make_hf(ns), requests, ns.hf_batch_size)
+            results[backend] = run_hf_throughput(_make_hf(ns), requests[:hf_count], ns.hf_batch_size)
         s = results[backend].summary()
         print(f"[{backend}] {s['requests']} requests in {s['elapsed_s']:.2f} s: {s['requests_per_s']:.3f} req/s  "
               f"output {s['output_tok_s']:.1f} tok/s  total {s['total_tok_s']:.1f} tok/s")
@@ -114,7 +117,7 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     path = write_json(result_path(ns.result_dir, "throughput", label, "json"), {
         "dataset": {k: getattr(ns, k) for k in ("dataset", "dataset_path", "num_prompts", "input_len", "output_len",
                                                  "range_ratio", "fixed_output_len", "dataset_seed")},
-        "hf_batch_size": ns.hf_batch_size, "engine_args": _engine_kwargs(ns), "machine": machine_info(),
+        "hf_batch_size": ns.hf_batch_size, "hf_num_prompts": hf_count, "engine_args": _engine_kwargs(ns), "machine": machine_info(),
         "results": {b: r.summary() for b, r in results.items()}})
     png = plot_bars({b: r.output_tok_s for b, r in results.items()}, "output tokens/s",
                     f"throughput, {len(requests)} requests ({ns.dataset})", path.with_suffix(".png"))
