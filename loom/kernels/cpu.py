@@ -7,7 +7,7 @@ second to compile, nothing at all to load). The library is opened after torch, s
 resolves to the OpenMP runtime torch has loaded and both share one thread pool.
 
 Nothing here is required: without a compiler, on a CPU without AVX512-BF16, off Linux, or with
-`LOOM_CPU_KERNELS=0`, `gemv_bf16_kernel()` and `paged_decode_kernel()` return None (logging why once) and callers keep their torch path.
+`LOOM_CPU_KERNELS=0`, `gemv_bf16_kernel()`, `paged_decode_kernel()` and `fused_kernels()` return None (logging why once) and callers keep their torch path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]  # no silent FMA: roundings as written
 
 # Most rows of x the GEMV kernel takes. Above this a step is no longer weight-bandwidth-bound and oneDNN's
 # blocked GEMM is faster (benchmarks/NOTES.md, "Third pass").
@@ -179,6 +179,70 @@ class PagedDecodeBf16:
         return out
 
 
+class FusedBf16:
+    """ctypes bindings of csrc/fused_bf16.c: add+RMSNorm, SiLU*up and rotary for bfloat16 CPU tensors.
+
+    Each method returns None when its inputs are not what the kernel takes (dtype, device, layout, shape), so
+    callers keep their torch code for everything else.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._norm = lib.loom_add_rmsnorm_bf16
+        self._norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        self._norm.restype = None
+        self._silu = lib.loom_silu_mul_bf16
+        self._silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        self._silu.restype = None
+        self._rope = lib.loom_rotary_bf16
+        self._rope.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+                               + [ctypes.c_int64] * 3)
+        self._rope.restype = None
+
+    @staticmethod
+    def _takes(*tensors: torch.Tensor) -> bool:
+        return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """x [M, H] (+ residual [M, H]) -> (weight * RMSNorm(s), s) with s = x + residual rounded to bf16
+        (s is None without a residual); every tensor bfloat16, weight [H]. None when not applicable."""
+        if x.dim() != 2 or not self._takes(x, weight) or weight.shape != (x.shape[1],):
+            return None
+        if residual is not None and (residual.shape != x.shape or not self._takes(residual)):
+            return None
+        out = torch.empty_like(x)
+        total = torch.empty_like(x) if residual is not None else None
+        self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                   out.data_ptr(), None if total is None else total.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out, total
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """gate_up [M, 2I] bfloat16 -> silu(gate) * up [M, I] bfloat16. None when not applicable."""
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not self._takes(gate_up):
+            return None
+        inter = gate_up.shape[1] // 2
+        out = torch.empty(gate_up.shape[0], inter, dtype=torch.bfloat16)
+        self._silu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:
+        """x [n, heads, dim] bfloat16 (heads and dim contiguous; tokens may be strided, e.g. a view of the fused
+        qkv output), cos / signed_sin [n, 1, dim] float32 contiguous -> rotated [n, heads, dim] bfloat16,
+        bit for bit equal to apply_rotary's torch code. None when not applicable."""
+        if x.dim() != 3 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return None
+        n, heads, dim = x.shape
+        if dim % 32 or x.stride(2) != 1 or x.stride(1) != dim or cos.shape != (n, 1, dim) \
+                or signed_sin.shape != (n, 1, dim):
+            return None
+        if cos.dtype != torch.float32 or signed_sin.dtype != torch.float32 or not cos.is_contiguous() \
+                or not signed_sin.is_contiguous():
+            return None
+        out = torch.empty(n, heads, dim, dtype=torch.bfloat16)
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), n, heads, dim)
+        return out
+
+
 @functools.cache
 def _library(name: str) -> ctypes.CDLL | None:
     """csrc/<name>.c built and loaded, or None (with one log line saying why) when it cannot run here."""
@@ -208,7 +272,21 @@ def paged_decode_kernel() -> PagedDecodeBf16 | None:
     return None if lib is None else PagedDecodeBf16(lib)
 
 
+@functools.cache
+def fused_kernels() -> FusedBf16 | None:
+    """The compiled fused elementwise ops, or None when they cannot run here."""
+    lib = _library("fused_bf16")
+    return None if lib is None else FusedBf16(lib)
+
+
+def cpu_bf16_kernels(dtype: torch.dtype, device: torch.device | str) -> FusedBf16 | None:
+    """fused_kernels() for a bfloat16 model on the CPU; None for any other dtype or device."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return None
+    return fused_kernels()
+
+
 def clear_kernel_cache() -> None:
     """Forget the loaded kernels, so the next call re-reads LOOM_CPU_KERNELS (tests)."""
-    for fn in (_library, gemv_bf16_kernel, paged_decode_kernel):
+    for fn in (_library, gemv_bf16_kernel, paged_decode_kernel, fused_kernels):
         fn.cache_clear()

@@ -15,6 +15,7 @@ from torch import nn
 
 from loom.attention.backend import AttentionBackend
 from loom.attention.metadata import AttentionMetadata
+from loom.kernels.cpu import FusedBf16, cpu_bf16_kernels
 from loom.model.arch import ModelArchConfig
 from loom.model.layers import (
     Linear,
@@ -46,6 +47,7 @@ class LlamaAttention(nn.Module):
         sizes = [arch.q_size, arch.kv_size, arch.kv_size]
         self.qkv_proj = MergedLinear(arch.hidden_size, sizes, arch.attention_bias, dtype, device)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, o_proj_bias, dtype, device)
+        self.kernels: FusedBf16 | None = cpu_bf16_kernels(dtype, device)  # fused rotary, or None
         self.attn = PagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.sliding_window
         )
@@ -62,7 +64,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [n, (H + 2 H_kv) d]
         rope_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         # q and k side by side are rotated in one pass: [n, H + H_kv, d], then split back (views).
-        qk = apply_rotary(qkv[:, :rope_width].view(n, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin)
+        qk = apply_rotary(
+            qkv[:, :rope_width].view(n, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin, self.kernels
+        )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, rope_width:].view(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
@@ -76,9 +80,15 @@ class LlamaMLP(nn.Module):
         sizes = [intermediate_size, intermediate_size]
         self.gate_up_proj = MergedLinear(hidden_size, sizes, False, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
+        self.kernels: FusedBf16 | None = cpu_bf16_kernels(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            act = self.kernels.silu_mul(gate_up)  # one C call for bf16 on CPU, None otherwise
+            if act is not None:
+                return self.down_proj(act)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: silu's output is a fresh tensor
 
 
@@ -100,12 +110,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) [num_tokens, hidden_size] -> (this layer's MLP output, residual stream before
+        it). The residual add is fused into the next norm; residual None = first layer (hidden is the
+        embedding). Same sums as hidden + attn(norm(hidden)), then + mlp(norm(...))."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        attn_out = self.self_attn(normed, cos_sin, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -136,9 +155,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         cos_sin = self.rotary_emb.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos_sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

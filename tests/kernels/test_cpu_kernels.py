@@ -196,3 +196,61 @@ def test_paged_decode_refuses_what_it_cannot_serve() -> None:
         paged(torch.randn(1, 4, 64).bfloat16(), kv, table.int(), torch.tensor([3]), 0.1)
     with pytest.raises(ValueError, match=">= 1"):
         paged(torch.randn(1, 4, 64).bfloat16(), kv, table, torch.tensor([0]), 0.1)
+
+
+fused = kcpu.fused_kernels()
+needs_fused = pytest.mark.skipif(fused is None, reason="no C compiler or no AVX512-BF16 on this CPU")
+
+
+def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """loom.model.layers.norm.RMSNorm's bf16 arithmetic."""
+    return weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+@needs_fused
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (70, 100), (2, 17)])
+def test_add_rmsnorm_matches_torch(rows: int, hidden: int) -> None:
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 3).bfloat16()
+    res = torch.randn(rows, hidden, generator=g).bfloat16()
+    w = torch.randn(hidden, generator=g).bfloat16()
+    out, total = fused.add_rmsnorm(x, res, w, 1e-5)
+    assert torch.equal(total, x + res)  # the residual sum rounds exactly like torch's bf16 add
+    ref = torch_rmsnorm(x + res, w, 1e-5)
+    # float32 statistics summed in another order: at most one bf16 step apart, almost always equal
+    assert torch.all((out.float() - ref.float()).abs() <= 2 * bf16_ulp(ref.float()) + 1e-6)
+    assert (out != ref).float().mean() < 0.02
+    plain, none = fused.add_rmsnorm(x, None, w, 1e-5)
+    assert none is None and (plain != torch_rmsnorm(x, w, 1e-5)).float().mean() < 0.02
+
+
+@needs_fused
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (4, 40), (65, 96)])
+def test_silu_mul_matches_torch(rows: int, inter: int) -> None:
+    gate_up = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = fused.silu_mul(gate_up)
+    assert torch.all((out.float() - ref.float()).abs() <= 2 * bf16_ulp(ref.float()) + 1e-6)
+    assert (out != ref).float().mean() < 0.02
+
+
+@needs_fused
+def test_rotary_equals_apply_rotary_bit_for_bit() -> None:
+    from loom.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rope = RotaryEmbedding(64, 256, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 200, 3])
+    cos, sin = rope.cos_sin(positions)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64).bfloat16()
+    x = qkv[:, : 12 * 64].view(5, 12, 64)  # strided rows, as in LlamaAttention
+    out = fused.rotary(x, cos, sin)
+    assert out is not None and torch.equal(out, apply_rotary(x.contiguous(), cos, sin))
+
+
+@needs_fused
+def test_fused_ops_decline_what_they_do_not_take() -> None:
+    assert fused.add_rmsnorm(torch.randn(2, 8), None, torch.randn(8), 1e-5) is None  # float32
+    assert fused.add_rmsnorm(torch.randn(2, 8).bfloat16(), None, torch.randn(7).bfloat16(), 1e-5) is None
+    assert fused.silu_mul(torch.randn(2, 7).bfloat16()) is None  # odd width
+    assert fused.rotary(torch.randn(2, 3, 48).bfloat16(), torch.randn(2, 1, 48), torch.randn(2, 1, 48)) is None

@@ -12,6 +12,8 @@ import math
 from typing import Any
 
 import torch
+
+from loom.kernels.cpu import FusedBf16
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
@@ -92,14 +94,21 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kernels: FusedBf16 | None = None
+) -> torch.Tensor:
     """Rotate x [num_tokens, heads, head_dim] (rotate-half pairing: i with i + head_dim/2) by the
     angles behind cos / signed_sin [num_tokens, 1, head_dim] (from `RotaryEmbedding.cos_sin`: the sin
     table negated over the first half). Returns a tensor of x's dtype.
 
     Same arithmetic as x * cos + cat(-x2, x1) * sin: the sign is folded into the table (exact), and the
-    halves are swapped by one flip instead of neg + cat (one kernel fewer per layer).
+    halves are swapped by one flip instead of neg + cat (one kernel fewer per layer). With `kernels`
+    (loom's fused CPU ops), bfloat16 x is rotated in one C call with the same roundings (equal bit for bit).
     """
+    if kernels is not None:
+        out = kernels.rotary(x, cos, signed_sin)
+        if out is not None:
+            return out
     n, heads, dim = x.shape
     x32 = x.float()  # one upcast; swapping halves is exact, so rotating x32 rounds the same
     swapped = x32.view(n, heads, 2, dim // 2).flip(2).view(n, heads, dim)  # [x2, x1]
