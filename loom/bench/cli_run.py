@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 
 from loom.bench.datasets import (
@@ -132,6 +133,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from loom.bench.serve import ServeConfig, first_model_id, format_summary, run_serve_benchmark, summarize
 
     slo = parse_goodput(ns.goodput)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request on the console
     model = ns.model or asyncio.run(first_model_id(ns.base_url))
     cfg = ServeConfig(base_url=ns.base_url, model=model, request_rate=ns.request_rate,
                       max_concurrency=ns.max_concurrency, seed=ns.dataset_seed)
