@@ -66,7 +66,15 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
-        """Raise ValueError naming the first invalid parameter."""
+        """Raise ValueError naming the first invalid parameter (run at construction and again when a request
+        is added, so values changed in between are checked too)."""
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
+            raise ValueError("stop and stop_token_ids must be lists")
         _int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
@@ -92,7 +100,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
-                _int("logit_bias", token_id)
+                if isinstance(token_id, bool) or not isinstance(token_id, int):
+                    raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}")
                 _finite("logit_bias", bias)
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")

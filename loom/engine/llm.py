@@ -59,9 +59,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        """Generate replies to one conversation or a list of them, through the model's chat template.
+
+        Each message is {"role": one of CHAT_ROLES, "content": str or None (= "")}, as the server takes them.
+
+        Raises:
+            ValueError: an empty conversation, or a message without a known role or with non-text content.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.apply_chat_template(conv) for conv in conversations]
+        if not conversations:
+            raise ValueError("messages must not be empty")
+        prompts = [self.engine.apply_chat_template(_checked_conversation(conv)) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -103,6 +111,26 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles the server's ChatMessage takes
+
+
+def _checked_conversation(conversation: object) -> list[dict]:
+    """A conversation as plain {"role", "content"} dicts (content None -> ""), or ValueError naming the message."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    checked = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        checked.append({**message, "content": content or ""})
+    return checked
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

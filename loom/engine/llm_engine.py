@@ -113,6 +113,9 @@ class LLMEngine:
         """
         if request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()  # again: fields may have been changed since construction
         check_params_against_vocab(params, self.vocab_size)  # here, not mid-batch where it fails every request
         prompt_text = prompt if isinstance(prompt, str) else None
         prompt_token_ids = self.tokenize(prompt)

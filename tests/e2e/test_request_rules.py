@@ -175,3 +175,33 @@ def test_prompt_filling_max_model_len_names_its_length(llm: LLM) -> None:
 def test_generate_rejects_a_non_list_prompt(llm: LLM) -> None:
     with pytest.raises(ValueError, match="prompts"):
         llm.generate(None)  # type: ignore[arg-type]
+
+
+def test_boolean_and_container_fields_are_type_checked() -> None:
+    for kwargs, name in [({"ignore_eos": "no"}, "ignore_eos"), ({"skip_special_tokens": 1}, "skip_special_tokens"),
+                         ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+                         ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {"a": 1}}, "token ids")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+
+
+def test_params_changed_after_construction_are_checked_again(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=2)
+    params.temperature = -3
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("hi", params, use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate("hi", "x", use_tqdm=False)  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_checks_messages_like_the_server(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match="empty"):
+        llm.chat([], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        llm.chat([{"role": "bogus", "content": "hi"}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\].content"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}], params, use_tqdm=False)
+    out = llm.chat([{"role": "user"}], params, use_tqdm=False)  # no content = "", as the server takes it
+    assert len(out[0].outputs[0].token_ids) == 1
