@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 
@@ -60,6 +61,21 @@ def _run_until_signal(server: uvicorn.Server) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """Bind host:port once and let go, so a busy port or a bad host fails in a second, not after loading.
+
+    Raises:
+        ValueError: the address cannot be resolved or bound (the OS reason is in the message).
+    """
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind(address)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """Start the engine, serve until a signal, then free everything. Returns the exit code.
 
@@ -67,10 +83,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     """
     from loom.server.api_server import build_app
 
-    logging.getLogger("loom").setLevel(min(logging.getLogger("loom").getEffectiveLevel(), logging.INFO))
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     args = engine_args_from_namespace(ns)
+    check_listen_address(ns.host, ns.port)  # before the model loads, not after
     t0 = time.monotonic()
     engine = AsyncLLMEngine.from_engine_args(args)
     try:
