@@ -63,7 +63,7 @@ def build_library(name: str) -> Path:
     source = CSRC / f"{name}.c"
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler ({compiler!r} not on PATH)")
+        raise RuntimeError(f"no C compiler: {compiler!r} not found (set $CC)")
     digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if target.exists():
@@ -73,7 +73,8 @@ def build_library(name: str) -> Path:
     try:
         proc = subprocess.run([compiler, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+            detail = proc.stderr.strip()[-2000:] or "no error output"
+            raise RuntimeError(f"{compiler} exited with {proc.returncode} on {source.name}: {detail}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
     finally:
         if os.path.exists(tmp):
@@ -254,8 +255,15 @@ def _library(name: str) -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(str(build_library(name)))
     except (OSError, RuntimeError) as exc:
-        logger.warning("loom CPU kernel %s off, torch/oneDNN paths run: %s", name, exc)
+        reason = str(exc)
+        # one warning per distinct reason (a missing compiler stops every kernel the same way)
+        level = logging.DEBUG if reason in _reported else logging.WARNING
+        _reported.add(reason)
+        logger.log(level, "loom CPU kernel %s off, torch/oneDNN paths run: %s", name, reason)
         return None
+
+
+_reported: set[str] = set()  # failure reasons already logged at WARNING
 
 
 @functools.cache

@@ -87,6 +87,23 @@ def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:
         kcpu.build_library("gemv_bf16")
 
 
+def test_a_missing_compiler_is_reported_once(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    monkeypatch.setattr(kcpu, "cpu_has_avx512_bf16", lambda: True)
+    monkeypatch.setattr(kcpu, "_reported", set())
+    kcpu.clear_kernel_cache()
+    try:
+        with caplog.at_level("DEBUG", logger="loom.kernels.cpu"):
+            assert kcpu.gemv_bf16_kernel() is None and kcpu.paged_decode_kernel() is None
+            assert kcpu.fused_kernels() is None
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
+    finally:
+        monkeypatch.undo()
+        kcpu.clear_kernel_cache()
+
+
 def test_kernels_can_be_switched_off(monkeypatch) -> None:
     monkeypatch.setenv("LOOM_CPU_KERNELS", "0")
     kcpu.clear_kernel_cache()
