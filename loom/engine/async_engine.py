@@ -54,6 +54,7 @@ class _Stream:
 class _Add:
     request_id: str  # engine-unique id
     prompt: str | list[int]  # text or token ids
+    prompt_token_ids: list[int] | None  # the text already tokenized (off the engine thread), or None
     params: SamplingParams
     arrival_time: float  # time.monotonic() seconds
     cache_salt: str | None
@@ -194,10 +195,14 @@ class AsyncLLMEngine:
         queue full), EngineDeadError (engine stopped). Nothing stays in the engine when it raises.
         """
         self._check_running()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        # Tokenize here, in a worker thread (the tokenizer releases the GIL): a 20 MB prompt took ~20 s on the
+        # engine thread and stalled every running request meanwhile.
+        token_ids = await asyncio.to_thread(self.engine.tokenize, prompt) if isinstance(prompt, str) else None
+        self._check_running()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(_Add(request_id, prompt, params, arrival, cache_salt, stream, done))
+        self._commands.put(_Add(request_id, prompt, token_ids, params, arrival, cache_salt, stream, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -293,8 +298,8 @@ class AsyncLLMEngine:
             cmd.done.set_exception(ValueError(f"request_id {cmd.request_id!r} is already in flight"))
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                    arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                    cache_salt=cmd.cache_salt, prompt_token_ids=cmd.prompt_token_ids)
         except Exception as e:  # noqa: BLE001 - ValueError / QueueFullError / bugs: that request only
             cmd.done.set_exception(e)
             return

@@ -104,8 +104,12 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
     ) -> None:
         """Queue a request (n > 1 becomes n engine requests, merged back into one RequestOutput).
+
+        `prompt_token_ids`: `tokenize(prompt)` of a text prompt, when the caller already ran it (the async
+        front tokenizes off the engine thread, so a huge prompt does not stall every other request).
 
         Raises:
             ValueError: the request can never run (names the parameter); nothing is kept.
@@ -118,7 +122,8 @@ class LLMEngine:
         params.verify()  # again: fields may have been changed since construction
         check_params_against_vocab(params, self.vocab_size)  # here, not mid-batch where it fails every request
         prompt_text = prompt if isinstance(prompt, str) else None
-        prompt_token_ids = self.tokenize(prompt)
+        if prompt_token_ids is None or prompt_text is None:
+            prompt_token_ids = self.tokenize(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time

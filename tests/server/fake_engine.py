@@ -96,11 +96,15 @@ class FakeEngine:
         self.offload_counters = [0, 0, 0]  # tests set these: num_blocks_offloaded, _restored, _recomputed
 
     # -- interface --
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
         if request_id in self.reqs:
             raise ValueError(f"request_id {request_id!r} already exists")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         for t in ids:

@@ -182,3 +182,32 @@ def test_not_started_engine_refuses_requests() -> None:
 
     with pytest.raises(EngineDeadError):
         run(go())
+
+
+def test_a_slow_tokenization_does_not_stall_running_requests(front: Front) -> None:
+    """Text prompts are tokenized in a worker thread, not on the engine thread between steps."""
+    eng, fake = front
+    fake.step_delay_s = 0.01
+    encode = fake.tokenizer.encode
+
+    def slow_encode(text: str) -> list[int]:
+        if text == "huge":
+            import time
+            time.sleep(1.0)  # stands in for a 20 MB prompt (the real tokenizer releases the GIL too)
+        return encode(text)
+
+    fake.tokenizer.encode = slow_encode
+
+    async def go() -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        running = asyncio.create_task(eng.add_request("run", [5, 6, 7], params))
+        stream = await running
+        huge = asyncio.create_task(eng.add_request("huge", "huge", GREEDY))
+        outputs_while_tokenizing = 0
+        async for _ in stream:
+            if not huge.done():
+                outputs_while_tokenizing += 1
+        await (await huge).aclose()
+        return outputs_while_tokenizing
+
+    assert run(go()) >= 20  # the running request kept stepping (~10 ms a step) during the 1 s tokenization
