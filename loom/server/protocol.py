@@ -140,8 +140,10 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
     if req.top_k is not None and req.top_k < -1:
         raise RequestError(f"top_k must be -1 (off), 0 (off) or >= 1, got {req.top_k}", "top_k")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    if any(not s for s in stop):
+        raise RequestError("stop strings must not be empty", "stop")
     stop_token_ids = list(req.stop_token_ids or [])
     check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
     logit_bias = _logit_bias(req.logit_bias, vocab_size)
