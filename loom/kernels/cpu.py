@@ -12,6 +12,7 @@ Nothing here is required: without a compiler, on a CPU without AVX512-BF16, off 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -64,7 +65,8 @@ def build_library(name: str) -> Path:
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} not found (set $CC)")
-    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # the sources include them
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}.so"
     if target.exists():
         return target
@@ -76,6 +78,10 @@ def build_library(name: str) -> Path:
             detail = proc.stderr.strip()[-2000:] or "no error output"
             raise RuntimeError(f"{compiler} exited with {proc.returncode} on {source.name}: {detail}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
+        for old in target.parent.glob(f"{name}-*.so"):  # builds of earlier sources
+            if old != target:
+                with contextlib.suppress(OSError):
+                    old.unlink()
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

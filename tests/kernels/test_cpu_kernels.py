@@ -78,6 +78,10 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
     assert first.parent == tmp_path / "kernels" and first.exists()
     stamp = first.stat().st_mtime_ns
     assert kcpu.build_library("gemv_bf16") == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    stale = first.parent / "gemv_bf16-0000000000000000.so"  # a build of an older source
+    stale.write_bytes(b"")
+    first.unlink()
+    assert kcpu.build_library("gemv_bf16") == first and not stale.exists()  # rebuilt, the old one pruned
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:

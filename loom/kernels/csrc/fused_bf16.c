@@ -4,11 +4,11 @@
  * Why: at one decode token per step these ops cost their dispatch, not their arithmetic (benchmarks/NOTES.md,
  * "Third pass"). Rows are split over OpenMP threads only when there are many (prefill).
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#include "bf16_common.h"
+
+#define TARGET LOOM_TARGET
 #define PARALLEL_MIN_ROWS 64
 
 TARGET static inline __m512 load_bf16(const uint16_t *src, __mmask16 mask) {
@@ -62,23 +62,6 @@ TARGET void loom_add_rmsnorm_bf16(const uint16_t *x, const uint16_t *residual, c
             store_bf16(om + h, _mm512_mul_ps(load_bf16(weight + h, k), n), k);
         }
     }
-}
-
-/* e^x: 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, Taylor degree 7 of 2^f; x clamped to [-87, 88]. */
-TARGET static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /*

@@ -13,24 +13,7 @@
  * Contiguous ranges of rows are split over `num_threads` OpenMP threads (torch's libgomp, which the
  * process has loaded first).
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                              /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#include "bf16_common.h"
 
 #define MROWS 4 /* x rows per pass over a weight row */
 

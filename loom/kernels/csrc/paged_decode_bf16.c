@@ -5,48 +5,21 @@
  * (grouped-query attention, arXiv:2305.13245) attend to keys t in [start, seq_lens[b]), where
  * start = max(0, seq_lens[b] - window) (window 0 = all). Key t of request b lives in block
  * block_table[b, t / block_size], row t % block_size. Exact softmax in three passes over the request's
- * own blocks: scores q.k * scale (float32 sums of bf16 products), then exp(s - max) and their sum, then
+ * own blocks: scores q.k * scale (float32 sums of bf16 products), then exp(s - max) (exp_ps, bf16_common.h) and their sum, then
  * the p-weighted sum of V rows, divided by the sum and rounded to bfloat16 (nearest even).
  *
  * Layouts (row-major, contiguous): q, out [B, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D];
  * block_table [B, bt_stride] int64; seq_lens [B] int64. D % 32 == 0, D <= 256, G <= 16 (checked by the
  * caller). The (b, h) pairs are split over num_threads OpenMP threads (torch's libgomp).
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#include "bf16_common.h"
+
+#define TARGET LOOM_TARGET
 #define MAX_D 256
 #define MAX_G 16
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* e^x for x <= 0 (inputs below -87 give ~0): 2^n * 2^f, n = round(x log2 e), |f| <= 1/2, Taylor degree 7
- * of 2^f (relative error < 1e-8 before float32 rounding). */
-TARGET static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 TARGET static inline __m512 bf16x16_to_f32(const uint16_t *src) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)src);
@@ -87,7 +60,7 @@ TARGET static void attend_one(const uint16_t *q, const uint16_t *k_cache, const 
         __m512 total = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 mask = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-            const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), m));
+            const __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), m));
             _mm512_mask_storeu_ps(s + i, mask, p);
             total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, p));
         }
