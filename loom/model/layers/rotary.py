@@ -12,9 +12,9 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from loom.kernels.cpu import FusedBf16
-from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
