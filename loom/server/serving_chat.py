@@ -122,11 +122,14 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
     created = now_unix()
     sent: dict[int, _Sent] = {}
     last = None
+    with_usage = body.stream_options is not None and body.stream_options.include_usage
+    null_usage = {"usage": None} if with_usage else {}  # OpenAI: every chunk but the last carries usage null
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
         return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                     "model": ctx.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                    **null_usage})
 
     try:
         async for out in stream:
@@ -144,7 +147,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
                 s.finished = c.finish_reason is not None
                 if text or s.finished or (logprobs and logprobs["content"]):
                     yield chunk(c.index, {"content": text} if text else {}, logprobs, c.finish_reason)
-        if body.stream_options is not None and body.stream_options.include_usage and last is not None:
+        if with_usage and last is not None:
             yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                        "model": ctx.model_name, "choices": [],
                        "usage": usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),

@@ -135,6 +135,8 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, prompts: list[_P
                   streams: list[RequestStream], response_id: str) -> AsyncIterator[str]:
     created, st = now_unix(), _StreamState()
     tok = ctx.engine.tokenizer
+    with_usage = body.stream_options is not None and body.stream_options.include_usage
+    null_usage = {"usage": None} if with_usage else {}  # OpenAI: every chunk but the last carries usage null
     try:
         async for i, out in merge(streams):
             st.finals[i] = out
@@ -162,8 +164,9 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, prompts: list[_P
                 yield sse({"id": response_id, "object": "text_completion", "created": created,
                            "model": ctx.model_name,
                            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-        if body.stream_options is not None and body.stream_options.include_usage:
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                           **null_usage})
+        if with_usage:
             yield sse({"id": response_id, "object": "text_completion", "created": created,
                        "model": ctx.model_name, "choices": [], "usage": _usage(list(st.finals.values()))})
         yield SSE_DONE

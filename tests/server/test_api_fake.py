@@ -115,6 +115,9 @@ def test_streamed_equals_non_streamed(client: httpx.Client, path: str, body: dic
                                                 "stream_options": {"include_usage": True}}).text)
     usage = events[-1]["usage"]
     assert events[-1]["choices"] == [] and usage == full["usage"]
+    assert all("usage" in ev and ev["usage"] is None for ev in events[:-1])  # null until the last chunk
+    plain = sse_events(client.post(path, json={**body, "stream": True}).text)
+    assert not any("usage" in ev for ev in plain)
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}
     for ev in events[:-1]:
