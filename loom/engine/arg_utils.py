@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=SUPPORTED_KV_CACHE_DTYPES,
                    help="KV cache storage; auto = --dtype; int8/fp8_e4m3 keep a float32 scale per token and KV head "
                         "(default: %(default)s)")
-    g.add_argument("--kv-offload-memory", dest="kv_offload_memory_gb", type=float,
+    g.add_argument("--kv-offload-memory", dest="kv_offload_memory_gb", type=float, metavar="GIB",
                    default=defaults.kv_offload_memory_gb,
                    help="GiB of host memory for KV blocks evicted from the prefix cache or swapped out by "
                         "preemption; 0 = no host tier (default: %(default)s)")
