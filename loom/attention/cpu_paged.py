@@ -248,8 +248,9 @@ class CpuPagedBackend:
         in place (no padded gather, no mask); anything else gathers and runs SDPA."""
         kernel = self.decode_kernel
         if kernel is not None and kernel.supports(query, kv_cache):
+            # decode requests have their new token's key written, so every seq_len >= 1: no check per layer
             return kernel(query, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window,
-                          num_threads=1 if plan.serial else None)
+                          num_threads=1 if plan.serial else None, lengths_checked=True)
         threads = torch.get_num_threads()
         if not plan.serial or threads == 1:
             return _gather_and_attend(query, kv_cache, plan, scale)

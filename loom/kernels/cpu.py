@@ -155,13 +155,15 @@ class PagedDecodeBf16:
 
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 num_threads: int | None = None) -> torch.Tensor:
+                 num_threads: int | None = None, lengths_checked: bool = False) -> torch.Tensor:
         """query [B, H, D] bfloat16; kv_cache [2, num_blocks, block_size, H_kv, D] bfloat16 (K then V);
         block_table [B, >= ceil(max seq_len / block_size)] int64 block ids; seq_lens [B] int64 keys per
         request (>= 1, the query's own key written); scale: softmax scale; sliding_window: keys each query may
         see, itself included (None = all). Returns [B, H, D] bfloat16.
 
         Block ids and lengths are trusted as the engine's own bookkeeping: they are not range-checked per key.
+        `lengths_checked=True` skips the seq_lens >= 1 check (a reduction) for callers that know it holds, such
+        as the backend, which calls this once per layer with the same per-step plan.
 
         Raises:
             ValueError: shapes or dtypes the kernel does not take (see `supports`), or a seq_len < 1.
@@ -173,7 +175,7 @@ class PagedDecodeBf16:
         if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or seq_lens.shape != (batch,) \
                 or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.stride(1) != 1:
             raise ValueError("block_table [B, max_blocks] and seq_lens [B] must be int64 with unit column stride")
-        if batch and int(seq_lens.min()) < 1:
+        if batch and not lengths_checked and int(seq_lens.min()) < 1:
             raise ValueError("every seq_len must be >= 1")
         query = query.contiguous()
         seq_lens = seq_lens.contiguous()
