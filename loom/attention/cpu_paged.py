@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from loom.attention.backend import gather_kv, gather_kv_padded, write_kv_cache
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.reference import causal_mask
-from loom.kernels.cpu import PagedDecodeBf16, paged_decode_kernel
+from loom.kernels.cpu import PagedDecodeBf16
+from loom.kernels.registry import get_kernel
 
 
 # Decode attention over at most this many gathered K/V rows (requests x padded context) runs on one thread:
@@ -189,7 +190,7 @@ class CpuPagedBackend:
         self._plan: _StepPlan | None = None  # plan of the step being run, reused across layers
         # loom's C decode kernel for bfloat16 caches on CPU, None where it does not build (LOOM_CPU_KERNELS=0,
         # no compiler, no AVX512-BF16): then SDPA over gathered blocks serves every decode
-        self.decode_kernel: PagedDecodeBf16 | None = paged_decode_kernel()
+        self.decode_kernel: PagedDecodeBf16 | None = get_kernel("paged_decode_bf16")
 
     def forward(
         self,

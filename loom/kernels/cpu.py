@@ -1,91 +1,18 @@
-"""loom's own C kernels for the CPU hot paths, compiled on first use and called through ctypes.
+"""ctypes bindings of loom's bfloat16 CPU kernels (csrc/gemv_bf16.c, paged_decode_bf16.c, fused_bf16.c).
 
-The sources live in `loom/kernels/csrc/`. The first call compiles them with the system C compiler (`$CC`,
-else `cc`) as `-O3 -fopenmp -shared` into `<cache>/kernels/<name>-<hash of source and flags>.so`, where
-<cache> is `$LOOM_CACHE_DIR` or `~/.cache/loom`; later processes load the cached library (well under a
-second to compile, nothing at all to load). The library is opened after torch, so its `libgomp.so.1`
-resolves to the OpenMP runtime torch has loaded and both share one thread pool.
-
-Nothing here is required: without a compiler, on a CPU without AVX512-BF16, off Linux, or with
-`LOOM_CPU_KERNELS=0`, `gemv_bf16_kernel()`, `paged_decode_kernel()` and `fused_kernels()` return None (logging why once) and callers keep their torch path.
+They are listed, built and dispatched by loom/kernels/registry.py (`get_kernel("gemv_bf16")` and so on); this
+module only wraps a loaded library. Each binding checks what it is given, since the C code reads raw pointers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
-
-CSRC = Path(__file__).parent / "csrc"
-CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]  # no silent FMA: roundings as written
 
 # Most rows of x the GEMV kernel takes. Above this a step is no longer weight-bandwidth-bound and oneDNN's
 # blocked GEMM is faster (benchmarks/NOTES.md, "Third pass").
 GEMV_MAX_ROWS = 4
-
-
-def cache_dir() -> Path:
-    """`$LOOM_CACHE_DIR/kernels` or `~/.cache/loom/kernels` (created)."""
-    root = Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
-    path = root / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def cpu_has_avx512_bf16() -> bool:
-    """True when /proc/cpuinfo lists avx512_bf16 (Linux only; False elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
-    except OSError:
-        pass
-    return False
-
-
-def build_library(name: str) -> Path:
-    """Compile `csrc/<name>.c` into the cache (once per source/flags hash); returns the .so path.
-
-    Raises:
-        RuntimeError: no C compiler found, or it failed (its stderr is in the message).
-    """
-    source = CSRC / f"{name}.c"
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler: {compiler!r} not found (set $CC)")
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # the sources include them
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{digest}.so"
-    if target.exists():
-        return target
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *CFLAGS, str(source), "-o", tmp], capture_output=True, text=True)
-        if proc.returncode != 0:
-            detail = proc.stderr.strip()[-2000:] or "no error output"
-            raise RuntimeError(f"{compiler} exited with {proc.returncode} on {source.name}: {detail}")
-        os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
-        for old in target.parent.glob(f"{name}-*.so"):  # builds of earlier sources
-            if old != target:
-                with contextlib.suppress(OSError):
-                    old.unlink()
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 class GemvBf16:
@@ -250,59 +177,3 @@ class FusedBf16:
         out = torch.empty(n, heads, dim, dtype=torch.bfloat16)
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), n, heads, dim)
         return out
-
-
-@functools.cache
-def _library(name: str) -> ctypes.CDLL | None:
-    """csrc/<name>.c built and loaded, or None (with one log line saying why) when it cannot run here."""
-    if os.environ.get("LOOM_CPU_KERNELS", "1") == "0":
-        return None
-    if not cpu_has_avx512_bf16():
-        logger.info("loom CPU kernel %s off: this CPU has no AVX512-BF16 (torch/oneDNN paths run)", name)
-        return None
-    try:
-        return ctypes.CDLL(str(build_library(name)))
-    except (OSError, RuntimeError) as exc:
-        reason = str(exc)
-        # one warning per distinct reason (a missing compiler stops every kernel the same way)
-        level = logging.DEBUG if reason in _reported else logging.WARNING
-        _reported.add(reason)
-        logger.log(level, "loom CPU kernel %s off, torch/oneDNN paths run: %s", name, reason)
-        return None
-
-
-_reported: set[str] = set()  # failure reasons already logged at WARNING
-
-
-@functools.cache
-def gemv_bf16_kernel() -> GemvBf16 | None:
-    """The compiled bf16 GEMV, or None when it cannot run here."""
-    lib = _library("gemv_bf16")
-    return None if lib is None else GemvBf16(lib)
-
-
-@functools.cache
-def paged_decode_kernel() -> PagedDecodeBf16 | None:
-    """The compiled paged decode attention, or None when it cannot run here."""
-    lib = _library("paged_decode_bf16")
-    return None if lib is None else PagedDecodeBf16(lib)
-
-
-@functools.cache
-def fused_kernels() -> FusedBf16 | None:
-    """The compiled fused elementwise ops, or None when they cannot run here."""
-    lib = _library("fused_bf16")
-    return None if lib is None else FusedBf16(lib)
-
-
-def cpu_bf16_kernels(dtype: torch.dtype, device: torch.device | str) -> FusedBf16 | None:
-    """fused_kernels() for a bfloat16 model on the CPU; None for any other dtype or device."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
-        return None
-    return fused_kernels()
-
-
-def clear_kernel_cache() -> None:
-    """Forget the loaded kernels, so the next call re-reads LOOM_CPU_KERNELS (tests)."""
-    for fn in (_library, gemv_bf16_kernel, paged_decode_kernel, fused_kernels):
-        fn.cache_clear()

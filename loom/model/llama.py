@@ -15,7 +15,8 @@ from torch import nn
 
 from loom.attention.backend import AttentionBackend
 from loom.attention.metadata import AttentionMetadata
-from loom.kernels.cpu import FusedBf16, cpu_bf16_kernels
+from loom.kernels.cpu import FusedBf16
+from loom.kernels.registry import cpu_bf16_kernels
 from loom.model.arch import ModelArchConfig
 from loom.model.layers import (
     Linear,

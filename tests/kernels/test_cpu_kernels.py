@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loom.kernels import build, registry
 from loom.kernels import cpu as kcpu
+from loom.kernels.registry import clear_kernel_cache, get_kernel
 
-gemv = kcpu.gemv_bf16_kernel()
+gemv = get_kernel("gemv_bf16")
 needs_kernel = pytest.mark.skipif(gemv is None, reason="no C compiler or no AVX512-BF16 on this CPU")
 
 
@@ -74,52 +76,52 @@ def test_gemv_rejects_what_it_cannot_read() -> None:
 @needs_kernel
 def test_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
-    first = kcpu.build_library("gemv_bf16")
+    first = build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16")
     assert first.parent == tmp_path / "kernels" and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert kcpu.build_library("gemv_bf16") == first and first.stat().st_mtime_ns == stamp  # not rebuilt
-    stale = first.parent / "gemv_bf16-0000000000000000.so"  # a build of an older source
+    assert build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16") == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    stale = first.parent / "gemv_bf16-avx512_bf16-0000000000000000.so"  # a build of an older source
     stale.write_bytes(b"")
     first.unlink()
-    assert kcpu.build_library("gemv_bf16") == first and not stale.exists()  # rebuilt, the old one pruned
+    assert build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16") == first and not stale.exists()  # rebuilt, the old one pruned
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     with pytest.raises(RuntimeError, match="no C compiler"):
-        kcpu.build_library("gemv_bf16")
+        build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16")
 
 
 def test_a_missing_compiler_is_reported_once(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
-    monkeypatch.setattr(kcpu, "cpu_has_avx512_bf16", lambda: True)
-    monkeypatch.setattr(kcpu, "_reported", set())
-    kcpu.clear_kernel_cache()
+    monkeypatch.setattr(build, "cpu_flags", lambda: registry.ISAS["avx512_bf16"].cpu_flags)
+    monkeypatch.setattr(registry, "_reported", set())
+    clear_kernel_cache()
     try:
-        with caplog.at_level("DEBUG", logger="loom.kernels.cpu"):
-            assert kcpu.gemv_bf16_kernel() is None and kcpu.paged_decode_kernel() is None
-            assert kcpu.fused_kernels() is None
+        with caplog.at_level("DEBUG", logger="loom.kernels.registry"):
+            assert get_kernel("gemv_bf16") is None and get_kernel("paged_decode_bf16") is None
+            assert get_kernel("fused_bf16") is None
         warnings = [r for r in caplog.records if r.levelname == "WARNING"]
         assert len(warnings) == 1 and "no C compiler" in warnings[0].getMessage()
     finally:
         monkeypatch.undo()
-        kcpu.clear_kernel_cache()
+        clear_kernel_cache()
 
 
 def test_kernels_can_be_switched_off(monkeypatch) -> None:
     monkeypatch.setenv("LOOM_CPU_KERNELS", "0")
-    kcpu.clear_kernel_cache()
+    clear_kernel_cache()
     try:
-        assert kcpu.gemv_bf16_kernel() is None
+        assert get_kernel("gemv_bf16") is None
         from loom.model.layers.linear import OneDNNPackedLinearMethod, default_linear_method
         method = default_linear_method(torch.bfloat16, torch.device("cpu"))
         assert not isinstance(method, OneDNNPackedLinearMethod) or method.gemv is None
     finally:
         monkeypatch.delenv("LOOM_CPU_KERNELS")
-        kcpu.clear_kernel_cache()
-    assert (kcpu.gemv_bf16_kernel() is None) == (gemv is None)
+        clear_kernel_cache()
+    assert (get_kernel("gemv_bf16") is None) == (gemv is None)
 
 
 @needs_kernel
@@ -145,16 +147,16 @@ def test_linear_layer_routes_decode_rows_to_the_kernel() -> None:
 
 
 def test_no_kernel_when_the_cpu_lacks_bf16(monkeypatch) -> None:
-    monkeypatch.setattr(kcpu, "cpu_has_avx512_bf16", lambda: False)
-    kcpu.clear_kernel_cache()
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    clear_kernel_cache()
     try:
-        assert kcpu.gemv_bf16_kernel() is None
+        assert get_kernel("gemv_bf16") is None
     finally:
         monkeypatch.undo()
-        kcpu.clear_kernel_cache()
+        clear_kernel_cache()
 
 
-paged = kcpu.paged_decode_kernel()
+paged = get_kernel("paged_decode_bf16")
 needs_paged = pytest.mark.skipif(paged is None, reason="no C compiler or no AVX512-BF16 on this CPU")
 
 
@@ -219,7 +221,7 @@ def test_paged_decode_refuses_what_it_cannot_serve() -> None:
         paged(torch.randn(1, 4, 64).bfloat16(), kv, table, torch.tensor([0]), 0.1)
 
 
-fused = kcpu.fused_kernels()
+fused = get_kernel("fused_bf16")
 needs_fused = pytest.mark.skipif(fused is None, reason="no C compiler or no AVX512-BF16 on this CPU")
 
 

@@ -11,21 +11,21 @@ from __future__ import annotations
 import pytest
 
 from loom import LLM, SamplingParams
-from loom.kernels import cpu as kcpu
+from loom.kernels.registry import clear_kernel_cache, get_kernel
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "List three prime numbers:", "Explain photosynthesis in one sentence.", "SELECT name FROM"]
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(kcpu.gemv_bf16_kernel() is None or kcpu.paged_decode_kernel() is None,
+    pytest.mark.skipif(get_kernel("gemv_bf16") is None or get_kernel("paged_decode_bf16") is None,
                        reason="loom CPU kernels do not build here"),
 ]
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, kernels: bool, one_by_one: bool = False) -> list:
     monkeypatch.setenv("LOOM_CPU_KERNELS", "1" if kernels else "0")
-    kcpu.clear_kernel_cache()
+    clear_kernel_cache()
     try:
         llm = LLM(dtype="bfloat16", num_threads=2)
         backend = llm.engine.runner.model.model.layers[0].self_attn.attn.backend
@@ -36,7 +36,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, kernels: bool, one_by_one: bool = Fals
         return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     finally:
         monkeypatch.delenv("LOOM_CPU_KERNELS")
-        kcpu.clear_kernel_cache()
+        clear_kernel_cache()
 
 
 def _compare(runs_a: list, runs_b: list) -> tuple[float, int, list[float]]:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16, gemv_bf16_kernel
+from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16
+from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import onednn_packing_available, pack_onednn_weight
 
 
@@ -61,4 +62,4 @@ class LMHead(nn.Module):
         matmul of a decode step (vocab x hidden), so packing it pays the most."""
         if onednn_packing_available(self.weight.dtype, self.weight.device):
             self.packed_weight = pack_onednn_weight(self.weight)
-            self.gemv = gemv_bf16_kernel()
+            self.gemv = get_kernel("gemv_bf16")

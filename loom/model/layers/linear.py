@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16, gemv_bf16_kernel
+from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16
+from loom.kernels.registry import get_kernel
 
 
 # Rows the oneDNN weight layout is tuned for: a decode batch. Any number of rows works with it.
@@ -86,7 +87,7 @@ def default_linear_method(dtype: torch.dtype, device: torch.device) -> LinearMet
     """The fastest dense method for this dtype/device: oneDNN-packed bf16 (with loom's decode GEMV when it
     builds here) on CPU, else F.linear."""
     if onednn_packing_available(dtype, device):
-        return OneDNNPackedLinearMethod(gemv_bf16_kernel())
+        return OneDNNPackedLinearMethod(get_kernel("gemv_bf16"))
     return UnquantizedLinearMethod()
 
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels.cpu import FusedBf16, fused_kernels
+from loom.kernels.cpu import FusedBf16
+from loom.kernels.registry import get_kernel
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))  # [hidden_size]
         self.eps = eps
-        self.kernels: FusedBf16 | None = fused_kernels()  # None where loom's CPU kernels do not build
+        self.kernels: FusedBf16 | None = get_kernel("fused_bf16")  # None where loom's CPU kernels do not build
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -1,0 +1,82 @@
+"""Compiling loom's C kernels: the cache directory, the CPU's flags and one compiler call per (kernel, ISA).
+
+Each kernel's sources (`loom/kernels/csrc/`) are compiled with the system C compiler (`$CC`, else `cc`) as
+`-O3 -fopenmp -shared` plus the ISA's flags into `<cache>/kernels/<name>-<isa>-<hash>.so`, where <cache> is
+`$LOOM_CACHE_DIR` or `~/.cache/loom` and the hash covers the sources, every header, the compiler and the
+flags; later processes load the cached library. Older builds of the same kernel and ISA are pruned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+# no silent FMA contraction: roundings as written in the sources (kernels that want FMA call it explicitly)
+BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off")
+
+
+def cache_dir() -> Path:
+    """`$LOOM_CACHE_DIR/kernels` or `~/.cache/loom/kernels` (created)."""
+    root = Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
+    path = root / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The `flags` line of /proc/cpuinfo (Linux x86; empty elsewhere, where only portable builds run)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def build_library(name: str, sources: Sequence[str], cflags: Sequence[str] = (), tag: str = "") -> Path:
+    """Compile `csrc/<source>` for each source into one shared library in the cache; returns its path.
+
+    `tag` (the ISA name) keeps the builds of one kernel for different ISAs apart. Built once per hash of the
+    sources, headers, compiler and flags.
+
+    Raises:
+        RuntimeError: no C compiler found, or it failed (its stderr is in the message).
+    """
+    paths = [CSRC / s for s in sources]
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} not found (set $CC)")
+    flags = [*BASE_CFLAGS, *cflags]
+    blob = b"".join(p.read_bytes() for p in paths) + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    digest = hashlib.sha256(blob + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    stem = f"{name}-{tag}" if tag else name
+    target = cache_dir() / f"{stem}-{digest}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *flags, *map(str, paths), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            detail = proc.stderr.strip()[-2000:] or "no error output"
+            raise RuntimeError(f"{compiler} exited with {proc.returncode} on {', '.join(sources)}: {detail}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
+        for old in target.parent.glob(f"{stem}-*.so"):  # builds of earlier sources
+            if old != target:
+                with contextlib.suppress(OSError):
+                    old.unlink()
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

@@ -1,0 +1,151 @@
+"""One table of loom's C kernels and one `get_kernel(name)`.
+
+A kernel is a `KernelSpec`: its name, its C sources, the ISAs it has variants for (best first) and the
+binding that wraps the loaded library. An ISA is a set of /proc/cpuinfo flags it needs plus the compiler
+flags that enable it; a source meant for several ISAs is compiled once per ISA (its `#if __AVX2__` blocks
+pick the code), and `generic` is the portable build with no ISA flag (any CPU the compiler targets, ARM
+included). `get_kernel` picks the best ISA this CPU has, builds it on first use (loom/kernels/build.py)
+and caches the binding; the dispatch happens once, where a layer is set up, never per call.
+
+Nothing is required: with `LOOM_CPU_KERNELS=0`, without a compiler, or on a CPU without any of the
+kernel's ISAs, `get_kernel` returns None (logging why once) and callers keep their torch path.
+`LOOM_CPU_ISA=avx2` (or `generic`) caps the choice, e.g. to run the AVX2 variants on an AVX-512 machine.
+
+Adding a kernel is one entry in KERNELS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loom.kernels import build
+from loom.kernels.cpu import FusedBf16, GemvBf16, PagedDecodeBf16
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Isa:
+    """An instruction-set level: what the CPU must list and how to compile for it."""
+
+    name: str
+    cpu_flags: frozenset[str]  # /proc/cpuinfo flags that must all be present
+    cflags: tuple[str, ...]  # compiler flags that enable it (none: the source uses target attributes)
+
+
+ISAS: dict[str, Isa] = {
+    # Zen 4 / Ice Lake and later: 512-bit integer dot products (VPDPBUSD)
+    "avx512_vnni": Isa("avx512_vnni", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma",
+                                                  "f16c"}),
+                       ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+                        "-mf16c")),
+    # the bf16 sources carry their own target attributes
+    "avx512_bf16": Isa("avx512_bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}), ()),
+    # Haswell / Zen 1-3 and later
+    "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "generic": Isa("generic", frozenset(), ()),
+}
+ISA_ORDER = ("avx512_vnni", "avx512_bf16", "avx2", "generic")  # best first, for LOOM_CPU_ISA capping
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One kernel library: sources compiled together, per ISA, wrapped by `binding(library, isa)`."""
+
+    name: str
+    sources: tuple[str, ...]  # files in loom/kernels/csrc
+    isas: tuple[str, ...]  # ISAs it has code for, best first
+    binding: Callable[[ctypes.CDLL, str], Any]  # (loaded library, ISA name) -> callable object
+
+
+KERNELS: dict[str, KernelSpec] = {
+    spec.name: spec
+    for spec in (
+        KernelSpec("gemv_bf16", ("gemv_bf16.c",), ("avx512_bf16",), lambda lib, isa: GemvBf16(lib)),
+        KernelSpec("paged_decode_bf16", ("paged_decode_bf16.c",), ("avx512_bf16",),
+                   lambda lib, isa: PagedDecodeBf16(lib)),
+        KernelSpec("fused_bf16", ("fused_bf16.c",), ("avx512_bf16",), lambda lib, isa: FusedBf16(lib)),
+    )
+}
+
+
+def kernel_isas(name: str) -> list[str]:
+    """The ISAs of kernel `name` this CPU can run, best first, after the LOOM_CPU_ISA cap.
+
+    Raises:
+        ValueError: unknown kernel name, or LOOM_CPU_ISA names no ISA.
+    """
+    spec = _spec(name)
+    cap = os.environ.get("LOOM_CPU_ISA")
+    allowed = ISA_ORDER
+    if cap:
+        if cap not in ISA_ORDER:
+            raise ValueError(f"LOOM_CPU_ISA={cap!r} is not an ISA; choose from {list(ISA_ORDER)}")
+        allowed = ISA_ORDER[ISA_ORDER.index(cap):]
+    flags = build.cpu_flags()
+    return [isa for isa in spec.isas if isa in allowed and ISAS[isa].cpu_flags <= flags]
+
+
+def get_kernel(name: str, isa: str | None = None) -> Any:
+    """The binding of kernel `name` for `isa` (None: the best this CPU runs), or None when it cannot run here
+    (switched off, no compiler, the CPU lacks the ISA); the reason is logged once.
+
+    Raises:
+        ValueError: unknown kernel or ISA name.
+    """
+    spec = _spec(name)
+    if isa is not None and isa not in spec.isas:
+        raise ValueError(f"kernel {name!r} has no {isa!r} variant; it has {list(spec.isas)}")
+    return _load(name, isa)
+
+
+@functools.cache
+def _load(name: str, isa: str | None) -> Any:
+    if os.environ.get("LOOM_CPU_KERNELS", "1") == "0":
+        return None
+    spec = KERNELS[name]
+    runnable = kernel_isas(name)
+    chosen = isa if isa is not None else (runnable[0] if runnable else None)
+    if chosen is None or chosen not in runnable:
+        wanted = isa or " or ".join(spec.isas)
+        logger.info("loom CPU kernel %s off: this CPU does not run %s (torch paths run)", name, wanted)
+        return None
+    try:
+        path = build.build_library(name, spec.sources, ISAS[chosen].cflags, tag=chosen)
+        return spec.binding(ctypes.CDLL(str(path)), chosen)
+    except (OSError, RuntimeError) as exc:
+        reason = str(exc)
+        # one warning per distinct reason (a missing compiler stops every kernel the same way)
+        level = logging.DEBUG if reason in _reported else logging.WARNING
+        _reported.add(reason)
+        logger.log(level, "loom CPU kernel %s off, torch paths run: %s", name, reason)
+        return None
+
+
+_reported: set[str] = set()  # failure reasons already logged at WARNING
+
+
+def _spec(name: str) -> KernelSpec:
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; known: {sorted(KERNELS)}")
+    return KERNELS[name]
+
+
+def cpu_bf16_kernels(dtype: torch.dtype, device: torch.device | str) -> FusedBf16 | None:
+    """The fused bf16 ops for a bfloat16 model on the CPU; None for any other dtype or device."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return None
+    return get_kernel("fused_bf16")
+
+
+def clear_kernel_cache() -> None:
+    """Forget the loaded kernels, so the next call re-reads LOOM_CPU_KERNELS / LOOM_CPU_ISA (tests)."""
+    _load.cache_clear()
