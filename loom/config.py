@@ -9,6 +9,8 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # values of a (token slot, kv head) row; fp8_e4m3: a float32 scale per row (docs/kv_cache.md).
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
+# weight quantization methods (loom/quant/config.py): none = dequantize at load (the oracle path)
+QUANTIZATION_METHODS = ("none", "gguf", "w8a16", "w4a16", "w8a8", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,10 +19,14 @@ class ModelConfig:
     dtype: str = "auto"  # weights and activations; "auto" = bfloat16 where the device has native bf16 matmul, else float32
     max_model_len: int | None = None  # tokens (prompt + output); None = the model's context length
     seed: int = 0  # seed of the engine-wide generator used by unseeded requests
+    # weight quantization method (loom/quant/config.py); None = "gguf" for a GGUF file, "none" otherwise
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -74,6 +80,7 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # none | gguf | w8a16 | w4a16 | w8a8 | fp8; None = gguf for a GGUF file
     max_model_len: int | None = None
     seed: int = 0
     block_size: int = 16
@@ -99,7 +106,8 @@ class EngineArgs:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
+        return ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+                           quantization=self.quantization)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -129,4 +137,5 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_KV_CACHE_DTYPES",
     "PREEMPTION_MODES",
+    "QUANTIZATION_METHODS",
 ]

@@ -33,7 +33,7 @@ def hf_gguf_model(default_gguf: Path):
 
 @pytest.fixture(scope="session")
 def llm(default_gguf: Path):
-    """loom on the bundled model in float32, default engine options."""
+    """loom on the bundled model in float32, dequantized (the transformers-parity path), default engine options."""
     from loom import LLM
 
-    return LLM(dtype="float32")
+    return LLM(dtype="float32", quantization="none")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from loom.config import PREEMPTION_MODES, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES, EngineArgs
+from loom.config import PREEMPTION_MODES, QUANTIZATION_METHODS, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -16,6 +16,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="GGUF file or Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--dtype", default=defaults.dtype, choices=SUPPORTED_DTYPES,
                    help="weights and activations dtype (default: %(default)s)")
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="weight quantization: gguf = a GGUF file's own quantized blocks (the default for GGUF); "
+                        "none = dequantize to --dtype at load (exact transformers parity in float32); w8a16, "
+                        "w4a16, w8a8, fp8 = quantize at load (docs/quantization.md)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens per request, prompt + output (default: the model's context length)")
     g.add_argument("--seed", type=int, default=defaults.seed,

@@ -75,6 +75,16 @@ class LLMEngine:
             self.runner.num_host_blocks, self.runner.num_host_blocks * self.block_size,
         )
 
+        report = getattr(self.runner.model, "weight_report", None)
+        if report is not None:
+            parts = report()
+            logger.info(
+                "weights (quantization %s): %s; a decode step reads %.1f MB of them",
+                getattr(self.runner.model.quant_config, "name", "none"),
+                "; ".join(f"{kind} {fmt} {nbytes / 1e6:.1f} MB" for kind, (fmt, nbytes) in parts.items()),
+                sum(n for kind, (_, n) in parts.items() if kind != "embed_tokens") / 1e6,
+            )
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)

@@ -8,6 +8,7 @@ stacked (qkv_proj, gate_up_proj) so each is one matmul; `load_weights` does the 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from loom.attention.metadata import AttentionMetadata
 from loom.kernels.cpu import FusedBf16
 from loom.kernels.registry import cpu_bf16_kernels
 from loom.model.arch import ModelArchConfig
+from loom.quant.config import NoQuantConfig, QuantizationConfig
 from loom.model.layers import (
     Linear,
     LMHead,
@@ -42,12 +44,16 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        quant_config: QuantizationConfig,
+        prefix: str,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         sizes = [arch.q_size, arch.kv_size, arch.kv_size]
-        self.qkv_proj = MergedLinear(arch.hidden_size, sizes, arch.attention_bias, dtype, device)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, o_proj_bias, dtype, device)
+        self.qkv_proj = MergedLinear(arch.hidden_size, sizes, arch.attention_bias, dtype, device,
+                                     quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, o_proj_bias, dtype, device,
+                             quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.kernels: FusedBf16 | None = cpu_bf16_kernels(dtype, device)  # fused rotary, or None
         self.attn = PagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.sliding_window
@@ -76,11 +82,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device,
+                 quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         sizes = [intermediate_size, intermediate_size]
-        self.gate_up_proj = MergedLinear(hidden_size, sizes, False, dtype, device)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
+        self.gate_up_proj = MergedLinear(hidden_size, sizes, False, dtype, device, quant_config=quant_config,
+                                         prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device, quant_config=quant_config,
+                                prefix=f"{prefix}.down_proj")
         self.kernels: FusedBf16 | None = cpu_bf16_kernels(dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +110,14 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        quant_config: QuantizationConfig,
+        prefix: str,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device)
+        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
-        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device)
+        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -136,11 +147,14 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        quant_config: QuantizationConfig,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, device,
+                                           packed=quant_config.embedding_packed())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, o_proj_bias, backend, dtype, device) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}")
+            for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(
@@ -176,15 +190,19 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        quant_config: QuantizationConfig | None = None,
         o_proj_bias: bool | None = None,
     ) -> None:
-        """o_proj_bias: None = same as arch.attention_bias (Llama); Qwen2 passes False."""
+        """quant_config: which method each linear layer gets (None = dense, loom.quant.NoQuantConfig);
+        o_proj_bias: None = same as arch.attention_bias (Llama); Qwen2 passes False."""
         super().__init__()
         self.arch = arch
+        quant_config = quant_config or NoQuantConfig()
+        self.quant_config = quant_config
         bias = arch.attention_bias if o_proj_bias is None else o_proj_bias
-        self.model = LlamaModel(arch, bias, backend, dtype, device)
+        self.model = LlamaModel(arch, bias, backend, dtype, device, quant_config)
         tied = self.model.embed_tokens if arch.tie_word_embeddings else None
-        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied)
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied, quant_config=quant_config)
 
     def forward(
         self,
@@ -214,38 +232,76 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named checkpoint tensors into the parameters (casting dtype/device).
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Hand Hugging Face-named checkpoint tensors (dense tensors, or PackedWeight blocks from a GGUF file
+        run packed) to the loader of the parameter each belongs to, then let every layer's quant method
+        process what it got.
 
         Raises:
             ValueError: an unknown tensor name, a shape mismatch, or parameters left unloaded.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        expected = self._expected_loads()
+        loaded: set[tuple[str, str, int | None]] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from rope_theta
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # the tied head reads the embedding
-            target, shard = _stacked_target(name)
-            if target not in params:
+            module_name, param, shard = _stacked_target(name)
+            key = (module_name, param, shard)
+            if key not in expected:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-            param = params[target]
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                param.data.copy_(tensor)
+            module = self.get_submodule(module_name)
+            if isinstance(module, RMSNorm):
+                if module.weight.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(module.weight.shape)}")
+                module.weight.data.copy_(tensor)
             else:
-                owner = self.get_submodule(target.rsplit(".", 1)[0])
-                assert isinstance(owner, MergedLinear)
-                owner.load_shard(shard, tensor, is_bias=target.endswith(".bias"))
-            loaded.add(f"{name}")
-        missing = _missing(params, loaded)
+                try:
+                    module.load(param, tensor, shard)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from exc
+            loaded.add(key)
+            if module_name == "model.embed_tokens" and self.lm_head.tied is not None and not _shares_table(self.lm_head):
+                self.lm_head.load("weight", tensor)  # a tied head that keeps its own (packed) form
+        missing = sorted(f"{m}.{p}" + ("" if s is None else f"[{s}]") for m, p, s in expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint lacks tensors for parameters: {sorted(missing)[:8]}")
+            raise ValueError(f"checkpoint lacks tensors for parameters: {missing[:8]}")
         for module in self.modules():
-            if isinstance(module, (Linear, LMHead)):
+            if isinstance(module, Linear):
                 module.process_weights_after_loading()
+
+    def _expected_loads(self) -> set[tuple[str, str, int | None]]:
+        """(module name, parameter name, shard or None) of every checkpoint tensor the model needs."""
+        expected: set[tuple[str, str, int | None]] = set()
+        for module_name, module in self.named_modules():
+            if isinstance(module, LMHead) and module.tied is not None:
+                continue
+            if isinstance(module, Linear):
+                stacked = len(module.output_sizes) > 1
+                for param in module.weight_loaders:
+                    for shard in (range(len(module.output_sizes)) if stacked else [None]):
+                        expected.add((module_name, param, shard))
+            elif isinstance(module, (RMSNorm, VocabEmbedding)):
+                expected.add((module_name, "weight", None))
+        return expected
+
+    def weight_report(self) -> dict[str, tuple[str, int]]:
+        """Layer type (qkv_proj, o_proj, gate_up_proj, down_proj, embed_tokens, lm_head) -> (formats, bytes
+        of one pass over those weights, summed over layers), for the start-up log and the roofline. A tied
+        lm_head reports the matrix it reads (the embedding's, or its own packed copy)."""
+        report: dict[str, tuple[set[str], int]] = {}
+        for module_name, module in self.named_modules():
+            if isinstance(module, LMHead) and _shares_table(module):
+                fmt, nbytes = module.tied.weight_format()
+            elif isinstance(module, (Linear, VocabEmbedding)):
+                fmt, nbytes = module.weight_format()
+            else:
+                continue
+            kind = module_name.rsplit(".", 1)[-1]
+            formats, total = report.get(kind, (set(), 0))
+            report[kind] = (formats | {fmt}, total + nbytes)
+        return {k: (", ".join(sorted(f)), n) for k, (f, n) in report.items()}
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -256,30 +312,22 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on q/k/v (not on o_proj)."""
 
     def __init__(
-        self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+        self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
-        super().__init__(arch, backend, dtype, device, o_proj_bias=False)
+        super().__init__(arch, backend, dtype, device, quant_config, o_proj_bias=False)
 
 
-def _stacked_target(name: str) -> tuple[str, int | None]:
-    """Map a checkpoint name to (our parameter name, shard index or None)."""
+def _shares_table(head: LMHead) -> bool:
+    """True when a tied head reads the embedding's own dense Parameter (nothing to load for it)."""
+    return head.weight is not None and head.tied is not None and head.weight is head.tied.weight
+
+
+def _stacked_target(name: str) -> tuple[str, str, int | None]:
+    """Map a checkpoint name to (our module name, parameter name, shard index or None)."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in _STACKED:
             stacked, shard = _STACKED[part]
-            return ".".join(parts[:i] + [stacked] + parts[i + 1 :]), shard
-    return name, None
-
-
-def _missing(params: dict[str, nn.Parameter], loaded: set[str]) -> set[str]:
-    """Parameters not covered by the loaded checkpoint names (a stacked one needs all its shards)."""
-    covered: dict[str, int] = {}
-    for name in loaded:
-        target, _ = _stacked_target(name)
-        covered[target] = covered.get(target, 0) + 1
-    missing = set()
-    for pname in params:
-        want = 3 if ".qkv_proj." in pname else 2 if ".gate_up_proj." in pname else 1
-        if covered.get(pname, 0) < want:
-            missing.add(pname)
-    return missing
+            return ".".join(parts[:i] + [stacked]), ".".join(parts[i + 1 :]), shard
+    return ".".join(parts[:-1]), parts[-1], None

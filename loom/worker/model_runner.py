@@ -62,7 +62,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> None:
         self.device = device
         self.dtype = resolve_dtype(model_config.dtype, device)
-        loaded = load_model(model_config.model, self.dtype, device)
+        loaded = load_model(model_config.model, self.dtype, device, quantization=model_config.quantization)
         self.model = loaded.model
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer

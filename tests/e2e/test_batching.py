@@ -81,7 +81,7 @@ def test_preemption_and_chunking_under_memory_pressure_keep_outputs(
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     expected = _tokens(llm.generate(prompts, params, use_tqdm=False))
 
-    tight = LLM(dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=7, max_num_seqs=8,
+    tight = LLM(dtype="float32", quantization="none", block_size=4, num_kv_blocks=14, max_num_batched_tokens=7, max_num_seqs=8,
                 enable_prefix_caching=prefix_caching)
     got = _run_checked(tight.engine, prompts, params)
     assert got == expected

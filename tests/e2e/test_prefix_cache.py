@@ -47,7 +47,7 @@ def _run(engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple
 def test_prefix_cache_on_vs_off_under_tight_memory(hf_tokenizer) -> None:
     prompts = _traffic(hf_tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
-    common = dict(dtype="float32", block_size=4, num_kv_blocks=22, max_num_batched_tokens=24, max_num_seqs=6)
+    common = dict(dtype="float32", quantization="none", block_size=4, num_kv_blocks=22, max_num_batched_tokens=24, max_num_seqs=6)
     on = LLM(enable_prefix_caching=True, **common)
     off = LLM(enable_prefix_caching=False, **common)
     got_on = _run(on.engine, prompts, params)

@@ -24,7 +24,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprob
 
 
 def _run(kv_cache_dtype: str) -> tuple[list[RequestOutput], int]:
-    llm = LLM(dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=0.05)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=0.05)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     return outs, llm.engine.kv_bytes_per_token
 

@@ -95,7 +95,7 @@ def test_synthetic_gguf_matches_hf(
     tiny = tiny_models[name]
     path = tmp_path / f"{name}.gguf"
     write_gguf(tiny, path, gguf_arch)
-    loaded = load_model(str(path), torch.float32, CPU)
+    loaded = load_model(str(path), torch.float32, CPU, quantization="none")
     assert loaded.arch.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[gguf_arch]
     assert loaded.arch.tie_word_embeddings == tiny.hf.config.tie_word_embeddings
     assert loaded.arch.attention_bias == (gguf_arch == "qwen2")
@@ -118,7 +118,7 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ValueError, match="'gpt2'.*llama.*qwen2"):
-        load_model(str(path), torch.float32, CPU)
+        load_model(str(path), torch.float32, CPU, quantization="none")
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<|im_start|>user\nHi!<|im_end|>\n"]
@@ -126,7 +126,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<|im_start|>u
 
 @pytest.fixture(scope="session")
 def loom_smollm2():  # noqa: ANN201 (LoadedModel)
-    return load_model(None, torch.float32, CPU)
+    return load_model(None, torch.float32, CPU, quantization="none")
 
 
 @pytest.mark.slow

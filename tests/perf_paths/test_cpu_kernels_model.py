@@ -27,7 +27,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, kernels: bool, one_by_one: bool = Fals
     monkeypatch.setenv("LOOM_CPU_KERNELS", "1" if kernels else "0")
     clear_kernel_cache()
     try:
-        llm = LLM(dtype="bfloat16", num_threads=2)
+        llm = LLM(dtype="bfloat16", quantization="none", num_threads=2)
         backend = llm.engine.runner.model.model.layers[0].self_attn.attn.backend
         assert (backend.decode_kernel is not None) == kernels
         params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)

@@ -33,7 +33,7 @@ def live() -> Iterator[LiveServer]:
     from loom.engine.llm_engine import LLMEngine
 
     # float32: greedy batch invariance is a float32 promise (bf16 GEMMs round differently by batch shape).
-    engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, max_num_seqs=32, max_waiting_requests=64))
+    engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", quantization="none", max_model_len=512, max_num_seqs=32, max_waiting_requests=64))
     front = AsyncLLMEngine(engine)
     front.start()
     with serve(front) as server:

@@ -2,30 +2,69 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16
-from loom.kernels.registry import get_kernel
-from loom.model.layers.linear import onednn_packing_available, pack_onednn_weight
+from loom.model.layers.linear import Linear, LinearMethod
+from loom.quant.layout import PackedWeight, dequantize
 
 
 class VocabEmbedding(nn.Module):
-    """Lookup table: input_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
+    """Lookup table: input_ids [num_tokens] int64 -> [num_tokens, hidden_size] in the model dtype.
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    The table is dense, or (`packed=True`, a GGUF model run from its own blocks) a PackedWeight whose looked-up
+    rows are dequantized (loom/quant/layout.py), so the matrix is never held in float.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 packed: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
-        )  # [vocab_size, hidden_size]
+        self.dtype = dtype
+        self.shape = (vocab_size, hidden_size)
+        self.weight: nn.Parameter | None = None
+        if not packed:
+            self.weight = nn.Parameter(
+                torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
+            )  # [vocab_size, hidden_size]
+        self.packed: PackedWeight | None = None  # [vocab_size, hidden_size] in a loom layout, when packed
+
+    def load(self, name: str, tensor: Any, shard: int | None = None) -> None:
+        """Load the checkpoint table (a dense tensor, or a PackedWeight for a packed table).
+
+        Raises:
+            ValueError: wrong parameter name or shape.
+        """
+        shape = tuple(tensor.shape)
+        if name != "weight" or shard is not None or shape != self.shape:
+            raise ValueError(f"embedding {name} of shape {shape} does not fit the table {self.shape}")
+        if self.weight is None:
+            self.packed = tensor if isinstance(tensor, PackedWeight) else None
+            if self.packed is None:  # the file stores it in float after all
+                self.weight = nn.Parameter(tensor.to(self.dtype), requires_grad=False)
+        else:
+            if isinstance(tensor, PackedWeight):
+                tensor = dequantize(tensor)
+            self.weight.data.copy_(tensor)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return dequantize(self.packed.rows(input_ids), self.dtype)
         return F.embedding(input_ids, self.weight)
 
+    def weight_format(self) -> tuple[str, int]:
+        """(format, bytes held) for the start-up report (a lookup reads only its rows)."""
+        if self.packed is not None:
+            layout = self.packed.layout + (f"/{self.packed.group_size}" if self.packed.layout == "q8g" else "")
+            return f"packed {layout}", self.packed.nbytes
+        return str(self.weight.dtype).removeprefix("torch."), self.weight.nbytes
 
-class LMHead(nn.Module):
-    """Logits = hidden W^T with W [vocab_size, hidden_size]; `tied` reuses an embedding's matrix."""
+
+class LMHead(Linear):
+    """Logits = hidden W^T with W [vocab_size, hidden_size], through the layer's quant method like any Linear;
+    `tied` reuses an embedding's matrix (shared with a dense method, fed to the method's loader otherwise)."""
 
     def __init__(
         self,
@@ -34,32 +73,18 @@ class LMHead(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         tied: VocabEmbedding | None,
+        quant_method: LinearMethod | None = None,
+        *,
+        quant_config: Any = None,
     ) -> None:
-        super().__init__()
-        if tied is not None:
-            self.weight = tied.weight  # shared Parameter, [vocab_size, hidden_size]
-        else:
-            self.weight = nn.Parameter(
-                torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
-            )  # [vocab_size, hidden_size]
-
-        self.packed_weight: torch.Tensor | None = None  # oneDNN layout of weight, set after loading
-        self.gemv: GemvBf16 | None = None  # loom's bf16 GEMV for <= GEMV_MAX_ROWS rows, set after loading
+        super().__init__(hidden_size, vocab_size, False, dtype, device, quant_method,
+                         quant_config=quant_config, prefix="lm_head")
+        self.tied = tied
+        if tied is not None and tied.weight is not None and isinstance(self.weight, nn.Parameter) \
+                and self.weight.shape == tied.weight.shape and self.weight.dtype == tied.weight.dtype:
+            self.weight = tied.weight  # one dense matrix for both (the method reads or requantizes it)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (the matmul runs in the weight dtype
-        and is cast, as transformers does)."""
-        if self.gemv is not None and hidden.dim() == 2 and hidden.shape[0] <= GEMV_MAX_ROWS:
-            logits = self.gemv(hidden, self.weight)  # decode: loom's GEMV streams the dense matrix
-        elif self.packed_weight is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
-        else:
-            logits = F.linear(hidden, self.weight)
-        return logits.float()
-
-    def process_weights_after_loading(self) -> None:
-        """Pre-pack the (possibly shared) matrix for oneDNN when the CPU has native bf16; the largest
-        matmul of a decode step (vocab x hidden), so packing it pays the most."""
-        if onednn_packing_available(self.weight.dtype, self.weight.device):
-            self.packed_weight = pack_onednn_weight(self.weight)
-            self.gemv = get_kernel("gemv_bf16")
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (the matmul runs in the model dtype and
+        is cast, as transformers does)."""
+        return super().forward(hidden).float()

@@ -1,8 +1,15 @@
-"""Linear layers whose matmul is delegated to a quantization method, plus a row-merged variant."""
+"""Linear layers whose parameters and matmul belong to a quantization method (loom/quant), plus the dense
+methods: F.linear, and oneDNN-packed bfloat16 with loom's decode GEMV.
+
+The seam follows vLLM's quant methods: the method creates the layer's parameters and their loaders
+(`create_weights`), is chosen per layer by `QuantizationConfig.get_quant_method(layer, prefix)`, derives its
+run-time form once the checkpoint is in (`process_weights_after_loading`) and runs the matmul (`apply`).
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -11,25 +18,47 @@ from torch import nn
 from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16
 from loom.kernels.registry import get_kernel
 
-
 # Rows the oneDNN weight layout is tuned for: a decode batch. Any number of rows works with it.
 _ONEDNN_PACK_ROWS = 32
 
+# One parameter's loader: (checkpoint tensor or packed weight, shard index or None) -> None
+WeightLoader = Callable[[Any, "int | None"], None]
+
 
 class LinearMethod(Protocol):
-    """How a Linear turns its stored parameters into y = x W^T + b (quantized formats plug in here)."""
+    """How a Linear holds its weight and computes y = x W^T + b (quantized formats plug in here)."""
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        """Register the layer's parameters and one loader per parameter name in `layer.weight_loaders`."""
+        ...
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, input_size] -> [num_tokens, output_size], dtype of x."""
         ...
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """Derive whatever `apply` reads from the loaded `layer.weight` (repacking, quantizing)."""
+        """Derive whatever `apply` reads from what was loaded (repacking, quantizing)."""
+        ...
+
+    def weight_format(self, layer: Linear) -> tuple[str, int]:
+        """(format name, bytes a pass over the weight reads) for the start-up report and the roofline."""
         ...
 
 
 class UnquantizedLinearMethod:
-    """Dense weight [output_size, input_size] in the activation dtype."""
+    """Dense weight [output_size, input_size] in the activation dtype, F.linear."""
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        rows = sum(output_sizes)
+        layer.weight = nn.Parameter(torch.empty(rows, input_size, dtype=dtype, device=device),
+                                    requires_grad=False)  # [output_size, input_size]
+        layer.bias = (nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False)
+                      if bias else None)  # [output_size] or None
+        layer.weight_loaders["weight"] = lambda t, shard: copy_rows(layer, layer.weight, t, shard)
+        if bias:
+            layer.weight_loaders["bias"] = lambda t, shard: copy_rows(layer, layer.bias, t, shard)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -37,8 +66,11 @@ class UnquantizedLinearMethod:
     def process_weights_after_loading(self, layer: Linear) -> None:
         pass
 
+    def weight_format(self, layer: Linear) -> tuple[str, int]:
+        return str(layer.weight.dtype).removeprefix("torch."), layer.weight.numel() * layer.weight.element_size()
 
-class OneDNNPackedLinearMethod:
+
+class OneDNNPackedLinearMethod(UnquantizedLinearMethod):
     """bfloat16 weight pre-packed once into oneDNN's blocked layout (CPU only), plus loom's GEMV for decode.
 
     F.linear reorders nothing but picks a generic kernel; the pre-packed weight lets oneDNN run its
@@ -91,44 +123,89 @@ def default_linear_method(dtype: torch.dtype, device: torch.device) -> LinearMet
     return UnquantizedLinearMethod()
 
 
+def copy_rows(layer: Linear, target: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
+    """Copy a dense checkpoint tensor [rows, input_size] (or a bias [rows]) into `target`, all of it
+    (shard None) or the rows of shard `shard` of a stacked layer.
+
+    Raises:
+        ValueError: a packed weight for a dense layer, or a shape that does not match.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"a dense layer got a {type(tensor).__name__} (expected a tensor)")
+    part = target.data if shard is None else target.data[layer.shard_rows(shard)]
+    if part.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != parameter shape {tuple(part.shape)}")
+    part.copy_(tensor)
+
+
 class Linear(nn.Module):
-    """y = x W^T + b with W [output_size, input_size]; the matmul itself is `quant_method.apply`."""
+    """y = x W^T + b with W [output_size, input_size]; what is stored and how it is multiplied is the
+    quant method's. Several projections of one input (q|k|v, gate|up) stack their rows (`output_sizes`),
+    so one matmul computes them all; their checkpoint tensors are loaded shard by shard.
+    """
 
     def __init__(
         self,
         input_size: int,
-        output_size: int,
+        output_size: int | list[int],
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
         quant_method: LinearMethod | None = None,
+        *,
+        quant_config: Any = None,
+        prefix: str = "",
     ) -> None:
+        """quant_method: explicit method; else `quant_config.get_quant_method(self, prefix)` (a
+        loom.quant.QuantizationConfig; prefix = the checkpoint name of the layer, e.g.
+        "model.layers.0.self_attn.qkv_proj"); else the default dense method."""
         super().__init__()
+        sizes = list(output_size) if isinstance(output_size, list) else [output_size]
         self.input_size = input_size
-        self.output_size = output_size
-        self.weight = nn.Parameter(
-            torch.empty(output_size, input_size, dtype=dtype, device=device), requires_grad=False
-        )  # [output_size, input_size]
-        self.bias = (
-            nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device), requires_grad=False)
-            if bias
-            else None
-        )  # [output_size] or None
-        self.quant_method: LinearMethod = quant_method or default_linear_method(dtype, device)
+        self.output_sizes = sizes  # rows of each shard, in stacking order
+        self.output_size = sum(sizes)
+        self.dtype = dtype  # activation dtype
+        self.device = device
+        self.weight_loaders: dict[str, WeightLoader] = {}  # parameter name -> loader, set by the method
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
         self.packed_weight: torch.Tensor | None = None  # method-specific copy of weight (e.g. oneDNN layout)
+        self.prefix = prefix
+        if quant_method is None and quant_config is not None:
+            quant_method = quant_config.get_quant_method(self, prefix)
+        self.quant_method: LinearMethod = quant_method or default_linear_method(dtype, device)
+        self.quant_method.create_weights(self, input_size, sizes, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
+
+    def shard_rows(self, shard: int) -> slice:
+        """Rows of the stacked weight that hold shard number `shard`."""
+        start = sum(self.output_sizes[:shard])
+        return slice(start, start + self.output_sizes[shard])
+
+    def load(self, name: str, tensor: Any, shard: int | None = None) -> None:
+        """Load checkpoint parameter `name` ("weight" or "bias"), whole or one shard of a stacked layer.
+
+        Raises:
+            ValueError: the layer has no such parameter, or the tensor does not fit it.
+        """
+        loader = self.weight_loaders.get(name)
+        if loader is None:
+            raise ValueError(f"checkpoint has a {name} for a projection built without one (attention_bias)")
+        loader(tensor, shard)
 
     def process_weights_after_loading(self) -> None:
         """Let the method derive its own weight form once the checkpoint is loaded."""
         self.quant_method.process_weights_after_loading(self)
 
+    def weight_format(self) -> tuple[str, int]:
+        """(format, bytes of one pass over the weight), from the method."""
+        return self.quant_method.weight_format(self)
+
 
 class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output rows (e.g. q|k|v, gate|up),
-    so one matmul computes them all. Checkpoint tensors are loaded shard by shard.
-    """
+    """A Linear over several stacked projections (kept as a name for readability at the call sites)."""
 
     def __init__(
         self,
@@ -138,25 +215,9 @@ class MergedLinear(Linear):
         dtype: torch.dtype,
         device: torch.device,
         quant_method: LinearMethod | None = None,
+        *,
+        quant_config: Any = None,
+        prefix: str = "",
     ) -> None:
-        super().__init__(input_size, sum(output_sizes), bias, dtype, device, quant_method)
-        self.output_sizes = list(output_sizes)  # rows of each shard, in stacking order
-
-    def shard_rows(self, shard: int) -> slice:
-        """Rows of the stacked weight that hold shard number `shard`."""
-        start = sum(self.output_sizes[:shard])
-        return slice(start, start + self.output_sizes[shard])
-
-    def load_shard(self, shard: int, tensor: torch.Tensor, is_bias: bool) -> None:
-        """Copy a checkpoint weight [rows, input_size] (or bias [rows]) into shard `shard`.
-
-        Raises:
-            ValueError: the tensor's shape does not match the shard.
-        """
-        target = (self.bias if is_bias else self.weight)
-        if target is None:
-            raise ValueError("checkpoint has a bias for a projection built without one (attention_bias)")
-        part = target.data[self.shard_rows(shard)]
-        if part.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != shard shape {tuple(part.shape)}")
-        part.copy_(tensor)
+        super().__init__(input_size, list(output_sizes), bias, dtype, device, quant_method,
+                         quant_config=quant_config, prefix=prefix)

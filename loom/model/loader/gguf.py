@@ -138,12 +138,28 @@ def gguf_tensor_name(name: str) -> str | None:
     return None
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor in HF layout) for every model tensor of the file.
+def gguf_tensor_types(reader: gguf.GGUFReader) -> dict[str, str]:
+    """Hugging Face weight name -> GGML type name ("Q4_1", "Q8_0", "F32", ...) of every model tensor."""
+    types = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_tensor_name(tensor.name)
+        if hf_name is not None:
+            types[hf_name] = tensor.tensor_type.name
+    return types
+
+
+def iter_gguf_weights(
+    reader: gguf.GGUFReader, arch: ModelArchConfig, keep_packed: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """Yield (Hugging Face name, tensor in HF layout) for every model tensor of the file: float32 tensors,
+    or with `keep_packed` a loom PackedWeight (loom/quant/layout.py) for each 2-D tensor of a type that
+    loom repacks exactly (loom/quant/gguf_repack.py), so the model runs from the file's own blocks.
 
     Raises:
         ValueError: a tensor name the mapping does not know (other than rope_freqs).
     """
+    from loom.quant.gguf_repack import REPACKED_TYPES, repack_gguf, unpermute_packed_rows
+
     permuted = gguf_field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
@@ -151,10 +167,18 @@ def iter_gguf_weights(reader: gguf.GGUFReader, arch: ModelArchConfig) -> Iterato
         hf_name = gguf_tensor_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no known parameter")
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        if keep_packed and len(shape) == 2 and tensor.tensor_type in REPACKED_TYPES:
+            packed = repack_gguf(tensor.data, tensor.tensor_type, shape)
+            if permuted and ".self_attn.q_proj." in hf_name:
+                packed = unpermute_packed_rows(packed, arch.num_heads)
+            elif permuted and ".self_attn.k_proj." in hf_name:
+                packed = unpermute_packed_rows(packed, arch.num_kv_heads)
+            yield hf_name, packed
+            continue
         array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if not array.flags.writeable:
             array = array.copy()  # unquantized tensors come back as read-only views of the mmap
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         weight = torch.from_numpy(array).reshape(shape)
         if permuted and ".self_attn.q_proj." in hf_name:
             weight = unpermute_rope_rows(weight, arch.num_heads)

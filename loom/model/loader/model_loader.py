@@ -16,6 +16,7 @@ from loom.model.loader.gguf import (
     gguf_arch_config,
     gguf_eos_token_ids,
     gguf_has_tokenizer,
+    gguf_tensor_types,
     iter_gguf_weights,
     open_gguf,
 )
@@ -23,6 +24,7 @@ from loom.model.loader.hf_config import hf_arch_config, hf_eos_token_ids, read_j
 from loom.model.loader.safetensors import iter_safetensors_weights
 from loom.model.loader.tokenizer import tokenizer_eos_ids, tokenizer_from_path
 from loom.model.registry import get_model_class
+from loom.quant.config import get_quant_config
 
 
 @dataclass(slots=True)
@@ -81,21 +83,26 @@ def load_model(
     device: torch.device,
     *,
     attention_backend: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory into a loom model on `device` in `dtype`.
 
-    GGUF tensors are dequantized to float32, then cast to dtype. llama-arch Q/K rows are put back in
-    the Hugging Face order (see loader.gguf.unpermute_rope_rows).
+    GGUF tensors of the types loom repacks stay in their own bits by default (quantization "gguf"); others,
+    and every tensor under quantization "none", are dequantized to float32, then cast to dtype. llama-arch
+    Q/K rows are put back in the Hugging Face order (see loader.gguf.unpermute_rope_rows).
 
     Args:
         model: GGUF file path, HF model directory, or None for the bundled SmolLM2-135M-Instruct.
         dtype: a floating dtype for weights and activations (torch.float32, bfloat16, float16).
         device: where the parameters live.
         attention_backend: name in loom.attention.ATTENTION_BACKENDS; None = default_attention_backend(device).
+        quantization: a name in loom.quant.config.QUANTIZATION_METHODS; None = "gguf" for a GGUF file (its own
+            quantized blocks, repacked), "none" for a Hugging Face directory.
 
     Raises:
         ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
-            checkpoint tensors that do not match the architecture, unknown attention backend.
+            checkpoint tensors that do not match the architecture, unknown attention backend, unknown
+            quantization or "gguf" for a non-GGUF checkpoint.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
@@ -105,15 +112,18 @@ def load_model(
     if path.is_file():
         reader = open_gguf(path)
         arch = gguf_arch_config(reader)
-        weights, eos = iter_gguf_weights(reader, arch), gguf_eos_token_ids(reader)
+        quant_config = get_quant_config(quantization, gguf_tensor_types(reader))
+        weights = iter_gguf_weights(reader, arch, keep_packed=quant_config.keeps_gguf_packed)
+        eos = gguf_eos_token_ids(reader)
         has_tokenizer = gguf_has_tokenizer(reader)
     else:
         config = read_json(path / "config.json")
         arch = hf_arch_config(config)
+        quant_config = get_quant_config(quantization, None)
         weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device))
-    net = model_cls(arch, backend, dtype, device)
+    net = model_cls(arch, backend, dtype, device, quant_config)
     net.load_weights(weights)
     net.eval()
     tokenizer = tokenizer_from_path(path) if has_tokenizer else None

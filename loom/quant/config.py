@@ -1,0 +1,142 @@
+"""Quantization configs: which method each layer gets, chosen from config (`--quantization`), never from a
+file name.
+
+| name    | what runs                                                                                     |
+|---------|-----------------------------------------------------------------------------------------------|
+| none    | every weight dequantized at load to the model dtype: the oracle path (transformers parity)    |
+| gguf    | a GGUF file's own quantized blocks, repacked exactly into loom's layouts (default for GGUF)   |
+| w8a16   | int8 weights (RTN, groups of 32), float activations                                           |
+| w4a16   | 4-bit weights (RTN, asymmetric groups of 32), float activations                               |
+| w8a8    | int8 weights per channel, int8 activations per token (dynamic)                                |
+| fp8     | float8 e4m3 weights, a float32 scale per channel                                              |
+
+A config answers `get_quant_method(layer, prefix)` for each linear layer (the LM head included, prefix
+"lm_head") and says whether the token embedding stays packed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from loom.config import QUANTIZATION_METHODS
+from loom.model.layers.linear import LinearMethod, default_linear_method
+
+logger = logging.getLogger(__name__)
+
+# stacked loom layer -> the checkpoint projections stacked into it, in order
+STACKED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class QuantizationConfig(Protocol):
+    """Chooses a LinearMethod per layer."""
+
+    name: str
+    keeps_gguf_packed: bool  # the GGUF loader hands over repacked blocks (PackedWeight) instead of floats
+
+    def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
+        """The method for the Linear being built (`layer`: its sizes and dtype are set) named `prefix`."""
+        ...
+
+    def embedding_packed(self) -> bool:
+        """Whether the token embedding keeps a packed weight (rows dequantized at lookup)."""
+        ...
+
+
+class NoQuantConfig:
+    """Dense weights in the model dtype (today's path and the parity oracle)."""
+
+    name = "none"
+    keeps_gguf_packed = False
+
+    def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
+        return default_linear_method(layer.dtype, _device_of(layer))
+
+    def embedding_packed(self) -> bool:
+        return False
+
+
+class GGUFConfig:
+    """A GGUF file's own types: each layer whose shards the file stores in a repackable type runs packed."""
+
+    name = "gguf"
+    keeps_gguf_packed = True
+
+    def __init__(self, tensor_types: dict[str, str]) -> None:
+        self.tensor_types = tensor_types  # Hugging Face weight name -> GGML type name ("Q4_1", "F32", ...)
+
+    def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
+        from loom.quant.gguf_repack import REPACKED_TYPES
+        from loom.quant.methods import PackedLinearMethod
+
+        types = [self.tensor_types.get(f"{name}.weight") for name in _shard_names(prefix)]
+        if prefix == "lm_head" and types == [None]:  # tied: the head reads the embedding
+            types = [self.tensor_types.get("model.embed_tokens.weight")]
+        repacked = {t.name for t in REPACKED_TYPES}
+        if types and all(t in repacked for t in types):
+            return PackedLinearMethod("gguf", "GGUF " + "/".join(dict.fromkeys(types)))
+        return default_linear_method(layer.dtype, _device_of(layer))
+
+    def embedding_packed(self) -> bool:
+        from loom.quant.gguf_repack import REPACKED_TYPES
+
+        return self.tensor_types.get("model.embed_tokens.weight") in {t.name for t in REPACKED_TYPES}
+
+
+class RTNConfig:
+    """Quantize a dense checkpoint at load: every linear layer (and the LM head) whose input size the layout
+    takes; others stay dense (logged)."""
+
+    keeps_gguf_packed = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
+        from loom.quant.methods import Fp8LinearMethod, PackedLinearMethod
+
+        if self.name == "fp8":
+            return Fp8LinearMethod()
+        if layer.input_size % 32:
+            logger.info("%s stays dense under %s: input size %d is not a multiple of 32", prefix, self.name,
+                        layer.input_size)
+            return default_linear_method(layer.dtype, _device_of(layer))
+        return PackedLinearMethod(self.name, "RTN")
+
+    def embedding_packed(self) -> bool:
+        return False
+
+
+def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None) -> QuantizationConfig:
+    """The config for `--quantization name` (None = auto: "gguf" for a GGUF file, else "none").
+
+    gguf_tensor_types: Hugging Face weight name -> GGML type name of a GGUF file, None for other checkpoints.
+
+    Raises:
+        ValueError: unknown name, or "gguf" for a checkpoint that is not a GGUF file.
+    """
+    if name is None:
+        name = "none"  # the gguf method becomes the GGUF default with its kernels (next commit)
+    if name not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {name!r}")
+    if name == "none":
+        return NoQuantConfig()
+    if name == "gguf":
+        if gguf_tensor_types is None:
+            raise ValueError("quantization='gguf' needs a GGUF file (this checkpoint is a Hugging Face directory)")
+        return GGUFConfig(gguf_tensor_types)
+    return RTNConfig(name)
+
+
+def _shard_names(prefix: str) -> list[str]:
+    """Checkpoint projection names behind a loom layer name (q/k/v behind qkv_proj)."""
+    head, _, last = prefix.rpartition(".")
+    if last in STACKED_SHARDS:
+        return [f"{head}.{part}" for part in STACKED_SHARDS[last]]
+    return [prefix]
+
+
+def _device_of(layer: Any) -> torch.device:
+    return getattr(layer, "device", torch.device("cpu"))

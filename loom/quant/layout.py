@@ -1,0 +1,98 @@
+"""loom's packed weight layouts: every quantized format is repacked, exactly, into one of these, so kernels
+exist only for them.
+
+Two layouts, both row-major over the output rows n < N and grouped along the input k < K:
+
+- `q4g32`: 4-bit unsigned codes in groups of 32. `qweight` uint8 [N, K // 2]: each group is 16 bytes, and
+  byte i of a group holds element i in its low nibble and element i + 16 in its high nibble (the order of
+  GGUF's Q4_0 / Q4_1 blocks, so those repack as copies).
+- `q8g`: 8-bit signed codes in groups of `group_size` (16, or a multiple of 32 up to K). `qweight` int8 [N, K].
+
+Both: `scales` float16 [N, K // group_size], `mins` float16 [N, K // group_size] or None, and
+
+    W[n, g * group_size + j] = float32(scales[n, g]) * q[n, g * group_size + j] + float32(mins[n, g])
+
+(mins taken as 0 when None), computed in float32 (the product of a float16 and a code of at most 8 bits is
+exact in float32, so W is one rounding of the exact value, the same rounding as gguf's dequantization).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("q4g32", "q8g")
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    """A weight matrix [N, K] in one of loom's layouts (see the module docstring)."""
+
+    layout: str  # "q4g32" or "q8g"
+    qweight: torch.Tensor  # q4g32: uint8 [N, K // 2]; q8g: int8 [N, K]
+    scales: torch.Tensor  # float16 [N, K // group_size]
+    mins: torch.Tensor | None  # float16 [N, K // group_size], or None (symmetric codes)
+    group_size: int  # values per scale: 32 for q4g32; 16 or a multiple of 32 for q8g
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        n = self.qweight.shape[0]
+        k = self.qweight.shape[1] * (2 if self.layout == "q4g32" else 1)
+        want_dtype = torch.uint8 if self.layout == "q4g32" else torch.int8
+        if self.qweight.dtype != want_dtype or self.qweight.dim() != 2:
+            raise ValueError(f"{self.layout} qweight must be {want_dtype} [N, K{' // 2' if k != self.qweight.shape[1] else ''}]")
+        if self.layout == "q4g32" and self.group_size != 32:
+            raise ValueError("q4g32 has groups of 32")
+        if self.group_size != 16 and (self.group_size % 32 or self.group_size > k) or k % self.group_size:
+            raise ValueError(f"group_size {self.group_size} must be 16 or a multiple of 32 dividing K={k}")
+        for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t is not None and (t.dtype != torch.float16 or tuple(t.shape) != (n, k // self.group_size)):
+                raise ValueError(f"{name} must be float16 [{n}, {k // self.group_size}]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the matrix it holds."""
+        n, cols = self.qweight.shape
+        return n, cols * 2 if self.layout == "q4g32" else cols
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernels read for one pass over the matrix."""
+        total = self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
+        return total + (self.mins.numel() * 2 if self.mins is not None else 0)
+
+    def rows(self, index: torch.Tensor | slice) -> PackedWeight:
+        """The packed rows `index` (a permutation, a slice), same layout: rows are independent."""
+        return PackedWeight(self.layout, self.qweight[index].contiguous(), self.scales[index].contiguous(),
+                            None if self.mins is None else self.mins[index].contiguous(), self.group_size)
+
+
+def unpack_codes(packed: PackedWeight) -> torch.Tensor:
+    """The integer codes q [N, K] int16 (q4g32: 0..15; q8g: -128..127)."""
+    if packed.layout == "q8g":
+        return packed.qweight.to(torch.int16)
+    n, half = packed.qweight.shape
+    groups = packed.qweight.view(n, half // 16, 16).to(torch.int16)
+    return torch.cat([groups & 0xF, groups >> 4], dim=2).reshape(n, half * 2)
+
+
+def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The matrix W [N, K] the layout defines, in float32 arithmetic, then cast to `dtype` (reference
+    implementation; runs on any device)."""
+    n, k = packed.shape
+    groups = k // packed.group_size
+    q = unpack_codes(packed).view(n, groups, packed.group_size).float()
+    w = q * packed.scales.float().unsqueeze(-1)
+    if packed.mins is not None:
+        w = w + packed.mins.float().unsqueeze(-1)
+    return w.reshape(n, k).to(dtype)
+
+
+def pack_q4g32(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> PackedWeight:
+    """codes [N, K] integers 0..15, scales / mins float16 [N, K // 32] -> q4g32 PackedWeight."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // 32, 2, 16)
+    qweight = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return PackedWeight("q4g32", qweight, scales.contiguous(), None if mins is None else mins.contiguous(), 32)
