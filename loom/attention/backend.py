@@ -145,20 +145,21 @@ def dequantize_kv(rows: torch.Tensor, out_dtype: torch.dtype | None = None) -> t
     return dequantize_rows(rows, out_dtype or torch.float32)
 
 
-def _make_torch_reference() -> AttentionBackend:
+def _make_torch_reference(float32_kernels: bool = False) -> AttentionBackend:
     from loom.attention.reference import TorchReferenceBackend
 
+    del float32_kernels  # plain torch only
     return TorchReferenceBackend()
 
 
-def _make_cpu_paged() -> AttentionBackend:
+def _make_cpu_paged(float32_kernels: bool = False) -> AttentionBackend:
     from loom.attention.cpu_paged import CpuPagedBackend
 
-    return CpuPagedBackend()
+    return CpuPagedBackend(float32_kernels)
 
 
 # Read-only registry: backend name -> factory. New backends add an entry here.
-ATTENTION_BACKENDS: Mapping[str, Callable[[], AttentionBackend]] = MappingProxyType(
+ATTENTION_BACKENDS: Mapping[str, Callable[..., AttentionBackend]] = MappingProxyType(
     {"torch_reference": _make_torch_reference, "cpu_paged": _make_cpu_paged}
 )
 
@@ -169,8 +170,9 @@ def default_attention_backend(device: torch.device) -> str:
     return "cpu_paged"
 
 
-def get_attention_backend(name: str = "torch_reference") -> AttentionBackend:
-    """Instantiate the attention backend registered under `name`.
+def get_attention_backend(name: str = "torch_reference", float32_kernels: bool = False) -> AttentionBackend:
+    """Instantiate the attention backend registered under `name`; `float32_kernels` lets it run loom's C
+    kernels on float32 too (off on the oracle path, quantization "none").
 
     Raises:
         ValueError: unknown name (the message lists the registered ones).
@@ -178,4 +180,4 @@ def get_attention_backend(name: str = "torch_reference") -> AttentionBackend:
     factory = ATTENTION_BACKENDS.get(name)
     if factory is None:
         raise ValueError(f"attention backend {name!r} is unknown; registered: {sorted(ATTENTION_BACKENDS)}")
-    return factory()
+    return factory(float32_kernels)

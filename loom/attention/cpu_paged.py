@@ -12,6 +12,8 @@ once, on the first layer's call, and reused by the others.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ from loom.attention.backend import gather_kv, gather_kv_padded, write_kv_cache
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.reference import causal_mask
 from loom.kernels.cpu import PagedDecodeBf16
-from loom.kernels.registry import get_kernel
+from loom.kernels.registry import paged_decode_kernels
 
 
 # Decode attention over at most this many gathered K/V rows (requests x padded context) runs on one thread:
@@ -186,11 +188,14 @@ class CpuPagedBackend:
 
     name: str = "cpu_paged"
 
-    def __init__(self) -> None:
+    def __init__(self, float32_kernels: bool = False) -> None:
+        """float32_kernels: let loom's C decode kernel serve float32 caches too (off on the oracle path,
+        quantization "none", which keeps SDPA; bfloat16 caches always use a kernel when one builds)."""
         self._plan: _StepPlan | None = None  # plan of the step being run, reused across layers
-        # loom's C decode kernel for bfloat16 caches on CPU, None where it does not build (LOOM_CPU_KERNELS=0,
-        # no compiler, no AVX512-BF16): then SDPA over gathered blocks serves every decode
-        self.decode_kernel: PagedDecodeBf16 | None = get_kernel("paged_decode_bf16")
+        # loom's C decode kernels for CPU caches, best first (AVX512-BF16, then AVX2 / portable); empty where none
+        # builds (LOOM_CPU_KERNELS=0, no compiler): then SDPA over gathered blocks serves every decode
+        self.decode_kernels: list[Any] = paged_decode_kernels()
+        self.float32_kernels = float32_kernels
 
     def forward(
         self,
@@ -238,6 +243,16 @@ class CpuPagedBackend:
             self._plan = plan
         return plan
 
+    @property
+    def decode_kernel(self) -> Any:
+        """The first decode kernel, or None (tests and the start-up report read it)."""
+        return self.decode_kernels[0] if self.decode_kernels else None
+
+    def _decode_kernel(self, query: torch.Tensor, kv_cache: torch.Tensor) -> Any:
+        if query.dtype == torch.float32 and not self.float32_kernels:
+            return None
+        return next((k for k in self.decode_kernels if k.supports(query, kv_cache)), None)
+
     def _decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float,
         sliding_window: int | None,
@@ -247,11 +262,13 @@ class CpuPagedBackend:
 
         A bfloat16 cache on a CPU with AVX512-BF16 goes to loom's C kernel, which reads each request's blocks
         in place (no padded gather, no mask); anything else gathers and runs SDPA."""
-        kernel = self.decode_kernel
-        if kernel is not None and kernel.supports(query, kv_cache):
-            # decode requests have their new token's key written, so every seq_len >= 1: no check per layer
+        kernel = self._decode_kernel(query, kv_cache)
+        if kernel is not None:
+            # decode requests have their new token's key written, so every seq_len >= 1: no check per layer.
+            # The kernel splits long contexts over threads itself, so it keeps every thread.
             return kernel(query, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window,
-                          num_threads=1 if plan.serial else None, lengths_checked=True)
+                          num_threads=1 if plan.serial and isinstance(kernel, PagedDecodeBf16) else None,
+                          lengths_checked=True)
         threads = torch.get_num_threads()
         if not plan.serial or threads == 1:
             return _gather_and_attend(query, kv_cache, plan, scale)

@@ -28,6 +28,9 @@ import torch
 
 from loom.kernels import build
 from loom.kernels.cpu import FusedBf16, GemvBf16, PagedDecodeBf16
+from loom.kernels.cpu_generic import FusedOps, GemvW16, PagedDecode
+from loom.kernels.decode_step import DecodeStep
+from loom.kernels.quant import QuantKernels
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,13 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("paged_decode_bf16", ("paged_decode_bf16.c",), ("avx512_bf16",),
                    lambda lib, isa: PagedDecodeBf16(lib)),
         KernelSpec("fused_bf16", ("fused_bf16.c",), ("avx512_bf16",), lambda lib, isa: FusedBf16(lib)),
+        KernelSpec("paged_decode", ("paged_decode.c",), ("avx2", "generic"), PagedDecode),
+        KernelSpec("fused_ops", ("fused_ops.c",), ("avx2", "generic"), FusedOps),
+        KernelSpec("gemv_w16", ("gemv_w16.c",), ("avx2", "generic"), GemvW16),
+        KernelSpec("qgemm", ("qgemm.c",), ("avx512_vnni", "avx2", "generic"), lambda lib, isa: QuantKernels(lib, isa)),
+        # a whole decode step over packed weights: the three libraries above, one call per step
+        KernelSpec("decode_step", ("decode_step.c", "qgemm.c", "fused_ops.c", "paged_decode.c"), ("avx2", "generic"),
+                   DecodeStep),
     )
 }
 
@@ -139,11 +149,23 @@ def _spec(name: str) -> KernelSpec:
     return KERNELS[name]
 
 
-def cpu_bf16_kernels(dtype: torch.dtype, device: torch.device | str) -> FusedBf16 | None:
-    """The fused bf16 ops for a bfloat16 model on the CPU; None for any other dtype or device."""
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+def fused_kernels_for(dtype: torch.dtype, device: torch.device | str, float32_kernels: bool) -> Any:
+    """loom's fused elementwise ops (add+RMSNorm, SiLU*up, rotary) for a model of `dtype` on `device`, or None:
+    bfloat16 on AVX512-BF16 (fused_bf16), else the AVX2 / portable build (fused_ops, bfloat16 or float32);
+    float32 only with `float32_kernels` (off on the oracle path, quantization "none", which keeps torch's ops)."""
+    if torch.device(device).type != "cpu":
         return None
-    return get_kernel("fused_bf16")
+    if dtype == torch.bfloat16:
+        return get_kernel("fused_bf16") or get_kernel("fused_ops")
+    if dtype == torch.float32 and float32_kernels:
+        return get_kernel("fused_ops")
+    return None
+
+
+def paged_decode_kernels() -> list[Any]:
+    """The paged decode attention kernels that build here, best first (each says what it `supports`): the
+    AVX512-BF16 one (bfloat16), then the AVX2 / portable one (bfloat16 and float32)."""
+    return [k for k in (get_kernel("paged_decode_bf16"), get_kernel("paged_decode")) if k is not None]
 
 
 def clear_kernel_cache() -> None:

@@ -16,8 +16,7 @@ from torch import nn
 
 from loom.attention.backend import AttentionBackend
 from loom.attention.metadata import AttentionMetadata
-from loom.kernels.cpu import FusedBf16
-from loom.kernels.registry import cpu_bf16_kernels
+from loom.kernels.registry import fused_kernels_for
 from loom.model.arch import ModelArchConfig
 from loom.quant.config import NoQuantConfig, QuantizationConfig
 from loom.model.layers import (
@@ -54,7 +53,7 @@ class LlamaAttention(nn.Module):
                                      quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = Linear(arch.q_size, arch.hidden_size, o_proj_bias, dtype, device,
                              quant_config=quant_config, prefix=f"{prefix}.o_proj")
-        self.kernels: FusedBf16 | None = cpu_bf16_kernels(dtype, device)  # fused rotary, or None
+        self.kernels: Any = fused_kernels_for(dtype, device, quant_config.float32_kernels)  # fused rotary, or None
         self.attn = PagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.sliding_window
         )
@@ -90,7 +89,7 @@ class LlamaMLP(nn.Module):
                                          prefix=f"{prefix}.gate_up_proj")
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device, quant_config=quant_config,
                                 prefix=f"{prefix}.down_proj")
-        self.kernels: FusedBf16 | None = cpu_bf16_kernels(dtype, device)
+        self.kernels: Any = fused_kernels_for(dtype, device, quant_config.float32_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -114,9 +113,11 @@ class LlamaDecoderLayer(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
+        kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(dtype=dtype, device=device)
         self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
+            dtype=dtype, device=device)
         self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp")
 
     def forward(
@@ -156,10 +157,28 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}")
             for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps).to(dtype=dtype, device=device)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                            fused_kernels_for(dtype, device, quant_config.float32_kernels)).to(dtype=dtype, device=device)
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         ).to(device=device)
+        self.decode_step: Any = None  # ModelDecodeStep once loaded, when the model is what it runs
+
+    def prepare_decode_step(self) -> None:
+        """Record the packed weights for loom's one-call C decode step (loom/kernels/decode_step.py) when every
+        layer is what it runs; else keep the per-layer path. LOOM_DECODE_STEP=0 keeps the per-layer path."""
+        import os
+
+        from loom.kernels.decode_step import ModelDecodeStep, supports_model
+        from loom.kernels.registry import get_kernel
+        from loom.quant.methods import DENSE_MIN_ROWS
+
+        self.decode_step = None
+        if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self):
+            return
+        kernel = get_kernel("decode_step")
+        if kernel is not None:
+            self.decode_step = ModelDecodeStep(kernel, self, max_rows=DENSE_MIN_ROWS)
 
     def forward(
         self,
@@ -170,6 +189,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         cos_sin = self.rotary_emb.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
+        if self.decode_step is not None:  # a pure decode step in one C call, when it serves this step
+            out = self.decode_step.run(hidden, cos_sin, kv_caches, attn_metadata)
+            if out is not None:
+                return out
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
@@ -270,6 +293,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+        self.model.prepare_decode_step()
 
     def _expected_loads(self) -> set[tuple[str, str, int | None]]:
         """(module name, parameter name, shard or None) of every checkpoint tensor the model needs."""

@@ -35,6 +35,7 @@ class QuantizationConfig(Protocol):
 
     name: str
     keeps_gguf_packed: bool  # the GGUF loader hands over repacked blocks (PackedWeight) instead of floats
+    float32_kernels: bool  # loom's C kernels may run float32 attention and fused ops (False: torch's, the oracle)
 
     def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
         """The method for the Linear being built (`layer`: its sizes and dtype are set) named `prefix`."""
@@ -50,6 +51,7 @@ class NoQuantConfig:
 
     name = "none"
     keeps_gguf_packed = False
+    float32_kernels = False  # the oracle path: float32 runs torch's own ops, as transformers does
 
     def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
         return default_linear_method(layer.dtype, _device_of(layer))
@@ -63,6 +65,7 @@ class GGUFConfig:
 
     name = "gguf"
     keeps_gguf_packed = True
+    float32_kernels = True
 
     def __init__(self, tensor_types: dict[str, str]) -> None:
         self.tensor_types = tensor_types  # Hugging Face weight name -> GGML type name ("Q4_1", "F32", ...)
@@ -90,6 +93,7 @@ class RTNConfig:
     takes; others stay dense (logged)."""
 
     keeps_gguf_packed = False
+    float32_kernels = True
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -118,7 +122,7 @@ def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None)
         ValueError: unknown name, or "gguf" for a checkpoint that is not a GGUF file.
     """
     if name is None:
-        name = "none"  # the gguf method becomes the GGUF default with its kernels (next commit)
+        name = "gguf" if gguf_tensor_types is not None else "none"
     if name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {name!r}")
     if name == "none":

@@ -87,6 +87,15 @@ _BLOCK_VALUES = {T.Q4_0: 32, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q8_0: 32, T.Q
 REPACKED_TYPES: frozenset[T] = frozenset(_BLOCKS)
 
 
+# bytes per weight of loom's layout for each repacked GGML type (codes + float16 scale [+ min] per group)
+PACKED_BYTES_PER_WEIGHT: dict[str, float] = {
+    "Q4_0": 20 / 32, "Q4_1": 20 / 32, "Q4_K": 20 / 32,  # q4g32 with mins
+    "Q8_0": 34 / 32, "Q5_0": 34 / 32,  # q8g/32 symmetric
+    "Q5_1": 36 / 32, "Q5_K": 36 / 32,  # q8g/32 with mins
+    "Q6_K": 18 / 16,  # q8g/16 symmetric
+}
+
+
 def repack_gguf(data: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> PackedWeight:
     """Repack one GGUF tensor into loom's layout for its type (see the module docstring for the mapping).
 

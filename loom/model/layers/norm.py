@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from loom.kernels.cpu import FusedBf16
-from loom.kernels.registry import get_kernel
 
 
 class RMSNorm(nn.Module):
@@ -15,20 +14,22 @@ class RMSNorm(nn.Module):
 
     Input/output: [num_tokens, hidden_size], dtype of the input. With `residual`, x + residual is normalised
     and returned too (the pre-norm residual stream, as vLLM's fused add+norm): (y, x + residual).
-    bfloat16 on a CPU with AVX512-BF16 runs loom's fused C kernel (one call instead of five ops; see
-    loom/kernels/csrc/fused_bf16.c), which may differ from the torch code by one bf16 rounding step.
+    With `kernels` (bfloat16 on any x86 CPU loom's kernels build on, float32 off the oracle path), one C call
+    replaces five ops (loom/kernels/csrc/fused_bf16.c, fused_ops.c); bf16 may differ from the torch code by
+    one rounding step, the AVX2 float32 build equals it bit for bit (tests/kernels/test_generic_kernels.py).
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: Any = None) -> None:
+        """kernels: loom's fused ops (loom.kernels.registry.fused_kernels_for) or None for torch's."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))  # [hidden_size]
         self.eps = eps
-        self.kernels: FusedBf16 | None = get_kernel("fused_bf16")  # None where loom's CPU kernels do not build
+        self.kernels = kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.kernels is not None and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+        if self.kernels is not None and x.dtype == self.weight.dtype:
             fused = self.kernels.add_rmsnorm(x, residual, self.weight, self.eps)
             if fused is not None:
                 out, total = fused

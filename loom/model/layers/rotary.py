@@ -14,8 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.kernels.cpu import FusedBf16
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -95,7 +93,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kernels: FusedBf16 | None = None
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, kernels: Any = None
 ) -> torch.Tensor:
     """Rotate x [num_tokens, heads, head_dim] (rotate-half pairing: i with i + head_dim/2) by the
     angles behind cos / signed_sin [num_tokens, 1, head_dim] (from `RotaryEmbedding.cos_sin`: the sin
@@ -103,7 +101,7 @@ def apply_rotary(
 
     Same arithmetic as x * cos + cat(-x2, x1) * sin: the sign is folded into the table (exact), and the
     halves are swapped by one flip instead of neg + cat (one kernel fewer per layer). With `kernels`
-    (loom's fused CPU ops), bfloat16 x is rotated in one C call with the same roundings (equal bit for bit).
+    (loom's fused CPU ops), x is rotated in one C call with the same roundings (equal bit for bit).
     """
     if kernels is not None:
         out = kernels.rotary(x, cos, signed_sin)

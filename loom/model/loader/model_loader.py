@@ -122,7 +122,8 @@ def load_model(
         quant_config = get_quant_config(quantization, None)
         weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
-    backend = get_attention_backend(attention_backend or default_attention_backend(device))
+    backend = get_attention_backend(attention_backend or default_attention_backend(device),
+                                    float32_kernels=quant_config.float32_kernels)
     net = model_cls(arch, backend, dtype, device, quant_config)
     net.load_weights(weights)
     net.eval()

@@ -1,0 +1,242 @@
+"""ctypes bindings of loom's float32 / bfloat16 CPU kernels for any CPU (csrc/paged_decode.c, fused_ops.c,
+gemv_w16.c), built per ISA as `avx2` (AVX2 + FMA: Haswell, Zen 1-3 and later) and `generic` (portable C,
+ARM included).
+
+They are listed, built and dispatched by loom/kernels/registry.py (`get_kernel("paged_decode")` and so on);
+this module only wraps a loaded library. Each binding checks what it is given, since the C code reads raw
+pointers, and records the ISA it was built for in `self.isa`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' is_bf16 flag
+
+
+def _torch_lanes() -> int:
+    """Floats in torch's Vectorized<float> on this CPU (16 on its AVX-512 kernels, else 8): the summation order
+    of its CPU sum kernel and the vector/scalar split of its elementwise loops, which fused_ops.c reproduces."""
+    return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
+
+
+_GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: torch's elementwise loops below this run on one thread
+
+
+def _torch_chunk(numel: int) -> int:
+    """Elements per thread of torch's at::parallel_for over `numel` elements of an elementwise op (0: one
+    thread): where its vectorized loops restart, which fused_ops.c follows to round like torch."""
+    if numel < _GRAIN_SIZE:
+        return 0
+    threads = min(torch.get_num_threads(), -(-numel // _GRAIN_SIZE))
+    return 0 if threads <= 1 else -(-numel // threads)
+
+
+class PagedDecode:
+    """ctypes binding of `loom_paged_decode` (csrc/paged_decode.c): one-token attention of a batch over its own
+    blocks of a float32 or bfloat16 paged KV cache, read in place (no gather, no padding, online softmax).
+
+    Same call and `supports` as `loom.kernels.cpu.PagedDecodeBf16`, for float32 or bfloat16 (query and cache
+    of one dtype), any number of query heads per KV head. Threads take whole requests (all KV heads, so that
+    each reads its blocks sequentially); with fewer than 4 requests per thread and long contexts, key ranges of
+    a request, merged afterwards (see the top of csrc/paged_decode.c)."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        fn = lib.loom_paged_decode
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
+                       + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
+        fn.restype = None
+        self._fn = fn
+        self.isa = isa
+        # the AVX2 build's vector path: head_dim % 8 == 0, up to 256; the portable build takes any head_dim
+        self.head_dim_multiple = 1 if isa == "generic" else 8
+        self.max_head_dim: int | None = None if isa == "generic" else 256
+
+    def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """True when this kernel can serve query [B, H, D] over kv_cache [2, num_blocks, block_size, H_kv, D]:
+        both float32 or both bfloat16, on the CPU, the cache contiguous."""
+        if query.dtype not in _DTYPES or kv_cache.dtype != query.dtype:
+            return False
+        if not query.is_cpu or not kv_cache.is_cpu:
+            return False
+        if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+            return False
+        heads, head_dim = query.shape[1], query.shape[2]
+        kv_heads = kv_cache.shape[3]
+        if head_dim < 1 or kv_heads < 1 or kv_cache.shape[4] != head_dim or heads % kv_heads:
+            return False
+        if head_dim % self.head_dim_multiple or (self.max_head_dim is not None and head_dim > self.max_head_dim):
+            return False
+        return True
+
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                 num_threads: int | None = None, lengths_checked: bool = False) -> torch.Tensor:
+        """query [B, H, D] float32 or bfloat16; kv_cache [2, num_blocks, block_size, H_kv, D] of the same dtype
+        (K then V); block_table [B, >= ceil(max seq_len / block_size)] int64 block ids; seq_lens [B] int64 keys
+        per request (>= 1, the query's own key written); scale: softmax scale; sliding_window: keys each query
+        may see, itself included (None = all). Returns [B, H, D] in the query's dtype (bfloat16 rounded to
+        nearest even from float32 arithmetic).
+
+        Block ids and lengths are trusted as the engine's own bookkeeping: they are not range-checked per key.
+        `lengths_checked=True` skips the seq_lens >= 1 check (a reduction) for callers that know it holds.
+
+        Raises:
+            ValueError: shapes or dtypes the kernel does not take (see `supports`), or a seq_len < 1.
+        """
+        if not self.supports(query, kv_cache):
+            raise ValueError(f"paged_decode ({self.isa}) does not take query {tuple(query.shape)} {query.dtype} "
+                             f"over kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+        batch, heads, head_dim = query.shape
+        if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or seq_lens.shape != (batch,) \
+                or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.stride(1) != 1 \
+                or not block_table.is_cpu or not seq_lens.is_cpu:
+            raise ValueError("block_table [B, max_blocks] and seq_lens [B] must be int64 CPU tensors, the table "
+                             "with unit column stride")
+        if batch and not lengths_checked and int(seq_lens.min()) < 1:
+            raise ValueError("every seq_len must be >= 1")
+        query = query.contiguous()
+        seq_lens = seq_lens.contiguous()
+        out = torch.empty_like(query)
+        if batch:
+            self._fn(query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
+                     block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_cache.shape[3],
+                     head_dim, kv_cache.shape[2], scale, sliding_window or 0,
+                     num_threads or torch.get_num_threads(), _DTYPES[query.dtype])
+        return out
+
+
+class FusedOps:
+    """ctypes bindings of csrc/fused_ops.c: add+RMSNorm, SiLU*up and rotary for float32 or bfloat16 CPU tensors
+    (every tensor of a call in one dtype; the rotary tables float32).
+
+    Same methods as `loom.kernels.cpu.FusedBf16`. Float32 results equal torch's bit for bit for the residual
+    add, RMSNorm and rotary, and SiLU on the avx2 build (within an ulp on the generic one, which calls libm's
+    expf); bfloat16 rounds where torch's bf16 ops round. Each method returns None when its inputs are not what
+    the kernel takes (dtype, device, layout, shape), so callers keep their torch code for everything else.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self._norm = lib.loom_add_rmsnorm
+        self._norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
+        self._norm.restype = None
+        self._silu = lib.loom_silu_mul
+        self._silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_int64]
+        self._silu.restype = None
+        self._rope = lib.loom_rotary
+        self._rope.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+                               + [ctypes.c_int])
+        self._rope.restype = None
+        self.isa = isa
+        self._lanes = _torch_lanes()
+
+    # (the checks are spelled out, not looped, for speed: at one decode row per step a call's Python side, not its
+    # arithmetic, is its cost)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """x [M, H] (+ residual [M, H]) -> (RMSNorm(s) * weight, s) with s = x + residual (s is None without a
+        residual); every tensor float32, or every tensor bfloat16 (s rounded to bf16, then
+        bf16(weight * bf16(RMSNorm(s))) as loom's RMSNorm computes bf16), weight [H]. None when not applicable.
+        """
+        dtype = x.dtype
+        flag = _DTYPES.get(dtype)
+        if flag is None or x.dim() != 2 or weight.dtype != dtype or weight.dim() != 1 or not x.is_cpu \
+                or not weight.is_cpu or not x.is_contiguous() or not weight.is_contiguous():
+            return None
+        m, h = x.shape
+        if weight.shape[0] != h:
+            return None
+        if residual is not None and (residual.dtype != dtype or not residual.is_cpu or residual.shape != x.shape
+                                     or not residual.is_contiguous()):
+            return None
+        out = torch.empty(m, h, dtype=dtype)
+        total = torch.empty(m, h, dtype=dtype) if residual is not None else None
+        if m and h:
+            self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                       out.data_ptr(), None if total is None else total.data_ptr(), m, h, eps, flag, self._lanes)
+        return out, total
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """gate_up [M, 2I] float32 or bfloat16 -> silu(gate) * up [M, I] of its dtype (bf16: silu rounded to
+        bf16, then the product rounded, as torch's bf16 ops). None when not applicable."""
+        dtype = gate_up.dtype
+        flag = _DTYPES.get(dtype)
+        if flag is None or gate_up.dim() != 2 or not gate_up.is_cpu or not gate_up.is_contiguous():
+            return None
+        m, width = gate_up.shape
+        if width % 2:
+            return None
+        inter = width // 2
+        out = torch.empty(m, inter, dtype=dtype)
+        if m and inter:
+            self._silu(gate_up.data_ptr(), out.data_ptr(), m, inter, flag, self._lanes, _torch_chunk(m * inter))
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:
+        """x [n, heads, dim] float32 or bfloat16 (heads and dim contiguous; tokens may be strided, e.g. a view of
+        the fused qkv output), cos / signed_sin [n, 1, dim] float32 contiguous, dim even -> rotated
+        [n, heads, dim] of x's dtype, bit for bit equal to apply_rotary's torch code. None when not applicable."""
+        dtype = x.dtype
+        flag = _DTYPES.get(dtype)
+        if flag is None or x.dim() != 3 or not x.is_cpu:
+            return None
+        n, heads, dim = x.shape
+        token_stride, head_stride, col_stride = x.stride()
+        if dim % 2 or col_stride != 1 or (heads > 1 and head_stride != dim) or cos.shape != (n, 1, dim) \
+                or signed_sin.shape != (n, 1, dim):
+            return None
+        if cos.dtype != torch.float32 or signed_sin.dtype != torch.float32 or not cos.is_cpu \
+                or not signed_sin.is_cpu or not cos.is_contiguous() or not signed_sin.is_contiguous():
+            return None
+        out = torch.empty(n, heads, dim, dtype=dtype)
+        if n and heads and dim:
+            self._rope(x.data_ptr(), token_stride, cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), n, heads,
+                       dim, flag)
+        return out
+
+
+class GemvW16:
+    """ctypes binding of `loom_gemv_w16` (csrc/gemv_w16.c): y = x W^T (+ b) for a few float32 rows of x over
+    bfloat16 weights (widened in registers, float32 sums): half the weight bytes of float32 at decode."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        fn = lib.loom_gemv_w16
+        fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+                       + [ctypes.c_int])
+        fn.restype = None
+        self._fn = fn
+        self.isa = isa
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 (unit column stride; rows may be strided), weight [N, K] bfloat16 contiguous,
+        bias [N] float32 or None -> [M, N] float32. Any M (the kernel is for 1-8 decode rows).
+
+        Raises:
+            ValueError: wrong dtype, device, layout or shape (the kernel reads raw pointers, so nothing unchecked
+                reaches it).
+        """
+        # (checks ordered and spelled for speed: this runs once per linear layer per decode step)
+        if x.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
+        m, k = x.shape
+        n, kw = weight.shape
+        if k != kw:
+            raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
+        if x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or not x.is_cpu or not weight.is_cpu:
+            raise ValueError("gemv_w16 takes float32 x and bfloat16 weight, CPU tensors")
+        if not weight.is_contiguous():
+            raise ValueError("weight must be contiguous")
+        if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != n
+                                 or not bias.is_contiguous() or not bias.is_cpu):
+            raise ValueError(f"bias must be a contiguous float32 CPU tensor [{n}]")
+        x_stride, col_stride = x.stride()
+        if col_stride != 1 and k > 1:
+            raise ValueError("x must have unit column stride")
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m and n:
+            self._fn(x.data_ptr(), x_stride, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), m, n, k, torch.get_num_threads())
+        return y

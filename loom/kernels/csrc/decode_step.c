@@ -1,0 +1,116 @@
+/*
+ * One whole decode step of a Llama-family decoder over packed weights, in C (loom/kernels/decode_step.py).
+ *
+ * Why: at 4 bits a decode step of SmolLM2-135M reads ~96 MB of weights, ~4.3 ms at 22.5 GB/s, while the
+ * per-layer Python path makes ~13 ctypes calls, ~15 tensor allocations and ~10 module calls per layer (30
+ * layers): about as long again as the weights take to read (benchmarks/NOTES.md, "Per-token overhead"). This
+ * function runs the same kernels in the same order for every layer, so its results equal the per-layer path's
+ * bit for bit, from one call per step:
+ *
+ *   for each layer:  (normed, residual) = add_rmsnorm(h, residual)     (layer 0: rmsnorm of the embedding)
+ *                    qkv = normed Wqkv^T (+ b)                          (loom_gemm_*_f: float activations)
+ *                    q, k = rotary(qkv[:, :Hq D]), rotary(qkv[:, Hq D : (Hq + Hkv) D])
+ *                    K/V cache rows at slot_mapping[b] = k, v           (slot < 0: padding, not written)
+ *                    a = paged_decode(q, caches, block_table, seq_lens)
+ *                    h = a Wo^T; (normed, residual) = add_rmsnorm(h, residual)
+ *                    h = silu_mul(normed Wgu^T) Wdown^T
+ *   out = add_rmsnorm(h, residual) with the final norm
+ *
+ * All activations are float32 or bfloat16 (`is_bf16`); KV caches are in that dtype. Scratch buffers are the
+ * caller's (reused every step). Returns 0, or -1 when a kernel failed to allocate scratch (out undefined).
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* kernels of the other sources compiled into this library (qgemm.c, fused_ops.c, paged_decode.c) */
+int loom_gemm_q4g32_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
+                      const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
+                      int num_threads);
+int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
+                    const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
+                    int y_bf16, int num_threads);
+void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t M,
+                      int64_t H, float eps, int is_bf16, int torch_lanes);
+void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16, int torch_lanes,
+                   int64_t torch_chunk);
+void loom_rotary(const void *x, int64_t row_stride, const float *cos, const float *signed_sin, void *out, int64_t n,
+                 int64_t heads, int64_t dim, int is_bf16);
+void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                       int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
+                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16);
+
+/* A packed weight [N, K] (loom/quant/layout.py): q4g32 (is_q8 = 0) or q8g with `group`. */
+typedef struct {
+    const void *qweight;
+    const uint16_t *scales; /* float16 bits [N, K / group] */
+    const uint16_t *mins;   /* float16 bits [N, K / group] or NULL */
+    const float *bias;      /* float32 [N] or NULL */
+    int64_t n, k, group, is_q8;
+} LoomPacked;
+
+typedef struct {
+    LoomPacked qkv, o, gate_up, down;
+    const void *norm1, *norm2; /* [hidden] model dtype: input_layernorm, post_attention_layernorm */
+    void *k_cache, *v_cache;   /* [num_blocks, block_size, Hkv, D] model dtype */
+} LoomLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size;
+    float eps, scale;
+    int64_t window; /* sliding window (keys seen, itself included), 0 = all */
+    int is_bf16, torch_lanes, num_threads;
+} LoomDims;
+
+static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
+    if (w->is_q8)
+        return loom_gemm_q8g_f(x, ldx, bf16, M, w->k, (const int8_t *)w->qweight, w->scales, w->mins, w->group,
+                               w->bias, y, w->n, bf16, threads);
+    return loom_gemm_q4g32_f(x, ldx, bf16, M, w->k, (const uint8_t *)w->qweight, w->scales, w->mins, w->bias, y,
+                             w->n, bf16, threads);
+}
+
+/*
+ * hidden [B, hidden] (the embedding rows, read only); cos / signed_sin float32 [B, D]; slot_mapping int64 [B];
+ * block_table int64 [B, bt_stride]; seq_lens int64 [B] (>= 1); out [B, hidden]: the final-norm hidden states.
+ * Scratch (model dtype): residual, normed, h [B, hidden]; qkv [B, (Hq + 2 Hkv) D]; q [B, Hq, D];
+ * k [B, Hkv, D]; attn [B, Hq D]; gate_up [B, 2 inter]; act [B, inter].
+ */
+int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *final_norm, const void *hidden,
+                     const float *cos, const float *signed_sin, const int64_t *slot_mapping,
+                     const int64_t *block_table, int64_t bt_stride, const int64_t *seq_lens, int64_t B, void *out,
+                     void *residual, void *normed, void *h, void *qkv, void *q, void *k, void *attn, void *gate_up,
+                     void *act, int64_t torch_chunk) {
+    const int bf16 = d->is_bf16, threads = d->num_threads, lanes = d->torch_lanes;
+    const size_t es = bf16 ? 2 : 4;
+    const int64_t H = d->hidden, D = d->head_dim, Hq = d->heads, Hkv = d->kv_heads;
+    const int64_t qkv_width = (Hq + 2 * Hkv) * D, row = Hkv * D;
+    for (int64_t l = 0; l < d->num_layers; ++l) {
+        const LoomLayer *L = &layers[l];
+        if (l == 0) {
+            memcpy(residual, hidden, (size_t)(B * H) * es);
+            loom_add_rmsnorm(hidden, NULL, L->norm1, normed, NULL, B, H, d->eps, bf16, lanes);
+        } else {
+            loom_add_rmsnorm(h, residual, L->norm1, normed, residual, B, H, d->eps, bf16, lanes);
+        }
+        if (gemm(&L->qkv, normed, H, B, qkv, bf16, threads)) return -1;
+        loom_rotary(qkv, qkv_width, cos, signed_sin, q, B, Hq, D, bf16);
+        loom_rotary((const char *)qkv + (size_t)(Hq * D) * es, qkv_width, cos, signed_sin, k, B, Hkv, D, bf16);
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t slot = slot_mapping[b];
+            if (slot < 0) continue;
+            memcpy((char *)L->k_cache + (size_t)(slot * row) * es, (const char *)k + (size_t)(b * row) * es,
+                   (size_t)row * es);
+            memcpy((char *)L->v_cache + (size_t)(slot * row) * es,
+                   (const char *)qkv + (size_t)(b * qkv_width + (Hq + Hkv) * D) * es, (size_t)row * es);
+        }
+        loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
+                          d->block_size, d->scale, d->window, threads, bf16);
+        if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) return -1;
+        loom_add_rmsnorm(h, residual, L->norm2, normed, residual, B, H, d->eps, bf16, lanes);
+        if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) return -1;
+        loom_silu_mul(gate_up, act, B, d->inter, bf16, lanes, torch_chunk);
+        if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) return -1;
+    }
+    loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16, lanes);
+    return 0;
+}

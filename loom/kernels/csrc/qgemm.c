@@ -1,0 +1,907 @@
+/*
+ * Matrix products over loom's packed quantized weights (loom/quant/layout.py: q4g32 and q8g), for the CPU.
+ * Bound by loom/kernels/quant.py; the torch reference of every function is loom/quant/torch_kernels.py.
+ *
+ * One source, compiled once per ISA by loom/kernels/registry.py:
+ *   avx512_vnni  the AVX2 code with VPDPBUSD (AVX512-VNNI on 256-bit registers, needs AVX512VL) in place of
+ *                VPMADDUBSW + VPMADDWD: one instruction per 32-value integer dot instead of two. It was
+ *                compile-checked only (written on a Zen 3 machine, which has no AVX-512); its tests run on a
+ *                CPU that lists avx512_vnni (tests/kernels/test_quant_kernels.py).
+ *   avx2         AVX2 + FMA + F16C (Haswell, Zen 1-3 and later).
+ *   generic      portable C (no intrinsics; ARM included), the same definitions computed one value at a time.
+ * `loom_qgemm_impl()` says which code a build holds.
+ *
+ * Shapes: x [M, K] (float32 or bfloat16 rows, row stride ldx), weights [N, K] packed, y [M, N] row-major,
+ * float32 or bfloat16 (nearest even). K % 32 == 0. Blocks are 32 values of k: block b is k in [32b, 32b+32).
+ *
+ * 1. loom_quantize_act: x -> xq int8 [M, K], xs float32 [M, K/32], xsum float32 [M, K/32]:
+ *      s = max|x| / 127 over a block (over the whole row when per_token, the same s stored in every block),
+ *      q = round-half-even(x / s) clamped to [-127, 127] (q = 0 where s == 0), xsum = float sum of the
+ *      original x of the block. A true division, not a multiplication by 1/s, so the codes equal torch's
+ *      torch.round(x / s) exactly. -127..127 only (never -128): the signed dot below relies on it.
+ * 2. loom_gemm_{q4g32,q8g}_q8 (int8 activations):
+ *      y[m,n] = sum_b (xs[m,b] * sc[n,g(b)]) * idot(m,n,b) + sum_g mins[n,g] * gs[m,g] (+ bias[n])
+ *    with idot the exact integer dot of the block's codes (q8g group 16: the two 16-value halves separately,
+ *    each with its own weight scale) and gs the activation sum of weight group g: xsum[m,g] for groups of
+ *    32; the float sum of the group's xsum blocks (in order) for larger groups; for q8g group 16, whose
+ *    groups are half a block, xs[m,b] * (sum of the half's codes), i.e. the sum of the dequantized
+ *    activations (xsum has no half-block sums).
+ * 3. loom_gemm_{q4g32,q8g}_f (weight-only, "W4A16 / W8A16"): y[m,n] = sum_g sc[n,g] * sum_{k in g} x[m,k] q[n,k]
+ *      + sum_g mins[n,g] * sum_{k in g} x[m,k] (+ bias[n]), float32 arithmetic; the codes are widened to
+ *      float32 in registers, the group sums of x are computed once per call.
+ * 4. loom_dequant_{q4g32,q8g}: W [N, K] = float32(sc) * q + float32(min), bit for bit layout.dequantize
+ *    (the product of a float16 and a code of at most 8 bits is exact, so one FMA rounds like mul + add),
+ *    float32 or bfloat16 (the float32 value rounded to nearest even, as torch's .to(bfloat16)).
+ *
+ * Why this shape: at M = 1 (decode) the products are memory-bound on the packed weights (0.625 byte per
+ * weight for q4g32 with mins, 1.0625 for q8g), so each thread reads a contiguous range of weight rows once,
+ * in memory order (qweight, scales, mins: sequential streams the hardware prefetcher follows), with the
+ * activations in L1. The integer dot is llama.cpp's: q4 nibbles unpacked with one shift and one and (low
+ * nibbles = values 0..15 of the block, high = 16..31, the layout's order), VPMADDUBSW (u8 x s8 -> s16
+ * pairs; 15 * 127 * 2 and 128 * 127 * 2 cannot saturate) then VPMADDWD by ones -> 8 int32, converted and
+ * FMA'd by the block's scale product into one of two float accumulators (even and odd blocks). q8g is
+ * signed x signed: VPSIGNB moves the weight's sign onto the activation (|w| as u8, -128 -> 128 still right
+ * as unsigned). The scale products of a row are computed 8 per vector (one F16C conversion, one multiply)
+ * before its blocks, and each block broadcasts its own from L1. SmolLM2's rows are short (K = 576: 18
+ * blocks), so a row's fixed cost (scale set-up, mins, horizontal sum, call) was as large as its blocks':
+ * at M = 1 a call therefore handles four weight rows ("tiles", below), which took a [576, 576] q4g32
+ * product on one Zen 3 thread from 2.0 to 1.45 ns per block (L2-resident), 14 GB/s of weights per thread.
+ * The four rows are read one after the other: interleaving their blocks (four streams a row apart) halved
+ * the cold-memory bandwidth of the q8g LM head [49152, 576]. Output rows are split in contiguous ranges
+ * over `num_threads` OpenMP threads (torch's libgomp, loaded first, so the pool is shared).
+ *
+ * The functions that need scratch memory (group sums, bfloat16 x widened to float32) return 0, or -1 when
+ * malloc failed (nothing written); the others return nothing.
+ */
+#include "quant_common.h"
+
+#define MROWS 4 /* rows of x per pass over a weight row */
+
+enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8_16 = 2 }; /* q4g32; q8g with groups >= 32; q8g with groups of 16 */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && LOOM_QSIMD
+#define LOOM_QIMPL "avx512_vnni"
+#elif LOOM_QSIMD
+#define LOOM_QIMPL "avx2"
+#else
+#define LOOM_QIMPL "scalar"
+#endif
+
+const char *loom_qgemm_impl(void) { return LOOM_QIMPL; }
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* x86 vector helpers                                                                                       */
+/* ------------------------------------------------------------------------------------------------------ */
+#if LOOM_QSIMD
+
+ALWAYS_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+ALWAYS_INLINE float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 int32 lanes, lane i = sum of the four u8 x s8 products of bytes 4i..4i+3: lanes 0-3 cover values
+ * 0..15 of the 32, lanes 4-7 values 16..31 (q8g group 16 relies on that split). */
+ALWAYS_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* The 32 codes of a q4g32 block (16 bytes: byte i = value i | value i+16 << 4) as bytes in value order. */
+ALWAYS_INLINE __m256i q4_unpack(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+/* 8 float32 from 8 bfloat16 (exact). */
+ALWAYS_INLINE __m256 bf16x8_to_f32(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* 8 float32 -> 8 bfloat16, nearest even, NaN kept a (quiet) NaN: the scalar loom_f32_to_bf16 lane-wise. */
+ALWAYS_INLINE __m128i f32x8_to_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i h = _mm256_blendv_epi8(r, nan, is_nan);
+    /* 8 values < 2^16 in int32 lanes -> 8 uint16 */
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+#endif /* LOOM_QSIMD */
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* 1. activation quantization                                                                               */
+/* ------------------------------------------------------------------------------------------------------ */
+
+/* One row: x (float32 or bfloat16) [K] -> q [K], s [K/32], sum [K/32]. */
+static void quantize_row(const void *x, int x_bf16, int64_t K, int per_token, int8_t *q, float *s, float *sum) {
+    const int64_t nb = K / 32;
+#if LOOM_QSIMD
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    float row_scale = 0.0f;
+    if (per_token) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 v = x_bf16 ? bf16x8_to_f32((const uint16_t *)x + k) : _mm256_loadu_ps((const float *)x + k);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+        }
+        row_scale = hmax8(mx) / 127.0f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) {
+            const int64_t k = 32 * b + 8 * i;
+            v[i] = x_bf16 ? bf16x8_to_f32((const uint16_t *)x + k) : _mm256_loadu_ps((const float *)x + k);
+        }
+        sum[b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+        float d = row_scale;
+        if (!per_token) {
+            const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            d = hmax8(a) / 127.0f;
+        }
+        s[b] = d;
+        __m256i out;
+        if (d > 0.0f) {
+            const __m256 dv = _mm256_set1_ps(d), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+            __m256i r[4];
+            for (int i = 0; i < 4; ++i) /* MXCSR's default rounding: nearest even, as torch.round */
+                r[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v[i], dv), lo), hi));
+            /* packs work per 128-bit lane: int32 0-3|8-11 ... ; the permute puts the 32 bytes back in order */
+            const __m256i p01 = _mm256_packs_epi32(r[0], r[1]), p23 = _mm256_packs_epi32(r[2], r[3]);
+            out = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        } else {
+            out = _mm256_setzero_si256();
+        }
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), out);
+    }
+#else
+    float row_scale = 0.0f;
+    float v[32];
+    if (per_token) {
+        float mx = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+            const float a = x_bf16 ? loom_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            const float m = a < 0 ? -a : a;
+            mx = m > mx ? m : mx;
+        }
+        row_scale = mx / 127.0f;
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+        float mx = 0.0f, acc = 0.0f;
+        for (int j = 0; j < 32; ++j) {
+            const int64_t k = 32 * b + j;
+            v[j] = x_bf16 ? loom_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            const float m = v[j] < 0 ? -v[j] : v[j];
+            mx = m > mx ? m : mx;
+            acc += v[j];
+        }
+        const float d = per_token ? row_scale : mx / 127.0f;
+        s[b] = d;
+        sum[b] = acc;
+        for (int j = 0; j < 32; ++j) {
+            float t = 0.0f;
+            if (d > 0.0f) {
+                t = v[j] / d;
+                t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
+                t = loom_round_even(t);
+            }
+            q[32 * b + j] = (int8_t)t;
+        }
+    }
+#endif
+}
+
+void loom_quantize_act(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int per_token, int8_t *xq,
+                       float *xs, float *xsum, int num_threads) {
+    const int64_t nb = K / 32, elem = x_bf16 ? 2 : 4;
+    /* a decode row is a few hundred ns of work: not worth waking the pool for */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 32768)
+    for (int64_t m = 0; m < M; ++m)
+        quantize_row((const char *)x + m * ldx * elem, x_bf16, K, per_token, xq + m * K, xs + m * nb,
+                     xsum + m * nb);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* shared: group sums of activations and the min term                                                      */
+/* ------------------------------------------------------------------------------------------------------ */
+
+/* float sum of n (a multiple of 16) float32 values. */
+static inline float sum_f32(const float *p, int64_t n) {
+#if LOOM_QSIMD
+    __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+    for (int64_t i = 16; i < n; i += 16) {
+        a = _mm256_add_ps(a, _mm256_loadu_ps(p + i));
+        b = _mm256_add_ps(b, _mm256_loadu_ps(p + i + 8));
+    }
+    return hsum8(_mm256_add_ps(a, b));
+#else
+    float t = 0.0f;
+    for (int64_t i = 0; i < n; ++i) t += p[i];
+    return t;
+#endif
+}
+
+/* gs [M, K/G] for the int8 path's min term (see the header; not called for G == 32, where gs = xsum). */
+static void q8_group_sums(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, int64_t G,
+                          float *gs) {
+    const int64_t nb = K / 32, ng = K / G;
+    for (int64_t m = 0; m < M; ++m) {
+        if (G == 16) {
+            for (int64_t h = 0; h < ng; ++h) {
+                int32_t c = 0;
+                for (int j = 0; j < 16; ++j) c += xq[m * K + 16 * h + j];
+                gs[m * ng + h] = xs[m * nb + h / 2] * (float)c;
+            }
+        } else {
+            const int64_t bpg = G / 32;
+            for (int64_t g = 0; g < ng; ++g) {
+                float t = 0.0f;
+                for (int64_t b = 0; b < bpg; ++b) t += xsum[m * nb + g * bpg + b];
+                gs[m * ng + g] = t;
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* 2. int8-activation GEMM                                                                                  */
+/* ------------------------------------------------------------------------------------------------------ */
+
+#define CH 64 /* blocks per chunk of precomputed scale products (2048 values of k per chunk) */
+
+/* Scale of each 32-block c0 + u of a weight row, u < cc (KIND_Q8_16: of each 16-half, u < 2 cc), times the
+ * activation scale of that block when xs is not NULL: d[u]. Vectors of 8; a count that is not a multiple of
+ * 8 (but at least 8) ends with one vector overlapping the previous one (the same values written twice),
+ * so there is no scalar tail: SmolLM2's rows have 18 and 48 blocks. */
+ALWAYS_INLINE void block_scales(const int kind, const uint16_t *sc, int64_t bpg, const float *xs, int64_t c0,
+                                int64_t cc, float *d) {
+    const int64_t cnt = kind == KIND_Q8_16 ? 2 * cc : cc; /* scales to produce */
+    int64_t u = 0;
+    if (kind == KIND_Q8 && bpg > 1) { /* groups of 64 and more: one conversion per block */
+        for (; u < cc; ++u) d[u] = loom_f16_to_f32(sc[(c0 + u) / bpg]) * (xs ? xs[c0 + u] : 1.0f);
+        return;
+    }
+    const uint16_t *s0 = sc + (kind == KIND_Q8_16 ? 2 * c0 : c0);
+#if LOOM_QSIMD
+    if (cnt >= 8) {
+        for (int64_t u0 = 0; u0 < cnt; u0 += 8) {
+            u = u0 + 8 <= cnt ? u0 : cnt - 8;
+            __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s0 + u)));
+            if (xs && kind == KIND_Q8_16) { /* 8 halves = 4 blocks: each block's xs twice (u is even) */
+                const __m256 x4 = _mm256_castps128_ps256(_mm_loadu_ps(xs + c0 + u / 2));
+                v = _mm256_mul_ps(v, _mm256_permutevar8x32_ps(x4, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+            } else if (xs) {
+                v = _mm256_mul_ps(v, _mm256_loadu_ps(xs + c0 + u));
+            }
+            _mm256_storeu_ps(d + u, v);
+        }
+        return;
+    }
+#endif
+    for (; u < cnt; ++u)
+        d[u] = loom_f16_to_f32(s0[u]) * (xs ? xs[c0 + (kind == KIND_Q8_16 ? u / 2 : u)] : 1.0f);
+}
+
+#if LOOM_QSIMD
+/* acc[m] += mn[g] * gs[m * ng + g] over the ng groups, 8 per vector; a last partial vector overlaps the
+ * previous one with the lanes already counted masked to zero. ng < 8 is left to the caller (returns 0). */
+static const int32_t tail_mask[16] = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
+ALWAYS_INLINE int min_term(const uint16_t *mn, const float *gs, int64_t ng, const int mc, __m256 *acc) {
+    if (ng < 8) return 0;
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g)));
+        for (int m = 0; m < mc; ++m) acc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gs + m * ng + g), acc[m]);
+    }
+    if (g < ng) { /* lanes i >= 8 - (ng - g) of the vector at ng - 8 are the groups not yet counted */
+        const __m256 keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(tail_mask + (ng - g))));
+        const __m256 mv = _mm256_and_ps(keep, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + ng - 8))));
+        for (int m = 0; m < mc; ++m)
+            acc[m] = _mm256_fmadd_ps(mv, _mm256_and_ps(keep, _mm256_loadu_ps(gs + m * ng + ng - 8)), acc[m]);
+    }
+    return 1;
+}
+#endif
+
+/* Register tiles. One call of rows_q8 / rows_f computes up to four (weight row, x row) products, "slots":
+ * at M == 1 the slots are NR = 4 consecutive weight rows against the one x row (the call's fixed costs,
+ * scale set-up, mins and horizontal sums, shared by four rows), read one row after the other so that
+ * memory is still read in order; at M > 1 one weight row against mc <= MROWS rows of x (each weight block
+ * unpacked once for the mc). Every slot has its own even-block and odd-block accumulators as named
+ * variables (arrays of them are kept in memory by GCC, stored at every FMA, since the scale loads might
+ * alias them), the mins' term goes into the odd one, then one fixed reduction tree: the arithmetic of a
+ * (weight row, x row) pair is the same in every tile, so results depend neither on M, nor on N's
+ * grouping in fours, nor on the thread count. */
+#define NR 4
+#define NSLOT 4 /* slots per call: NR x 1 or 1 x MROWS */
+
+#if LOOM_QSIMD
+/* ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) for one vector: the order of hsum4 below. */
+ALWAYS_INLINE float hsum8_tree(__m256 v) {
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 h2 = _mm256_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+/* The four horizontal sums of v[0..3], lane i = hsum8_tree(v[i]), in three VHADDPS and one add. */
+ALWAYS_INLINE __m128 hsum4(const __m256 *v) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* The end of a tile of `cnt` slots with accumulators a0 (even blocks) and a1 (odd blocks): the mins' term
+ * sum_g mn[g] gs[g] into a1 (mins of slot i at mn + row(i) ng, sums at gs + xrow(i) ng), then
+ * out[i] = hsum8_tree(a0[i] + a1[i]) + tail[i] (tail: the scalar mins' term when ng < 8). */
+ALWAYS_INLINE void finish(const int cnt, const int rows_are_slots, __m256 *a0, __m256 *a1, const uint16_t *mn,
+                          const float *gs, int64_t ng, float *out) {
+    float tail[NSLOT] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (mn)
+        for (int i = 0; i < cnt; ++i) {
+            const uint16_t *mi = mn + (rows_are_slots ? i : 0) * ng;
+            const float *gi = gs + (rows_are_slots ? 0 : i) * ng;
+            if (!min_term(mi, gi, ng, 1, a1 + i))
+                for (int64_t g = 0; g < ng; ++g) tail[i] += loom_f16_to_f32(mi[g]) * gi[g];
+        }
+    __m256 v[NSLOT];
+    for (int i = 0; i < cnt; ++i) v[i] = _mm256_add_ps(a0[i], a1[i]);
+    if (cnt == NSLOT) {
+        float t[NSLOT];
+        _mm_storeu_ps(t, hsum4(v));
+        for (int i = 0; i < NSLOT; ++i) out[i] = t[i] + tail[i];
+    } else {
+        for (int i = 0; i < cnt; ++i) out[i] = hsum8_tree(v[i]) + tail[i];
+    }
+}
+
+/* A weight block ready for the integer dot: u = the u8 operand (q4 nibbles, or |w| for q8), s = the q8
+ * weight bytes whose signs move onto the activation. */
+typedef struct {
+    __m256i u, s;
+} wblock;
+
+ALWAYS_INLINE wblock q8_prep(const int kind, const uint8_t *wb) {
+    wblock r;
+    if (kind == KIND_Q4) {
+        r.u = q4_unpack(wb);
+        r.s = r.u;
+    } else {
+        r.s = _mm256_loadu_si256((const __m256i *)wb);
+        r.u = _mm256_sign_epi8(r.s, r.s);
+    }
+    return r;
+}
+
+/* acc + (integer dot of the weight block with the activation codes at xb) * its scale product at dj
+ * (KIND_Q8_16: the two halves' products dj[0], dj[1] in lanes 0-3 / 4-7). */
+ALWAYS_INLINE __m256 q8_dot(const int kind, wblock wb, const int8_t *xb, const float *dj, __m256 acc) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xb);
+    if (kind != KIND_Q4) xv = _mm256_sign_epi8(xv, wb.s);
+    const __m256 dv = kind == KIND_Q8_16
+                          ? _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)dj))),
+                                                     _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
+                          : _mm256_broadcast_ss(dj);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wb.u, xv)), dv, acc);
+}
+
+/* The codes of a weight block as float32: q[i] = values 8i..8i+7. */
+ALWAYS_INLINE void f_codes(const int kind, const uint8_t *wb, __m256 *q) {
+    if (kind == KIND_Q4) {
+        /* bytes 0..7 hold values 0..7 (low nibbles) and 16..23 (high), bytes 8..15 values 8..15, 24..31 */
+        const __m256i lo4 = _mm256_set1_epi32(0x0F);
+        const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)wb));
+        const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8)));
+        q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(c0, lo4));
+        q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c1, lo4));
+        q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4));
+        q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4));
+    } else {
+        for (int i = 0; i < 4; ++i)
+            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8 * i))));
+    }
+}
+
+/* The 32 products of a block's codes q with x (x4: the block's four vectors of x) into *lo += t * s[0]
+ * (KIND_Q8_16: values 0..15 into *lo with s[0], values 16..31 into *hi with s[1]). */
+ALWAYS_INLINE void f_dot(const int kind, const __m256 *q, const __m256 *x4, const float *s, __m256 *lo, __m256 *hi) {
+    if (kind == KIND_Q8_16) {
+        const __m256 t0 = _mm256_fmadd_ps(q[1], x4[1], _mm256_mul_ps(q[0], x4[0]));
+        const __m256 t1 = _mm256_fmadd_ps(q[3], x4[3], _mm256_mul_ps(q[2], x4[2]));
+        *lo = _mm256_fmadd_ps(t0, _mm256_broadcast_ss(s), *lo);
+        *hi = _mm256_fmadd_ps(t1, _mm256_broadcast_ss(s + 1), *hi);
+    } else {
+        __m256 t = _mm256_mul_ps(q[0], x4[0]);
+        t = _mm256_fmadd_ps(q[1], x4[1], t);
+        t = _mm256_fmadd_ps(q[2], x4[2], t);
+        t = _mm256_fmadd_ps(q[3], x4[3], t);
+        *lo = _mm256_fmadd_ps(t, _mm256_broadcast_ss(s), *lo);
+    }
+}
+
+ALWAYS_INLINE void load_x4(const float *xb, __m256 *x4) {
+    for (int i = 0; i < 4; ++i) x4[i] = _mm256_loadu_ps(xb + 8 * i);
+}
+#endif /* LOOM_QSIMD */
+
+/* dots[i] for the slots i of a tile (see above): weight rows at w + r row_bytes (scales sc + r ng, one per
+ * group of bpg blocks, KIND_Q8_16: two per block; mins mn + r ng or NULL) against rows m of the int8
+ * activations (xq stride K, xs stride K/32) and their group sums gs (stride ng):
+ * sum_b (xs sc) idot + sum_g mn gs. nr == NR (then mc == 1) or nr == 1; both compile-time constants. */
+ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uint8_t *w, int64_t row_bytes,
+                           const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, const int8_t *xq,
+                           const float *xs, const float *gs, int64_t K, float *dots) {
+    const int64_t nb = K / 32;
+#if LOOM_QSIMD
+    const int64_t bb = kind == KIND_Q4 ? 16 : 32, ds = kind == KIND_Q8_16 ? 2 : 1;
+    const int cnt = nr * mc, by_row = nr == NR;
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    for (int64_t c0 = 0; c0 < nb; c0 += CH) {
+        const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
+        float d[NSLOT][2 * CH]; /* scale products of the chunk's blocks, per slot */
+        for (int i = 0; i < cnt; ++i)
+            block_scales(kind, sc + (by_row ? i : 0) * ng, bpg, xs + (by_row ? 0 : i) * nb, c0, cc, d[i]);
+/* block c0 + (J) of weight row I (by_row tiles) into the accumulator A */
+#define Q8_STEP(I, J, A)                                                                                         \
+    A = q8_dot(kind, q8_prep(kind, w + (I) * row_bytes + bb * (c0 + (J))), xq + 32 * (c0 + (J)), d[I] + ds * (J), A)
+/* all blocks of the chunk for weight row I: even ones into E, odd ones into O */
+#define Q8_SLOT(I, E, O)                                                                                         \
+    do {                                                                                                         \
+        int64_t j_ = 0;                                                                                          \
+        for (; j_ + 2 <= cc; j_ += 2) {                                                                          \
+            Q8_STEP(I, j_, E);                                                                                   \
+            Q8_STEP(I, j_ + 1, O);                                                                               \
+        }                                                                                                        \
+        if (j_ < cc) Q8_STEP(I, j_, E);                                                                          \
+    } while (0)
+        if (by_row) {
+            /* one weight row after the other: the tile reads its 4 rows in memory order (interleaving them,
+             * four streams a row apart, halved the cold bandwidth of the q8g LM head) */
+            Q8_SLOT(0, e0, o0);
+            Q8_SLOT(1, e1, o1);
+            Q8_SLOT(2, e2, o2);
+            Q8_SLOT(3, e3, o3);
+        } else { /* each weight block unpacked once for the mc rows of x */
+            int64_t j = 0;
+            for (; j + 2 <= cc; j += 2) {
+                const wblock wa = q8_prep(kind, w + bb * (c0 + j)), wb = q8_prep(kind, w + bb * (c0 + j + 1));
+                const int8_t *xj = xq + 32 * (c0 + j);
+                e0 = q8_dot(kind, wa, xj, d[0] + ds * j, e0);
+                o0 = q8_dot(kind, wb, xj + 32, d[0] + ds * (j + 1), o0);
+                if (mc > 1) {
+                    e1 = q8_dot(kind, wa, xj + K, d[1] + ds * j, e1);
+                    o1 = q8_dot(kind, wb, xj + K + 32, d[1] + ds * (j + 1), o1);
+                }
+                if (mc > 2) {
+                    e2 = q8_dot(kind, wa, xj + 2 * K, d[2] + ds * j, e2);
+                    o2 = q8_dot(kind, wb, xj + 2 * K + 32, d[2] + ds * (j + 1), o2);
+                }
+                if (mc > 3) {
+                    e3 = q8_dot(kind, wa, xj + 3 * K, d[3] + ds * j, e3);
+                    o3 = q8_dot(kind, wb, xj + 3 * K + 32, d[3] + ds * (j + 1), o3);
+                }
+            }
+            if (j < cc) {
+                const wblock wa = q8_prep(kind, w + bb * (c0 + j));
+                const int8_t *xj = xq + 32 * (c0 + j);
+                e0 = q8_dot(kind, wa, xj, d[0] + ds * j, e0);
+                if (mc > 1) e1 = q8_dot(kind, wa, xj + K, d[1] + ds * j, e1);
+                if (mc > 2) e2 = q8_dot(kind, wa, xj + 2 * K, d[2] + ds * j, e2);
+                if (mc > 3) e3 = q8_dot(kind, wa, xj + 3 * K, d[3] + ds * j, e3);
+            }
+        }
+#undef Q8_SLOT
+#undef Q8_STEP
+    }
+    __m256 a0[NSLOT] = {e0, e1, e2, e3}, a1[NSLOT] = {o0, o1, o2, o3};
+    finish(cnt, by_row, a0, a1, mn, gs, ng, dots);
+#else
+    for (int r = 0; r < nr; ++r) {
+        const uint8_t *wr = w + r * row_bytes;
+        const uint16_t *scr = sc + r * ng;
+        for (int m = 0; m < mc; ++m) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const int8_t *xb = xq + m * K + 32 * b;
+                int32_t lo = 0, hi = 0; /* values 0..15 and 16..31 of the block */
+                for (int j = 0; j < 16; ++j) {
+                    int qa, qb;
+                    if (kind == KIND_Q4) {
+                        qa = wr[16 * b + j] & 0xF;
+                        qb = wr[16 * b + j] >> 4;
+                    } else {
+                        qa = (int8_t)wr[32 * b + j];
+                        qb = (int8_t)wr[32 * b + 16 + j];
+                    }
+                    lo += qa * xb[j];
+                    hi += qb * xb[16 + j];
+                }
+                const float xsb = xs[m * nb + b];
+                if (kind == KIND_Q8_16) {
+                    acc += (xsb * loom_f16_to_f32(scr[2 * b])) * (float)lo;
+                    acc += (xsb * loom_f16_to_f32(scr[2 * b + 1])) * (float)hi;
+                } else {
+                    acc += (xsb * loom_f16_to_f32(scr[b / bpg])) * (float)(lo + hi);
+                }
+            }
+            if (mn)
+                for (int64_t g = 0; g < ng; ++g) acc += loom_f16_to_f32(mn[r * ng + g]) * gs[m * ng + g];
+            dots[r * mc + m] = acc;
+        }
+    }
+#endif
+}
+
+/* dots[i] = sum_g sc[g] * sum_{k in g} x[m, k] q[k] + sum_g mn[g] sx[m, g] for the slots of a tile (as
+ * rows_q8), x float32 rows at stride ldx, sx their group sums (stride ng). */
+ALWAYS_INLINE void rows_f(const int kind, const int nr, const int mc, const uint8_t *w, int64_t row_bytes,
+                          const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, const float *x, int64_t ldx,
+                          const float *sx, int64_t K, float *dots) {
+    const int64_t nb = K / 32;
+#if LOOM_QSIMD
+    const int64_t bb = kind == KIND_Q4 ? 16 : 32, ds = kind == KIND_Q8_16 ? 2 : 1;
+    const int cnt = nr * mc, by_row = nr == NR;
+    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+    for (int64_t c0 = 0; c0 < nb; c0 += CH) {
+        const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
+        float s[NR][2 * CH]; /* the weight scales of the chunk's blocks (KIND_Q8_16: of the halves), per row */
+        for (int r = 0; r < nr; ++r) block_scales(kind, sc + r * ng, bpg, NULL, c0, cc, s[r]);
+/* block c0 + (J) of weight row I (by_row tiles): values 0..15 into A, 16..31 into B (the same variable
+ * except for KIND_Q8_16) */
+#define F_STEP(I, J, A, B)                                                                                       \
+    do {                                                                                                         \
+        __m256 q_[4], x_[4];                                                                                     \
+        f_codes(kind, w + (I) * row_bytes + bb * (c0 + (J)), q_);                                                \
+        load_x4(x + 32 * (c0 + (J)), x_);                                                                        \
+        f_dot(kind, q_, x_, s[I] + ds * (J), &A, &B);                                                            \
+    } while (0)
+/* all blocks of the chunk for weight row I */
+#define F_SLOT(I, E, O)                                                                                          \
+    do {                                                                                                         \
+        int64_t j_ = 0;                                                                                          \
+        if (kind == KIND_Q8_16) {                                                                                \
+            for (; j_ < cc; ++j_) F_STEP(I, j_, E, O);                                                           \
+        } else {                                                                                                 \
+            for (; j_ + 2 <= cc; j_ += 2) {                                                                      \
+                F_STEP(I, j_, E, E);                                                                             \
+                F_STEP(I, j_ + 1, O, O);                                                                         \
+            }                                                                                                    \
+            if (j_ < cc) F_STEP(I, j_, E, E);                                                                    \
+        }                                                                                                        \
+    } while (0)
+/* block c0 + (J) of the weight row against the mc rows of x (nr == 1 tiles) */
+#define F_STEP_X(J, A0, A1, A2, A3, B0, B1, B2, B3)                                                             \
+    do {                                                                                                         \
+        const int64_t b_ = c0 + (J);                                                                             \
+        __m256 q_[4], x_[4];                                                                                     \
+        f_codes(kind, w + bb * b_, q_);                                                                          \
+        load_x4(x + 32 * b_, x_);                                                                                \
+        f_dot(kind, q_, x_, s[0] + ds * (J), &A0, &B0);                                                          \
+        if (mc > 1) {                                                                                            \
+            load_x4(x + ldx + 32 * b_, x_);                                                                      \
+            f_dot(kind, q_, x_, s[0] + ds * (J), &A1, &B1);                                                      \
+        }                                                                                                        \
+        if (mc > 2) {                                                                                            \
+            load_x4(x + 2 * ldx + 32 * b_, x_);                                                                  \
+            f_dot(kind, q_, x_, s[0] + ds * (J), &A2, &B2);                                                      \
+        }                                                                                                        \
+        if (mc > 3) {                                                                                            \
+            load_x4(x + 3 * ldx + 32 * b_, x_);                                                                  \
+            f_dot(kind, q_, x_, s[0] + ds * (J), &A3, &B3);                                                      \
+        }                                                                                                        \
+    } while (0)
+        if (by_row) { /* one weight row after the other, in memory order (see rows_q8) */
+            F_SLOT(0, e0, o0);
+            F_SLOT(1, e1, o1);
+            F_SLOT(2, e2, o2);
+            F_SLOT(3, e3, o3);
+        } else {
+            int64_t j = 0;
+            if (kind == KIND_Q8_16) {
+                for (; j < cc; ++j) F_STEP_X(j, e0, e1, e2, e3, o0, o1, o2, o3);
+            } else {
+                for (; j + 2 <= cc; j += 2) {
+                    F_STEP_X(j, e0, e1, e2, e3, e0, e1, e2, e3);
+                    F_STEP_X(j + 1, o0, o1, o2, o3, o0, o1, o2, o3);
+                }
+                if (j < cc) F_STEP_X(j, e0, e1, e2, e3, e0, e1, e2, e3);
+            }
+        }
+#undef F_STEP_X
+#undef F_SLOT
+#undef F_STEP
+    }
+    __m256 a0[NSLOT] = {e0, e1, e2, e3}, a1[NSLOT] = {o0, o1, o2, o3};
+    finish(cnt, by_row, a0, a1, mn, sx, ng, dots);
+#else
+    for (int r = 0; r < nr; ++r) {
+        const uint8_t *wr = w + r * row_bytes;
+        const uint16_t *scr = sc + r * ng;
+        for (int m = 0; m < mc; ++m) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const float *xb = x + m * ldx + 32 * b;
+                float lo = 0.0f, hi = 0.0f; /* values 0..15 and 16..31 */
+                for (int j = 0; j < 16; ++j) {
+                    float qa, qb;
+                    if (kind == KIND_Q4) {
+                        qa = (float)(wr[16 * b + j] & 0xF);
+                        qb = (float)(wr[16 * b + j] >> 4);
+                    } else {
+                        qa = (float)(int8_t)wr[32 * b + j];
+                        qb = (float)(int8_t)wr[32 * b + 16 + j];
+                    }
+                    lo += xb[j] * qa;
+                    hi += xb[16 + j] * qb;
+                }
+                if (kind == KIND_Q8_16)
+                    acc += loom_f16_to_f32(scr[2 * b]) * lo + loom_f16_to_f32(scr[2 * b + 1]) * hi;
+                else
+                    acc += loom_f16_to_f32(scr[b / bpg]) * (lo + hi);
+            }
+            if (mn)
+                for (int64_t g = 0; g < ng; ++g) acc += loom_f16_to_f32(mn[r * ng + g]) * sx[m * ng + g];
+            dots[r * mc + m] = acc;
+        }
+    }
+#endif
+}
+
+/* rows_q8 / rows_f with `kind`, `nr` and `mc` turned into constants: nr == NR (then mc == 1), or nr == 1. */
+#define DEFINE_ROWS(ROWS, XT, KIND, NAME)                                                                         \
+    static void NAME(int64_t nr, int64_t mc, const uint8_t *w, int64_t rb, const uint16_t *sc, const uint16_t *mn, \
+                     int64_t ng, int64_t bpg, const XT *x, int64_t ldx, const float *xs, const float *gs,          \
+                     int64_t K, float *dots) {                                                                   \
+        (void)ldx; /* each path reads only its own arguments */                                                 \
+        (void)xs;                                                                                                \
+        if (nr == NR) {                                                                                          \
+            ROWS(KIND, NR, 1, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots);                                  \
+            return;                                                                                              \
+        }                                                                                                        \
+        switch (mc) {                                                                                            \
+        case 1: ROWS(KIND, 1, 1, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                        \
+        case 2: ROWS(KIND, 1, 2, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                        \
+        case 3: ROWS(KIND, 1, 3, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                        \
+        default: ROWS(KIND, 1, 4, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                       \
+        }                                                                                                        \
+    }
+/* one signature for both paths: q8 (x = xq, ldx unused, xs = scales, gs = group sums), f (xs unused) */
+#define ROWS_Q8_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots) \
+    rows_q8(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, xs, gs, K, dots)
+#define ROWS_F_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots) \
+    rows_f(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, gs, K, dots)
+DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q4, rows_q8_q4)
+DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8, rows_q8_q8)
+DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8_16, rows_q8_q8_16)
+DEFINE_ROWS(ROWS_F_ARGS, float, KIND_Q4, rows_f_q4)
+DEFINE_ROWS(ROWS_F_ARGS, float, KIND_Q8, rows_f_q8)
+DEFINE_ROWS(ROWS_F_ARGS, float, KIND_Q8_16, rows_f_q8_16)
+typedef void (*rows_q8_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
+                           int64_t, const int8_t *, int64_t, const float *, const float *, int64_t, float *);
+typedef void (*rows_f_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
+                          int64_t, const float *, int64_t, const float *, const float *, int64_t, float *);
+
+/* Work below which the products run on the calling thread: waking the pool costs more than it saves. */
+#define PAR_MIN_WORK 32768
+
+/* y = the tiles over all (n, m), shared by both paths: `rows(nr, mc, n, m0, dots)` computes one tile. At
+ * M == 1 the work items are fixed groups of NR rows (a last partial group runs a row at a time), else
+ * single weight rows with the M rows of x in passes of MROWS; contiguous ranges of items per thread. */
+#define FOR_EACH_TILE(TILE)                                                                                      \
+    const int64_t items = M == 1 ? (N + NR - 1) / NR : N;                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)")       \
+    for (int64_t it = 0; it < items; ++it) {                                                                     \
+        float dots[NSLOT];                                                                                       \
+        if (M == 1) {                                                                                            \
+            const int64_t n0 = it * NR, cnt = N - n0 < NR ? N - n0 : NR;                                         \
+            if (cnt == NR) {                                                                                     \
+                TILE(NR, 1, n0, 0);                                                                              \
+                for (int64_t r = 0; r < NR; ++r)                                                                 \
+                    loom_store_out(y, n0 + r, dots[r] + (bias ? bias[n0 + r] : 0.0f), y_bf16);                   \
+            } else {                                                                                             \
+                for (int64_t n = n0; n < n0 + cnt; ++n) {                                                        \
+                    TILE(1, 1, n, 0);                                                                            \
+                    loom_store_out(y, n, dots[0] + (bias ? bias[n] : 0.0f), y_bf16);                             \
+                }                                                                                                \
+            }                                                                                                    \
+        } else {                                                                                                 \
+            const int64_t n = it;                                                                                \
+            const float bn = bias ? bias[n] : 0.0f;                                                              \
+            for (int64_t m0 = 0; m0 < M; m0 += MROWS) {                                                          \
+                const int64_t mc = M - m0 < MROWS ? M - m0 : MROWS;                                              \
+                TILE(1, mc, n, m0);                                                                              \
+                for (int64_t m = 0; m < mc; ++m) loom_store_out(y, (m0 + m) * N + n, dots[m] + bn, y_bf16);      \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+
+static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                   const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int64_t G, const float *bias, void *y,
+                   int64_t N, int y_bf16, int num_threads) {
+    const int64_t nb = K / 32, ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
+    const int64_t bpg = G >= 32 ? G / 32 : 1;
+    const float *gs = xsum;
+    float *scratch = NULL;
+    if (mn && G != 32) {
+        scratch = (float *)malloc((size_t)(M * ng) * sizeof(float));
+        if (!scratch) return -1;
+        q8_group_sums(xq, xs, xsum, M, K, G, scratch);
+        gs = scratch;
+    }
+    const rows_q8_fn rows = kind == KIND_Q4 ? rows_q8_q4 : (kind == KIND_Q8 ? rows_q8_q8 : rows_q8_q8_16);
+#define Q8_TILE(NR_, MC_, N_, M0_)                                                                               \
+    rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
+         xq + (M0_) * K, K, xs + (M0_) * nb, gs + (M0_) * ng, K, dots)
+    FOR_EACH_TILE(Q8_TILE)
+#undef Q8_TILE
+    free(scratch);
+    return 0;
+}
+
+/* xq int8 [M, K], xs / xsum float32 [M, K/32] (loom_quantize_act); qweight uint8 [N, K/2]; scales / mins
+ * float16 bits [N, K/32] (mins may be NULL); bias float32 [N] or NULL; y [M, N] float32 or bfloat16. */
+int loom_gemm_q4g32_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                       const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, const float *bias,
+                       void *y, int64_t N, int y_bf16, int num_threads) {
+    return gemm_q8(KIND_Q4, xq, xs, xsum, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
+}
+
+/* As loom_gemm_q4g32_q8 for q8g: qweight int8 [N, K], scales / mins [N, K/group] (group 16 or a multiple of
+ * 32 dividing K). */
+int loom_gemm_q8g_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                     const int8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                     const float *bias, void *y, int64_t N, int y_bf16, int num_threads) {
+    return gemm_q8(group == 16 ? KIND_Q8_16 : KIND_Q8, xq, xs, xsum, M, K, (const uint8_t *)qweight, scales, mins,
+                   group, bias, y, N, y_bf16, num_threads);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* 3. float-activation (weight-only) GEMM                                                                   */
+/* ------------------------------------------------------------------------------------------------------ */
+
+static int gemm_f(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
+                  const uint16_t *sc, const uint16_t *mn, int64_t G, const float *bias, void *y, int64_t N,
+                  int y_bf16, int num_threads) {
+    const int64_t ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
+    const int64_t bpg = G >= 32 ? G / 32 : 1;
+    /* scratch: x widened to float32 (bfloat16 input only) [M, K], then the group sums of x [M, ng] */
+    const size_t nx = x_bf16 ? (size_t)(M * K) : 0, ns = mn ? (size_t)(M * ng) : 0;
+    float *scratch = NULL;
+    if (nx + ns) {
+        scratch = (float *)malloc((nx + ns) * sizeof(float));
+        if (!scratch) return -1;
+    }
+    const float *xf = (const float *)x;
+    if (x_bf16) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+        for (int64_t m = 0; m < M; ++m) {
+            const uint16_t *src = (const uint16_t *)x + m * ldx;
+            float *dst = scratch + m * K;
+#if LOOM_QSIMD
+            for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, bf16x8_to_f32(src + k));
+#else
+            for (int64_t k = 0; k < K; ++k) dst[k] = loom_bf16_to_f32(src[k]);
+#endif
+        }
+        xf = scratch;
+        ldx = K;
+    }
+    float *sx = mn ? scratch + nx : NULL;
+    if (mn)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t g = 0; g < ng; ++g) sx[m * ng + g] = sum_f32(xf + m * ldx + g * G, G);
+    const rows_f_fn rows = kind == KIND_Q4 ? rows_f_q4 : (kind == KIND_Q8 ? rows_f_q8 : rows_f_q8_16);
+#define F_TILE(NR_, MC_, N_, M0_)                                                                                \
+    rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
+         xf + (M0_) * ldx, ldx, NULL, mn ? sx + (M0_) * ng : NULL, K, dots)
+    FOR_EACH_TILE(F_TILE)
+#undef F_TILE
+    free(scratch);
+    return 0;
+}
+
+/* x [M, K] float32 (x_bf16 = 0) or bfloat16 (1), row stride ldx elements; the rest as loom_gemm_q4g32_q8. */
+int loom_gemm_q4g32_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
+                      const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
+                      int num_threads) {
+    return gemm_f(KIND_Q4, x, ldx, x_bf16, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
+}
+
+int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
+                    const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
+                    int y_bf16, int num_threads) {
+    return gemm_f(group == 16 ? KIND_Q8_16 : KIND_Q8, x, ldx, x_bf16, M, K, (const uint8_t *)qweight, scales, mins,
+                  group, bias, y, N, y_bf16, num_threads);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* 4. dequantization                                                                                        */
+/* ------------------------------------------------------------------------------------------------------ */
+
+static void dequant(int q4, const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int64_t G, int64_t N,
+                    int64_t K, void *out, int out_bf16, int num_threads) {
+    const int64_t ng = K / G, row_bytes = q4 ? K / 2 : K;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t *wr = w + n * row_bytes;
+        float *of = out_bf16 ? NULL : (float *)out + n * K;
+        uint16_t *oh = out_bf16 ? (uint16_t *)out + n * K : NULL;
+#if LOOM_QSIMD
+        const __m256i lo4 = _mm256_set1_epi32(0x0F);
+        for (int64_t k = 0; k < K; k += 16) { /* 16 values: one group (of >= 16) */
+            const int64_t g = k / G;
+            const __m256 s = _mm256_set1_ps(loom_f16_to_f32(sc[n * ng + g]));
+            const __m256 mv = _mm256_set1_ps(mn ? loom_f16_to_f32(mn[n * ng + g]) : 0.0f);
+            __m256 q0, q1;
+            if (q4) {
+                /* values k..k+15 of block k/32: the low (k % 32 == 0) or high nibbles of its 16 bytes */
+                const uint8_t *p = wr + (k / 32) * 16;
+                const int shift = (k % 32) ? 4 : 0;
+                const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+                const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+                q0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(c0, shift), lo4));
+                q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(c1, shift), lo4));
+            } else {
+                q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
+                q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k + 8))));
+            }
+            /* s * q is exact, so the FMA's single rounding is layout.dequantize's rounding of (s * q) + min;
+             * without mins a plain product, so that a -0.0 stays -0.0 as in the reference */
+            const __m256 v0 = mn ? _mm256_fmadd_ps(q0, s, mv) : _mm256_mul_ps(q0, s);
+            const __m256 v1 = mn ? _mm256_fmadd_ps(q1, s, mv) : _mm256_mul_ps(q1, s);
+            if (out_bf16) {
+                _mm_storeu_si128((__m128i *)(oh + k), f32x8_to_bf16(v0));
+                _mm_storeu_si128((__m128i *)(oh + k + 8), f32x8_to_bf16(v1));
+            } else {
+                _mm256_storeu_ps(of + k, v0);
+                _mm256_storeu_ps(of + k + 8, v1);
+            }
+        }
+#else
+        for (int64_t k = 0; k < K; ++k) {
+            const int64_t g = k / G;
+            int c;
+            if (q4) {
+                const uint8_t byte = wr[(k / 32) * 16 + (k % 16)];
+                c = (k % 32) < 16 ? (byte & 0xF) : (byte >> 4);
+            } else {
+                c = (int8_t)wr[k];
+            }
+            float v = loom_f16_to_f32(sc[n * ng + g]) * (float)c; /* exact */
+            if (mn) v = v + loom_f16_to_f32(mn[n * ng + g]);
+            if (out_bf16)
+                oh[k] = loom_f32_to_bf16(v);
+            else
+                of[k] = v;
+        }
+#endif
+    }
+}
+
+/* W [N, K] of a q4g32 weight, float32 (out_bf16 = 0) or bfloat16 (1). */
+void loom_dequant_q4g32(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t K,
+                        void *out, int out_bf16, int num_threads) {
+    dequant(1, qweight, scales, mins, 32, N, K, out, out_bf16, num_threads);
+}
+
+/* W [N, K] of a q8g weight with groups of `group`. */
+void loom_dequant_q8g(const int8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group, int64_t N,
+                      int64_t K, void *out, int out_bf16, int num_threads) {
+    dequant(0, (const uint8_t *)qweight, scales, mins, group, N, K, out, out_bf16, num_threads);
+}

@@ -1,0 +1,77 @@
+/* Helpers of loom's quantized CPU kernels (qgemm.c): scalar float16 / bfloat16 conversions and output stores.
+ *
+ * Portable on purpose: this header needs no ISA. x86 intrinsics are included only when the translation unit
+ * is compiled for AVX2 + FMA + F16C (the `avx2` and `avx512_vnni` builds of loom/kernels/registry.py); the
+ * `generic` build (no ISA flag, ARM included) gets plain C. Unlike bf16_common.h it carries no target
+ * attributes, so nothing here asks for an instruction the build was not compiled for.
+ */
+#ifndef LOOM_QUANT_COMMON_H
+#define LOOM_QUANT_COMMON_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOOM_QSIMD 1 /* the x86 vector paths */
+#include <immintrin.h>
+#else
+#define LOOM_QSIMD 0 /* portable scalar C */
+#endif
+
+/* float16 bit pattern -> float32, exact (every float16, subnormals included, is a float32). */
+static inline float loom_f16_to_f32(uint16_t h) {
+#if LOOM_QSIMD
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1fu) {
+        u = sign | 0x7f800000u | (man << 13); /* inf / NaN (payload kept) */
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13); /* rebias 15 -> 127 */
+    } else {
+        /* zero or subnormal: man * 2^-24, exact in float32 (man < 2^10, a power-of-two scaling) */
+        const float f = (float)man * 5.9604644775390625e-08f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline float loom_bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32 -> bfloat16 rounded to nearest even (torch's rounding; NaN stays a NaN). */
+static inline uint16_t loom_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* y[at] = v as float32, or as bfloat16 (nearest even) when y_bf16. */
+static inline void loom_store_out(void *y, int64_t at, float v, int y_bf16) {
+    if (y_bf16)
+        ((uint16_t *)y)[at] = loom_f32_to_bf16(v);
+    else
+        ((float *)y)[at] = v;
+}
+
+/* Round to nearest, ties to even, for |v| <= 2^22 without libm (the generic build must not depend on
+ * nearbyintf being inlined): adding and subtracting 1.5 * 2^23 leaves the float32 rounding of v to an
+ * integer under the default rounding mode. Needs IEEE semantics (no -ffast-math), which loom builds with. */
+static inline float loom_round_even(float v) {
+    const float magic = 12582912.0f;
+    return (v + magic) - magic; /* not folded to v: without -ffast-math the compiler keeps both roundings */
+}
+
+#endif

@@ -1,0 +1,154 @@
+"""ctypes binding of csrc/decode_step.c: a whole decode step of a packed Llama-family model in one C call.
+
+`DecodeStep.prepare(model)` checks that the model's layers are what the C step runs (every projection one
+packed weight with float activations, the fused ops and paged decode kernels of the same library, the
+cpu_paged backend) and records the weight pointers once; `run(...)` serves a pure decode step (every token a
+request's single new token) of at most `max_rows` requests over model-dtype KV caches, and returns None for
+anything else, so the per-layer path stays the fallback. Same kernels in the same order as the per-layer path
+(loom/model/llama.py), so its hidden states equal that path's bit for bit (tests/kernels/test_decode_step.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from loom.kernels.cpu_generic import _torch_chunk, _torch_lanes
+
+_DTYPE_FLAGS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Packed(ctypes.Structure):
+    _fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("is_q8", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed), ("down", _Packed),
+                ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64),
+                ("block_size", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("window", ctypes.c_int64), ("is_bf16", ctypes.c_int), ("torch_lanes", ctypes.c_int),
+                ("num_threads", ctypes.c_int)]
+
+
+class DecodeStep:
+    """The compiled decode step (one library per ISA: decode_step.c with qgemm.c, fused_ops.c, paged_decode.c)."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        fn = lib.loom_decode_step
+        fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                       + [ctypes.c_void_p] * 10 + [ctypes.c_int64])
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self.isa = isa
+
+
+class ModelDecodeStep:
+    """A DecodeStep bound to one loaded model (weights recorded once)."""
+
+    def __init__(self, kernel: DecodeStep, model: torch.nn.Module, max_rows: int) -> None:
+        """model: a loom LlamaModel whose layers `supports_model` accepted; max_rows: most requests per step."""
+        self.kernel = kernel
+        self.max_rows = max_rows
+        layer0 = model.layers[0]
+        attn = layer0.self_attn
+        self.dtype = model.norm.weight.dtype
+        self.backend = attn.attn.backend
+        self.sliding_window = attn.attn.sliding_window
+        self.dims = _Dims(len(model.layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                          attn.head_dim, layer0.mlp.down_proj.input_size, 0, layer0.input_layernorm.eps,
+                          attn.attn.scale, self.sliding_window or 0, _DTYPE_FLAGS[self.dtype], _torch_lanes(), 1)
+        self.layers = (_Layer * len(model.layers))()
+        for entry, layer in zip(self.layers, model.layers, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            for name, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj), ("down", m.down_proj)):
+                setattr(entry, name, _packed(lin))
+            entry.norm1 = layer.input_layernorm.weight.data_ptr()
+            entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+        self.final_norm = model.norm.weight
+        self._keep = model  # the recorded pointers stay valid while the model lives
+        self._caches_id: int | None = None
+        self._scratch: dict[int, list[torch.Tensor]] = {}
+
+    def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor],
+            attn_metadata: Any) -> torch.Tensor | None:
+        """hidden [B, hidden_size] (the embedding rows), cos_sin from RotaryEmbedding.cos_sin -> final-norm hidden
+        states [B, hidden_size], or None when this step is not a pure decode step it serves."""
+        batch = hidden.shape[0]
+        if batch == 0 or batch > self.max_rows or attn_metadata.max_query_len != 1 or attn_metadata.num_reqs != batch:
+            return None
+        cache0 = kv_caches[0]
+        if cache0.dtype != self.dtype or not cache0.is_contiguous() or hidden.dtype != self.dtype:
+            return None
+        plan = self.backend._step_plan(attn_metadata, self.sliding_window, self.dtype)
+        decode = plan.decode
+        if decode is None or decode.token_rows is not None or plan.prefills:
+            return None
+        if id(kv_caches) != self._caches_id:
+            for entry, cache in zip(self.layers, kv_caches, strict=True):
+                entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+            self.dims.block_size = cache0.shape[2]
+            self._caches_id = id(kv_caches)
+        self.dims.num_threads = torch.get_num_threads()
+        scratch = self._scratch.get(batch)
+        if scratch is None:
+            scratch = self._scratch[batch] = self._alloc(batch)
+        residual, normed, h, qkv, q, k, attn, gate_up, act, out = scratch
+        cos, sin = cos_sin
+        hidden = hidden.contiguous()
+        slots = attn_metadata.slot_mapping
+        table = decode.block_ids
+        rc = self.kernel._fn(ctypes.byref(self.dims), self.layers, self.final_norm.data_ptr(), hidden.data_ptr(),
+                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), table.stride(0),
+                             decode.seq_lens.data_ptr(), batch, out.data_ptr(), residual.data_ptr(), normed.data_ptr(),
+                             h.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(),
+                             gate_up.data_ptr(), act.data_ptr(), _torch_chunk(batch * self.dims.inter))
+        if rc != 0:
+            raise MemoryError("loom_decode_step could not allocate its scratch memory")
+        return out.clone()  # the scratch is reused by the next step
+
+    def _alloc(self, batch: int) -> list[torch.Tensor]:
+        d = self.dims
+        widths = [d.hidden, d.hidden, d.hidden, (d.heads + 2 * d.kv_heads) * d.head_dim, d.heads * d.head_dim,
+                  d.kv_heads * d.head_dim, d.heads * d.head_dim, 2 * d.inter, d.inter, d.hidden]
+        return [torch.empty(batch, w, dtype=self.dtype) for w in widths]
+
+
+def _packed(layer: Any) -> _Packed:
+    p = layer.packed[0]
+    bias = layer.packed_bias[0]
+    n, k = p.shape
+    return _Packed(p.qweight.data_ptr(), p.scales.data_ptr(), 0 if p.mins is None else p.mins.data_ptr(),
+                   0 if bias is None else bias.data_ptr(), n, k, p.group_size, int(p.layout == "q8g"))
+
+
+def supports_model(model: torch.nn.Module) -> bool:
+    """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (one per
+    projection) with float activations, loom's fused ops, cpu_paged attention, float32 or bfloat16."""
+    from loom.attention.cpu_paged import CpuPagedBackend
+    from loom.quant.methods import PackedLinearMethod
+
+    if model.norm.weight.dtype not in _DTYPE_FLAGS or model.norm.weight.device.type != "cpu":
+        return False
+    for layer in model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if not isinstance(a.attn.backend, CpuPagedBackend) or a.kernels is None or m.kernels is None \
+                or layer.input_layernorm.kernels is None or a.attn.backend.decode_kernel is None:
+            return False
+        if not a.attn.backend.float32_kernels and model.norm.weight.dtype == torch.float32:
+            return False
+        for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+            method = getattr(lin, "quant_method", None)
+            if not isinstance(method, PackedLinearMethod) or method.scheme.activations != "float" \
+                    or lin.dense_weight is not None or len(lin.packed) != 1:
+                return False
+    return True

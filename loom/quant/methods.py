@@ -1,0 +1,208 @@
+"""Quantized linear methods: packed weights in loom's layouts run by loom's kernels (loom/kernels/quant.py),
+and FP8 storage.
+
+`PackedLinearMethod` serves four schemes, which differ only in where the packed weight comes from and in
+how activations enter the kernel:
+
+| scheme | weights                                   | activations                                      |
+|--------|-------------------------------------------|--------------------------------------------------|
+| gguf   | the file's own blocks, repacked exactly   | float, codes widened in registers (see below)    |
+| w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | float (bf16 / fp32), codes widened in registers  |
+| w8a16  | RTN int8 symmetric groups of 32 (q8g)     | float                                            |
+| w8a8   | RTN int8 symmetric per output channel     | int8, one dynamic scale per token (SmoothQuant's |
+|        |                                           | W8A8 without smoothing), int32 sums per block    |
+
+gguf keeps float activations: int8 activations per block of 32 (llama.cpp's Q8_0/Q8_1 pairing) ran no faster
+on AVX2 and agreed with the float32 top-1 token on only 92% of held-out positions (100% with float ones;
+benchmarks/NOTES.md, "Quantized kernels"). Activations are quantized once per layer input: q/k/v and gate/up are stacked into one layer, so one call
+serves them all, and a stacked layer whose shards came in different layouts shares that one quantization.
+Above `dense_min_rows` rows (prefill, large batches) a matmul is compute-bound, and the weight is
+dequantized (in C) and multiplied by torch's GEMM instead (benchmarks/NOTES.md, "Quantized kernels").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.kernels.registry import get_kernel
+from loom.model.layers.linear import Linear, copy_rows
+from loom.quant.layout import PackedWeight, dequantize
+from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8
+from loom.quant.torch_kernels import TorchQuantKernels
+
+# Rows above which dequantize + torch GEMM beats the packed kernels (measured, benchmarks/NOTES.md).
+DENSE_MIN_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PackedScheme:
+    """How one quantization method packs weights and feeds activations."""
+
+    name: str  # "gguf", "w4a16", "w8a16", "w8a8"
+    activations: str  # "q8_block" (int8 per 32), "q8_token" (int8 per token) or "float"
+    prepacked: bool  # the checkpoint delivers PackedWeight (GGUF); else dense weights quantized at load
+
+
+SCHEMES = {
+    "gguf": PackedScheme("gguf", "float", True),
+    "w4a16": PackedScheme("w4a16", "float", False),
+    "w8a16": PackedScheme("w8a16", "float", False),
+    "w8a8": PackedScheme("w8a8", "q8_token", False),
+}
+
+
+def quant_kernels(device: torch.device) -> Any:
+    """loom's C kernels for packed weights on this CPU (best ISA), else the torch implementation (any device,
+    a CPU without a compiler, CUDA)."""
+    if device.type == "cpu":
+        kernel = get_kernel("qgemm")
+        if kernel is not None:
+            return kernel
+    return TorchQuantKernels()
+
+
+def quantize_for_scheme(scheme: str, weight: torch.Tensor) -> PackedWeight:
+    """Dense weight [N, K] -> the packed form of `scheme` (RTN, loom/quant/rtn.py)."""
+    if scheme == "w4a16":
+        return quantize_q4g32(weight)
+    if scheme == "w8a16":
+        return quantize_q8(weight, 32)
+    if scheme == "w8a8":
+        return quantize_q8(weight, weight.shape[1])
+    raise ValueError(f"scheme {scheme!r} does not quantize dense weights")
+
+
+class PackedLinearMethod:
+    """Weights in loom's packed layouts (loom/quant/layout.py), multiplied by loom's kernels."""
+
+    def __init__(self, scheme: str, source_label: str = "", dense_min_rows: int = DENSE_MIN_ROWS) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown packed scheme {scheme!r}; known: {sorted(SCHEMES)}")
+        self.scheme = SCHEMES[scheme]
+        self.source_label = source_label  # e.g. "GGUF Q4_1", for the start-up report
+        self.dense_min_rows = dense_min_rows  # rows from which dequantize + torch GEMM runs instead
+        self.kernels: Any = None  # QuantKernels or TorchQuantKernels, set after loading
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        rows = sum(output_sizes)
+        layer.bias = (nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False)
+                      if bias else None)
+        if bias:
+            layer.weight_loaders["bias"] = lambda t, shard: copy_rows(layer, layer.bias, t, shard)
+        if self.scheme.prepacked:
+            # one slot per shard: a PackedWeight, or a dense tensor for a shard the file keeps unquantized
+            layer.packed_shards = [None] * len(output_sizes)
+            layer.weight_loaders["weight"] = lambda t, shard: self._store_shard(layer, t, shard)
+        else:  # a dense checkpoint: stage it, quantize after loading
+            layer.weight = nn.Parameter(torch.empty(rows, input_size, dtype=dtype, device=device),
+                                        requires_grad=False)
+            layer.weight_loaders["weight"] = lambda t, shard: copy_rows(layer, layer.weight, t, shard)
+        layer.packed = []  # run-time form: PackedWeights covering the rows in order
+        layer.packed_bias = []  # float32 bias slice per PackedWeight, or None
+        layer.dense_weight = None  # set instead when a stacked layer mixes packed and dense shards
+
+    @staticmethod
+    def _store_shard(layer: Linear, tensor: Any, shard: int | None) -> None:
+        index = 0 if shard is None else shard
+        rows = layer.output_sizes[index] if shard is not None else layer.output_size
+        shape = tensor.shape if isinstance(tensor, PackedWeight) else tuple(tensor.shape)
+        if tuple(shape) != (rows, layer.input_size):
+            raise ValueError(f"checkpoint tensor shape {tuple(shape)} != parameter shape {(rows, layer.input_size)}")
+        layer.packed_shards[index] = tensor
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        device = layer.bias.device if layer.bias is not None else None
+        if self.scheme.prepacked:
+            shards = layer.packed_shards
+            if any(s is None for s in shards):
+                raise ValueError(f"{layer.prefix}: checkpoint lacks a shard of this layer")
+            if not all(isinstance(s, PackedWeight) for s in shards):
+                # a shard the file keeps in float: the whole stacked layer runs dense
+                dense = [dequantize(s) if isinstance(s, PackedWeight) else s.float() for s in shards]
+                layer.dense_weight = torch.cat(dense).to(layer.dtype)
+                layer.packed_shards = []
+                return
+            packed = list(shards)
+            layer.packed_shards = []
+        else:
+            packed = [quantize_for_scheme(self.scheme.name, layer.weight.data)]
+            layer.weight = None  # the dense staging copy is dropped (a tied embedding keeps its own)
+        device = device or packed[0].qweight.device
+        layer.packed = _merge_if_uniform(packed)
+        bias = layer.bias.data.float() if layer.bias is not None else None
+        layer.packed_bias, start = [], 0
+        for p in layer.packed:
+            rows = p.shape[0]
+            layer.packed_bias.append(None if bias is None else bias[start : start + rows].contiguous())
+            start += rows
+        self.kernels = quant_kernels(device)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.dense_weight is not None:
+            return F.linear(x, layer.dense_weight, layer.bias)
+        kernels = self.kernels
+        if x.shape[0] > self.dense_min_rows:
+            outs = [F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
+                    for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+        elif self.scheme.activations == "float":
+            outs = [kernels.gemm_f(x, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+        else:
+            xa = kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")
+            outs = [kernels.gemm_q8(xa, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def weight_format(self, layer: Linear) -> tuple[str, int]:
+        if layer.dense_weight is not None:
+            return f"{layer.dense_weight.dtype}".removeprefix("torch."), layer.dense_weight.nbytes
+        layouts = "+".join(sorted({f"{p.layout}" + (f"/{p.group_size}" if p.layout == "q8g" else "")
+                                   for p in layer.packed}))
+        label = f"{self.scheme.name} {layouts}" + (f" ({self.source_label})" if self.source_label else "")
+        return label, sum(p.nbytes for p in layer.packed)
+
+
+def _merge_if_uniform(packed: list[PackedWeight]) -> list[PackedWeight]:
+    """Stack shards into one PackedWeight when they share layout, group size and the presence of mins."""
+    first = packed[0]
+    if len(packed) == 1 or any(p.layout != first.layout or p.group_size != first.group_size
+                               or (p.mins is None) != (first.mins is None) for p in packed):
+        return packed
+    return [PackedWeight(first.layout, torch.cat([p.qweight for p in packed]).contiguous(),
+                         torch.cat([p.scales for p in packed]).contiguous(),
+                         None if first.mins is None else torch.cat([p.mins for p in packed]).contiguous(),
+                         first.group_size)]
+
+
+class Fp8LinearMethod:
+    """FP8 (e4m3) weight storage with a float32 scale per output channel (quantized at load from a dense
+    checkpoint). The matmul dequantizes to the activation dtype and runs torch's GEMM (any device): half the
+    memory of bf16, but no CPU kernel reads fp8 yet, so no decode speed-up on the CPU (stated in
+    docs/quantization.md)."""
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        rows = sum(output_sizes)
+        layer.weight = nn.Parameter(torch.empty(rows, input_size, dtype=dtype, device=device), requires_grad=False)
+        layer.bias = (nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False)
+                      if bias else None)
+        layer.weight_loaders["weight"] = lambda t, shard: copy_rows(layer, layer.weight, t, shard)
+        if bias:
+            layer.weight_loaders["bias"] = lambda t, shard: copy_rows(layer, layer.bias, t, shard)
+        layer.fp8_weight = None  # float8_e4m3fn [N, K]
+        layer.fp8_scale = None  # float32 [N, 1]
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.fp8_weight, layer.fp8_scale = quantize_fp8_e4m3(layer.weight.data)
+        layer.weight = None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        w = (layer.fp8_weight.to(torch.float32) * layer.fp8_scale).to(x.dtype)
+        return F.linear(x, w, layer.bias)
+
+    def weight_format(self, layer: Linear) -> tuple[str, int]:
+        return "fp8_e4m3", layer.fp8_weight.numel() + layer.fp8_scale.numel() * 4

@@ -1,0 +1,115 @@
+"""The packed-weight kernels in plain torch: the portable fallback (a CPU without a compiler, ARM, CUDA) and
+the reference loom's C kernels (loom/kernels/quant.py, csrc/qgemm.c) are tested against.
+
+Same four methods and the same definitions as the C code (qgemm.c's header): activation quantization
+with the same rounding (torch.round is round-half-even, as the C code's conversion under the default
+rounding mode), so codes and scales are equal bit for bit; `gemm_q8` as one float32 matmul of the
+dequantized activations (xq * xs) by the dequantized symmetric part of the weight (scales * codes), plus
+the mins' term from the activation group sums exactly as the C code defines them; `gemm_f` as
+layout.dequantize then F.linear in float32; `dequantize` is layout.dequantize. Runs on the device of its
+inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loom.kernels.quant import QuantizedActivations, check_activations
+from loom.quant.layout import PackedWeight, dequantize, unpack_codes
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float16 too: CUDA models may run in it
+
+
+def group_sums(xa: QuantizedActivations, group_size: int) -> torch.Tensor:
+    """gs [M, K // group_size] float32: the activation sum each weight group's min multiplies (qgemm.c, item
+    2): xsum for groups of 32, the float sum of the group's xsum blocks for larger groups, and for groups
+    of 16 (half a block) the sum of the dequantized activations xs * sum(xq) of the half."""
+    m, k = xa.xq.shape
+    if group_size == 32:
+        return xa.xsum
+    if group_size == 16:
+        halves = xa.xq.view(m, k // 16, 16).to(torch.int32).sum(-1).float()
+        return xa.xs.repeat_interleave(2, dim=1) * halves
+    return xa.xsum.view(m, k // group_size, group_size // 32).sum(-1)
+
+
+class TorchQuantKernels:
+    """loom's packed-weight kernels in torch (any device); `isa` is "torch"."""
+
+    isa = "torch"
+
+    def quantize_activations(self, x: torch.Tensor, per_token: bool = False) -> QuantizedActivations:
+        """x [M, K] (K % 32 == 0) -> int8 codes per block of 32: s = max|x| / 127 (per_token: over the
+        row), q = round(x / s) clamped to [-127, 127], q = 0 where s == 0; xsum the block sums of x.
+
+        Raises:
+            ValueError: x not a 2-D floating tensor with K % 32 == 0.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+            raise ValueError("x must be a 2-D float32 / bfloat16 / float16 tensor [M, K]")
+        m, k = x.shape
+        if k % 32:
+            raise ValueError(f"K={k} must be a multiple of 32")
+        blocks = x.float().reshape(m, k // 32, 32)
+        amax = blocks.abs().amax(-1) if k else blocks.new_zeros(m, 0)
+        if per_token and k:
+            amax = amax.amax(-1, keepdim=True).expand(m, k // 32)
+        xs = (amax / 127).contiguous()
+        s = xs.unsqueeze(-1)
+        q = torch.where(s > 0, torch.round(blocks / s).clamp(-127, 127), 0.0)
+        return QuantizedActivations(q.to(torch.int8).reshape(m, k), xs, blocks.sum(-1))
+
+    def gemm_q8(self, xa: QuantizedActivations, w: PackedWeight, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """y [M, N] = xa W^T (+ bias) in float32, cast to `out_dtype`.
+
+        Raises:
+            ValueError: mismatched shapes or wrong dtypes.
+        """
+        m, k = check_activations(xa)
+        n = _check(w, k, bias, out_dtype)
+        xd = (xa.xq.float().view(m, k // 32, 32) * xa.xs.unsqueeze(-1)).view(m, k)
+        g = w.group_size
+        wd = (unpack_codes(w).float().view(n, k // g, g) * w.scales.float().unsqueeze(-1)).view(n, k)
+        y = xd @ wd.T
+        if w.mins is not None:
+            y = y + group_sums(xa, g) @ w.mins.float().T
+        if bias is not None:
+            y = y + bias
+        return y.to(out_dtype)
+
+    def gemm_f(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """y [M, N] = x dequantize(w)^T (+ bias) in float32, cast to `out_dtype`.
+
+        Raises:
+            ValueError: mismatched shapes or wrong dtypes.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+            raise ValueError("x must be a 2-D float32 / bfloat16 / float16 tensor [M, K]")
+        _check(w, x.shape[1], bias, out_dtype)
+        return F.linear(x.float(), dequantize(w, torch.float32), bias).to(out_dtype)
+
+    def dequantize(self, w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [N, K] in `dtype`: layout.dequantize."""
+        if not isinstance(w, PackedWeight):
+            raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dequantize(w, dtype)
+
+
+def _check(w: PackedWeight, k: int, bias: torch.Tensor | None, out_dtype: torch.dtype) -> int:
+    if not isinstance(w, PackedWeight):
+        raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
+    n, wk = w.shape
+    if wk != k:
+        raise ValueError(f"activations have K={k} but the weight is [{n}, {wk}]")
+    if k % 32:
+        raise ValueError(f"K={k} must be a multiple of 32")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
+        raise ValueError(f"bias must be float32 [{n}] or None")
+    if out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    return n

@@ -1,0 +1,83 @@
+"""loom's one-call C decode step (loom/kernels/decode_step.py) against the per-layer path on the real model:
+the same kernels in the same order, so hidden states and the KV rows it writes are equal bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.attention import build_attention_metadata
+from loom.kernels.registry import get_kernel, kernel_isas
+from loom.model.loader import load_model
+from loom.worker.kv_cache import allocate_kv_caches
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def packed_model():
+    loaded = load_model(None, torch.float32, CPU, quantization="gguf")
+    if loaded.model.model.decode_step is None:
+        pytest.skip("the decode step does not build here (no compiler)")
+    return loaded
+
+
+def _prefill(model, arch, prompts, block_size=16):
+    caches = allocate_kv_caches(arch, 32, block_size, torch.float32, CPU)
+    tables = [[3 + 7 * i + j for j in range(4)] for i in range(len(prompts))]  # scattered, disjoint blocks
+    for prompt, table in zip(prompts, tables):
+        meta = build_attention_metadata([len(prompt)], [len(prompt)], [table], block_size, CPU)
+        model(torch.tensor(prompt), torch.arange(len(prompt)), caches, meta)
+    return caches, tables
+
+
+@pytest.mark.parametrize("isa", kernel_isas("decode_step"))
+def test_decode_step_equals_the_per_layer_path(packed_model, isa: str) -> None:
+    from loom.kernels.decode_step import ModelDecodeStep
+
+    model, arch = packed_model.model, packed_model.arch
+    inner = model.model
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17]
+    with torch.inference_mode():
+        caches, tables = _prefill(model, arch, prompts)
+        lens = [len(p) + 1 for p in prompts]
+        meta = build_attention_metadata([1, 1, 1], lens, tables, 16, CPU)
+        ids, pos = torch.tensor([42, 43, 44]), torch.tensor([n - 1 for n in lens])
+        saved = [c.clone() for c in caches]
+        inner.decode_step = None
+        per_layer = model(ids, pos, caches, meta)
+        per_layer_caches = [c.clone() for c in caches]
+        for c, s in zip(caches, saved):
+            c.copy_(s)
+        inner.decode_step = step
+        try:
+            one_call = model(ids, pos, caches, meta)
+        finally:
+            inner.prepare_decode_step()
+    if isa == kernel_isas("decode_step")[0]:  # the per-layer path runs the best ISA's kernels too
+        assert torch.equal(one_call, per_layer)
+        assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
+    else:  # another ISA's kernels sum in another order: float32 rounding apart
+        assert torch.allclose(one_call, per_layer, rtol=1e-4, atol=1e-4), (one_call - per_layer).abs().max()
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(caches, per_layer_caches))
+
+
+def test_decode_step_declines_what_it_does_not_serve(packed_model) -> None:
+    inner = packed_model.model.model
+    step = inner.decode_step
+    caches = allocate_kv_caches(packed_model.arch, 8, 16, torch.float32, CPU)
+    hidden = torch.zeros(2, 576)
+    cos_sin = inner.rotary_emb.cos_sin(torch.tensor([3, 4]))
+    prefill = build_attention_metadata([2], [2], [[0]], 16, CPU)  # one request of two tokens
+    assert step.run(hidden, cos_sin, caches, prefill) is None
+    decode = build_attention_metadata([1, 1], [4, 5], [[0], [1]], 16, CPU)
+    assert step.run(hidden.bfloat16(), cos_sin, caches, decode) is None  # dtype of the model only
+    big = build_attention_metadata([1] * 17, [2] * 17, [[i % 8] for i in range(17)], 16, CPU)
+    assert step.run(torch.zeros(17, 576), inner.rotary_emb.cos_sin(torch.ones(17, dtype=torch.int64)), caches,
+                    big) is None  # more rows than it takes
+
+
+def test_the_oracle_path_never_takes_the_decode_step() -> None:
+    loaded = load_model(None, torch.float32, CPU, quantization="none")
+    assert loaded.model.model.decode_step is None

@@ -1,0 +1,308 @@
+"""loom's portable CPU kernels (loom/kernels/csrc/paged_decode.c, fused_ops.c, gemv_w16.c; bindings in
+loom/kernels/cpu_generic.py), every ISA variant this CPU runs (avx2 and generic on an x86 CPU with AVX2,
+generic anywhere): numerics against float64 references and torch, validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.kernels.registry import get_kernel, kernel_isas
+
+from tests.kernels.test_cpu_kernels import bf16_ulp, reference_decode
+
+# torch's own vectorized CPU kernels (8 or 16 float lanes) are what the fused float32 ops reproduce bit for bit
+TORCH_X86 = torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512"))
+
+
+def kernel_or_skip(name: str, isa: str):
+    kernel = get_kernel(name, isa=isa)
+    if kernel is None:
+        pytest.skip(f"{name} ({isa}) does not build here (no C compiler?)")
+    assert kernel.isa == isa
+    return kernel
+
+
+def f32_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of float32 numbers around |x| (24 significand bits; normal numbers)."""
+    exp = torch.floor(torch.log2(x.double().abs().clamp_min(2.0 ** -126)))
+    return torch.pow(2.0, exp - 23)
+
+
+def test_the_generic_variants_are_listed_for_every_cpu() -> None:
+    for name in ("paged_decode", "fused_ops", "gemv_w16"):
+        isas = kernel_isas(name)
+        assert isas[-1] == "generic"
+
+
+# ---------------------------------------------------------------- paged decode
+
+@pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (2, 1, 256), (5, 1, 40),
+                                                (12, 3, 24)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_matches_float64_attention(isa: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                                                window: int | None) -> None:
+    paged = kernel_or_skip("paged_decode", isa)
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    block_size, num_blocks = 4, 64
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    seq_lens = torch.tensor([1, 3, 4, 5, 17, 33, 150], dtype=torch.int64)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=g)[:40] for _ in seq_lens])  # int64
+    q = (torch.randn(len(seq_lens), heads, dim, generator=g) * 2).to(dtype)
+    scale = dim ** -0.5
+    assert paged.supports(q, kv_cache)
+    ref = reference_decode(q, kv_cache, block_table, seq_lens, scale, window)
+    for threads in (1, 2):
+        out = paged(q, kv_cache, block_table, seq_lens, scale, window, num_threads=threads)
+        assert out.dtype == dtype and out.shape == q.shape
+        if dtype == torch.float32:  # float32 sums of a few hundred terms
+            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=2e-6), (out.double() - ref).abs().max()
+        else:  # float32 arithmetic, one bf16 rounding of the output
+            assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=1e-3), (out.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 300])
+def test_paged_decode_splits_long_contexts_over_threads(isa: str, dtype: torch.dtype, window: int | None) -> None:
+    """Few requests, long contexts: each request's keys are split into ranges merged afterwards (one range of
+    the short request is empty)."""
+    paged = kernel_or_skip("paged_decode", isa)
+    g = torch.Generator().manual_seed(7)
+    block_size, num_blocks = 16, 160
+    kv_cache = torch.randn(2, num_blocks, block_size, 3, 64, generator=g).to(dtype)
+    seq_lens = torch.tensor([1000, 3], dtype=torch.int64)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=g)[:63] for _ in seq_lens])
+    q = (torch.randn(2, 9, 64, generator=g) * 3).to(dtype)
+    ref = reference_decode(q, kv_cache, block_table, seq_lens, 0.125, window)
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    for threads in (1, 2):
+        out = paged(q, kv_cache, block_table, seq_lens, 0.125, window, num_threads=threads)
+        assert torch.allclose(out.double(), ref, **tol), (threads, (out.double() - ref).abs().max())
+        single = paged(q[:1], kv_cache, block_table[:1], seq_lens[:1], 0.125, window, num_threads=threads)
+        assert torch.allclose(single.double(), ref[:1], **tol)
+
+
+def test_generic_paged_decode_takes_any_head_dim() -> None:
+    paged = kernel_or_skip("paged_decode", "generic")
+    for heads, kv_heads, dim in ((3, 1, 12), (2, 2, 7)):
+        kv_cache = torch.randn(2, 10, 4, kv_heads, dim)
+        table = torch.randperm(10)[None, :6].repeat(2, 1)
+        seq_lens = torch.tensor([6, 21], dtype=torch.int64)
+        q = torch.randn(2, heads, dim)
+        out = paged(q, kv_cache, table, seq_lens, 0.3, None)
+        assert torch.allclose(out.double(), reference_decode(q, kv_cache, table, seq_lens, 0.3, None), atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
+def test_paged_decode_reads_through_a_strided_block_table(isa: str) -> None:
+    paged = kernel_or_skip("paged_decode", isa)
+    for dtype in (torch.float32, torch.bfloat16):
+        kv_cache = torch.randn(2, 8, 4, 1, 32).to(dtype)
+        table = torch.arange(16, dtype=torch.int64).remainder(8).reshape(2, 8)[:, :3]  # row stride 8
+        seq_lens = torch.tensor([9, 12], dtype=torch.int64)
+        q = torch.randn(2, 2, 32).to(dtype)
+        out = paged(q, kv_cache, table, seq_lens, 0.2)
+        assert torch.allclose(out.double(), reference_decode(q, kv_cache, table, seq_lens, 0.2, None), atol=1e-2)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
+def test_paged_decode_refuses_what_it_cannot_serve(isa: str) -> None:
+    paged = kernel_or_skip("paged_decode", isa)
+    kv = torch.randn(2, 4, 4, 2, 64)
+    table = torch.zeros(1, 2, dtype=torch.int64)
+    assert paged.supports(torch.randn(1, 4, 64), kv) and paged.supports(torch.randn(1, 4, 64).bfloat16(), kv.bfloat16())
+    assert not paged.supports(torch.randn(1, 4, 64).bfloat16(), kv)  # dtypes differ
+    assert not paged.supports(torch.randn(1, 4, 64).half(), kv.half())  # float16
+    assert not paged.supports(torch.randn(1, 3, 64), kv)  # 3 heads over 2 KV heads
+    assert not paged.supports(torch.randn(1, 4, 32), kv)  # head_dim differs
+    assert not paged.supports(torch.randn(1, 4, 64), kv.transpose(1, 2))  # not contiguous
+    if isa != "generic":
+        assert not paged.supports(torch.randn(1, 2, 12), torch.randn(2, 4, 4, 2, 12))  # 12 % 8
+        assert not paged.supports(torch.randn(1, 2, 264), torch.randn(2, 4, 4, 2, 264))  # > 256
+    with pytest.raises(ValueError, match="does not take"):
+        paged(torch.randn(1, 4, 64).bfloat16(), kv, table, torch.tensor([3]), 0.1)
+    with pytest.raises(ValueError, match="int64"):
+        paged(torch.randn(1, 4, 64), kv, table.int(), torch.tensor([3]), 0.1)
+    with pytest.raises(ValueError, match="int64"):
+        paged(torch.randn(1, 4, 64), kv, table, torch.tensor([3, 3]), 0.1)
+    with pytest.raises(ValueError, match=">= 1"):
+        paged(torch.randn(1, 4, 64), kv, table, torch.tensor([0]), 0.1)
+    assert paged(torch.empty(0, 4, 64), kv, table[:0], torch.empty(0, dtype=torch.int64), 0.1).shape == (0, 4, 64)
+
+
+# ---------------------------------------------------------------- fused ops
+
+def torch_add_rmsnorm(x, res, w, eps):
+    """loom.model.layers.norm.RMSNorm's torch code: (normed, x + res)."""
+    total = x + res if res is not None else x
+    if x.dtype == torch.float32:
+        return F.rms_norm(total, (x.shape[-1],), w, eps), total
+    return w * F.rms_norm(total.float(), (x.shape[-1],), None, eps).to(x.dtype), total
+
+
+@pytest.mark.parametrize("isa", kernel_isas("fused_ops"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (70, 100), (2, 17), (4, 5), (1, 3000), (2, 9)])
+def test_add_rmsnorm_matches_torch(isa: str, dtype: torch.dtype, rows: int, hidden: int) -> None:
+    fused = kernel_or_skip("fused_ops", isa)
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    res = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
+    for residual in (res, None):
+        out, total = fused.add_rmsnorm(x, residual, w, 1e-5)
+        ref, ref_total = torch_add_rmsnorm(x, residual, w, 1e-5)
+        assert out.dtype == dtype and out.shape == x.shape
+        if residual is None:
+            assert total is None
+        else:
+            assert torch.equal(total, ref_total)  # the residual sum rounds exactly like torch's add
+        if TORCH_X86:  # the sum of squares added in torch's order: equal bit for bit
+            assert torch.equal(out, ref)
+        elif dtype == torch.float32:
+            assert torch.all((out.double() - ref.double()).abs() <= 4 * f32_ulp(ref))
+        else:
+            assert torch.all((out.float() - ref.float()).abs() <= bf16_ulp(ref.float()) + 1e-6)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("fused_ops"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (4, 40), (65, 96), (3, 7), (2, 1000), (57, 3350)])
+def test_silu_mul_matches_torch(isa: str, dtype: torch.dtype, rows: int, inter: int) -> None:
+    """(57, 3350): torch splits the 190950 elements over its threads in the middle of row 28."""
+    fused = kernel_or_skip("fused_ops", isa)
+    g = torch.Generator().manual_seed(rows * inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    old = torch.get_num_threads()
+    try:
+        for threads in {1, old}:
+            torch.set_num_threads(threads)
+            ref = F.silu(gate).mul_(up)
+            out = fused.silu_mul(gate_up)
+            assert out.dtype == dtype and out.shape == (rows, inter)
+            if isa != "generic" and TORCH_X86:  # SLEEF's expf over torch's vector/scalar split: bit for bit
+                assert torch.equal(out, ref)
+            elif dtype == torch.float32:  # libm's expf against SLEEF's: within an ulp or two
+                assert torch.all((out.double() - ref.double()).abs() <= 4 * f32_ulp(ref) + 1e-30)
+            else:
+                assert torch.all((out.float() - ref.float()).abs() <= bf16_ulp(ref.float()) + 1e-6)
+                assert (out != ref).float().mean() < 0.02
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("fused_ops"))
+def test_fused_ops_follow_torchs_16_lane_order_where_torch_runs_avx512(isa: str, monkeypatch) -> None:
+    """The order of torch's AVX-512 kernels (16 float lanes; what `_lanes` is on such a CPU): checked against
+    torch there; here, where torch's kernels are 8 lanes wide, within a few ulps."""
+    fused = kernel_or_skip("fused_ops", isa)
+    monkeypatch.setattr(fused, "_lanes", 16)
+    g = torch.Generator().manual_seed(3)
+    for rows, hidden in ((1, 576), (3, 1000), (2, 15), (1, 20000)):
+        x = torch.randn(rows, hidden, generator=g) * 3
+        w = torch.randn(hidden, generator=g)
+        out, _ = fused.add_rmsnorm(x, None, w, 1e-5)
+        ref = F.rms_norm(x, (hidden,), w, 1e-5)
+        assert torch.all((out.double() - ref.double()).abs() <= 4 * f32_ulp(ref))
+        gate_up = torch.randn(rows, 2 * hidden, generator=g) * 4
+        gate, up = gate_up.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        assert torch.all((fused.silu_mul(gate_up).double() - ref.double()).abs() <= 4 * f32_ulp(ref) + 1e-30)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("fused_ops"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 32, 128, 6])
+def test_rotary_equals_apply_rotary_bit_for_bit(isa: str, dtype: torch.dtype, dim: int) -> None:
+    from loom.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+    fused = kernel_or_skip("fused_ops", isa)
+    rope = RotaryEmbedding(dim, 256, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 200, 3])
+    cos, sin = rope.cos_sin(positions)
+    qkv = torch.randn(5, (9 + 3 + 3) * dim).to(dtype)
+    x = qkv[:, : 12 * dim].view(5, 12, dim)  # strided rows, as in LlamaAttention
+    out = fused.rotary(x, cos, sin)
+    assert out is not None and out.dtype == dtype
+    assert torch.equal(out, apply_rotary(x.contiguous(), cos, sin))
+
+
+@pytest.mark.parametrize("isa", kernel_isas("fused_ops"))
+def test_fused_ops_decline_what_they_do_not_take(isa: str) -> None:
+    fused = kernel_or_skip("fused_ops", isa)
+    x = torch.randn(2, 8)
+    assert fused.add_rmsnorm(x, None, torch.randn(8).bfloat16(), 1e-5) is None  # mixed dtypes
+    assert fused.add_rmsnorm(x.half(), None, torch.randn(8).half(), 1e-5) is None  # float16
+    assert fused.add_rmsnorm(x, None, torch.randn(7), 1e-5) is None  # weight shape
+    assert fused.add_rmsnorm(x, torch.randn(2, 8).bfloat16(), torch.randn(8), 1e-5) is None  # residual dtype
+    assert fused.add_rmsnorm(torch.randn(8, 2).T, None, torch.randn(8), 1e-5) is None  # not contiguous
+    assert fused.silu_mul(torch.randn(2, 7)) is None  # odd width
+    assert fused.silu_mul(torch.randn(2, 8).half()) is None
+    assert fused.rotary(torch.randn(2, 3, 5), torch.randn(2, 1, 5), torch.randn(2, 1, 5)) is None  # odd dim
+    assert fused.rotary(torch.randn(2, 3, 8), torch.randn(2, 1, 8).double(), torch.randn(2, 1, 8)) is None
+    assert fused.rotary(torch.randn(2, 8, 3).transpose(1, 2), torch.randn(2, 1, 3), torch.randn(2, 1, 3)) is None
+    assert fused.rotary(torch.randn(2, 3, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8)) is None  # table rows
+    out, total = fused.add_rmsnorm(torch.empty(0, 8), torch.empty(0, 8), torch.randn(8), 1e-5)
+    assert out.shape == total.shape == (0, 8)
+
+
+# ---------------------------------------------------------------- gemv with bf16 weights
+
+@pytest.mark.parametrize("isa", kernel_isas("gemv_w16"))
+@pytest.mark.parametrize("m", range(1, 10))
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 31), (4, 32), (5, 33), (577, 576), (130, 1536), (7, 100), (9, 47)])
+def test_gemv_w16_matches_float64_reference(isa: str, m: int, n: int, k: int) -> None:
+    gemv = kernel_or_skip("gemv_w16", isa)
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    for b in (None, torch.randn(n, generator=g)):
+        ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+        y = gemv(x, w, b)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        # float32 sums of k exact products (bf16 x float32 fits a float32 FMA exactly): within k eps32 sum|x w|
+        bound = k * 2.0 ** -23 * ((x.double().abs() @ w.double().abs().T) + (b.double().abs() if b is not None else 0))
+        assert torch.all((y.double() - ref).abs() <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("gemv_w16"))
+def test_gemv_w16_takes_strided_rows_and_the_thread_count(isa: str) -> None:
+    gemv = kernel_or_skip("gemv_w16", isa)
+    x = torch.randn(6, 200)[:, :150]  # row stride 200
+    w = torch.randn(70, 150).bfloat16()
+    ref = x.double() @ w.double().T
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.allclose(gemv(x, w).double(), ref, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("gemv_w16"))
+def test_gemv_w16_rejects_what_it_cannot_read(isa: str) -> None:
+    gemv = kernel_or_skip("gemv_w16", isa)
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(ValueError, match="multiply"):
+        gemv(torch.randn(2, 15), w)
+    with pytest.raises(ValueError, match="float32 x and bfloat16 weight"):
+        gemv(torch.randn(2, 16).bfloat16(), w)
+    with pytest.raises(ValueError, match="float32 x and bfloat16 weight"):
+        gemv(torch.randn(2, 16), w.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(torch.randn(2, 16), torch.randn(16, 8).bfloat16().T)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(torch.randn(2, 16), w, torch.randn(7))
+    with pytest.raises(ValueError, match="bias"):
+        gemv(torch.randn(2, 16), w, torch.randn(8).bfloat16())
+    with pytest.raises(ValueError, match="unit column stride"):
+        gemv(torch.randn(16, 2).T, w)
+    assert gemv(torch.empty(0, 16), w).shape == (0, 8)
+    assert torch.equal(gemv(torch.empty(3, 0), torch.empty(4, 0, dtype=torch.bfloat16), torch.ones(4)),
+                       torch.ones(3, 4))
