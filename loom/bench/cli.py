@@ -22,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lat.add_argument("--output-len", type=int, default=128, help="generated tokens, ignore_eos (default: %(default)s)")
     lat.add_argument("--num-warmup", type=int, default=1, help="untimed runs (default: %(default)s)")
     lat.add_argument("--num-runs", type=int, default=5, help="timed runs (default: %(default)s)")
+    lat.add_argument("--bandwidth-gbs", type=float, default=None,
+                     help="memory read bandwidth (GB/s) for the weight-read floor of a decode step (loom analyze "
+                          "probes it); printed beside loom's TPOT")
     _add_backend_args(lat)
     _add_output_args(lat)
     add_engine_args(lat)
@@ -58,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from loom.bench.prefix import register_prefix  # light: no torch at import
 
     register_prefix(bench_sub)
+    from loom.bench.cli_quality import register_quality  # light: no torch at import
+
+    register_quality(bench_sub)
 
     ana = subparsers.add_parser("analyze", help="roofline floors of a model on this machine (compute the floor first)")
     _add_analyze_args(ana)
@@ -96,9 +102,10 @@ def _add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int) -> N
 def _add_analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2-135M)")
     p.add_argument("--dtype", default="auto",
-                   help="weight dtype: auto (what the engine runs: bfloat16 where the CPU multiplies it natively, "
-                        "else float32), float32, bfloat16, float16, int8, q8_0, q4_1, q4_0, or 'stored' "
-                        "(the GGUF's own bytes) (default: %(default)s)")
+                   help="weight dtype: auto (what the engine runs: 'packed' for a GGUF file, else bfloat16 where "
+                        "the CPU multiplies it natively, else float32), float32, bfloat16, float16, int8, q8_0, "
+                        "q4_1, q4_0, 'packed' (loom's layouts for the GGUF file's types, what quantization gguf "
+                        "reads) or 'stored' (the GGUF's own bytes) (default: %(default)s)")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the compute dtype)")
     p.add_argument("--compute-dtype", default=None,
                    help="matmul dtype of the FLOP/s probe (default: --dtype if a float type, else float32)")

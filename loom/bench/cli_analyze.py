@@ -28,18 +28,22 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
     """
     from loom.bench.probe import DTYPES, MachineSpec, probe_machine
 
-    if ns.dtype == "auto":
-        ns.dtype = _engine_dtype()
+    arch = load_model_arch(ns.model)
+    if ns.dtype == "auto":  # what the engine runs: a GGUF file packed (quantization gguf), else its dtype
+        ns.dtype = "packed" if arch.packed_decode_bytes is not None else _engine_dtype()
     compute = ns.compute_dtype or (ns.dtype if ns.dtype in FLOAT_DTYPES else "float32")
     if compute not in DTYPES:
         raise ValueError(f"--compute-dtype must be one of {tuple(DTYPES)}, got {compute!r}")
     kv = ns.kv_dtype or compute
     if kv not in BYTES_PER_KV_ELEMENT:
         raise ValueError(f"--kv-dtype must be one of {tuple(BYTES_PER_KV_ELEMENT)}, got {kv!r}")
-    if ns.dtype != "stored" and ns.dtype not in BYTES_PER_WEIGHT:
-        raise ValueError(f"--dtype must be 'stored' or one of {tuple(BYTES_PER_WEIGHT)}, got {ns.dtype!r}")
-    arch = load_model_arch(ns.model)
-    if ns.dtype == "stored":
+    if ns.dtype not in ("stored", "packed") and ns.dtype not in BYTES_PER_WEIGHT:
+        raise ValueError(f"--dtype must be 'stored', 'packed' or one of {tuple(BYTES_PER_WEIGHT)}, got {ns.dtype!r}")
+    if ns.dtype == "packed":
+        if arch.packed_decode_bytes is None:
+            raise ValueError("--dtype packed needs a GGUF model")
+        b = arch.packed_decode_bytes / arch.num_decode_params
+    elif ns.dtype == "stored":
         if arch.stored_weight_bytes is None:
             raise ValueError("--dtype stored needs a GGUF model")
         b = arch.stored_weight_bytes / arch.num_params

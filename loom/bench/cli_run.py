@@ -77,13 +77,24 @@ def cmd_latency(ns: argparse.Namespace) -> int:
     _set_threads(ns)
     results = {}
     for backend in ns.backend:
+        weight_bytes = None
         if backend == "loom":
-            results[backend] = run_loom_latency(_make_llm(ns), cfg, vocab)
+            llm = _make_llm(ns)
+            weight_bytes = decode_weight_bytes(llm)
+            results[backend] = run_loom_latency(llm, cfg, vocab)
+            del llm
         else:
             results[backend] = run_hf_latency(_make_hf(ns), cfg, vocab)
         s = results[backend].summary()
         print(f"[{backend}] P={cfg.input_len} O={cfg.output_len}: TTFT {s['ttft_ms']:.1f} ms  "
               f"TPOT {s['tpot_ms']:.2f} ms  E2E {s['e2e_ms']:.1f} ms  decode {s['decode_tok_s']:.1f} tok/s")
+        if weight_bytes is not None:
+            line = f"[{backend}] a decode step reads {weight_bytes / 1e6:.1f} MB of weights"
+            if ns.bandwidth_gbs:
+                floor_ms = weight_bytes / (ns.bandwidth_gbs * 1e9) * 1e3
+                line += (f": weight-read floor {floor_ms:.2f} ms at {ns.bandwidth_gbs:g} GB/s, TPOT at "
+                         f"{100 * floor_ms / s['tpot_ms']:.1f}% of it")
+            print(line)
     label = "-".join(ns.backend)
     path = write_json(result_path(ns.result_dir, "latency", label, "json"), {
         "config": cfg, "engine_args": _engine_kwargs(ns), "machine": machine_info(),
@@ -92,6 +103,14 @@ def cmd_latency(ns: argparse.Namespace) -> int:
                        f"latency P={cfg.input_len} O={cfg.output_len}", path.with_suffix(".png"))
     print(f"wrote {path} and {png}")
     return 0
+
+
+def decode_weight_bytes(llm: Any) -> int | None:
+    """Bytes of weights one decode step reads, from the engine's weight report (packed bytes when packed)."""
+    report = getattr(llm.engine.runner.model, "weight_report", None)
+    if report is None:
+        return None
+    return sum(n for kind, (_, n) in report().items() if kind != "embed_tokens")
 
 
 def cmd_throughput(ns: argparse.Namespace) -> int:

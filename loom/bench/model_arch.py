@@ -26,6 +26,9 @@ class ModelArch:
     tie_word_embeddings: bool  # lm_head shares the token-embedding matrix
     max_position_embeddings: int  # context length the model was trained for, tokens
     stored_weight_bytes: int | None = None  # bytes of all tensors as stored in the file (GGUF quantized); None if unknown
+    # bytes a decode step reads when loom runs the file packed (quantization "gguf": loom's layouts per GGML
+    # type, loom/quant/gguf_repack.PACKED_BYTES_PER_WEIGHT; the untied input embedding excluded); None if unknown
+    packed_decode_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -101,7 +104,21 @@ def _arch_from_gguf(path: Path) -> ModelArch:
         tie_word_embeddings="output.weight" not in tensor_names,
         max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
         stored_weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
+        packed_decode_bytes=_packed_decode_bytes(reader, tied="output.weight" not in tensor_names),
     )
+
+
+def _packed_decode_bytes(reader: object, tied: bool) -> int:
+    """Bytes of the 2-D weights a decode step reads in loom's packed layouts (others: float32, the dtype
+    loom's packed path computes in on CPUs without native bf16)."""
+    from loom.quant.gguf_repack import PACKED_BYTES_PER_WEIGHT
+
+    total = 0.0
+    for t in reader.tensors:
+        if len(t.shape) != 2 or (t.name == "token_embd.weight" and not tied):
+            continue
+        total += int(t.n_elements) * PACKED_BYTES_PER_WEIGHT.get(t.tensor_type.name, 4.0)
+    return int(total)
 
 
 def _arch_from_hf_config(cfg: dict[str, object], name: str) -> ModelArch:

@@ -1,0 +1,111 @@
+"""`loom bench quality`: a quantized path against the dequantized float32 path on held-out prose.
+
+Teacher-forced: the same token windows go through each model in one prefill; at every position we compare the
+next-token distributions. Reported per method: perplexity (exp of the mean NLL of the true next token),
+top-1 agreement with the reference (the share of positions whose argmax equals the reference's argmax), and
+the mean KL divergence KL(reference || method) in nats (the measure llama.cpp's `perplexity --kl-divergence`
+reports). Windows: consecutive non-overlapping `window_len` tokens, no BOS, window_len - 1 predictions each.
+
+Every row goes through the decode-path kernels (int8 activations for gguf / w8a8), not the dequantize + GEMM
+path that prefill takes above `dense_min_rows` rows (loom/quant/methods.py): the packed kernels compute each
+row on its own, so a window's rows score exactly what single-token decode steps would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from loom.attention import build_attention_metadata
+from loom.worker.kv_cache import allocate_kv_caches
+
+
+@dataclass(slots=True)
+class QualityResult:
+    quantization: str  # method name
+    dtype: str  # activation dtype
+    num_predictions: int  # positions scored
+    perplexity: float
+    perplexity_change_pct: float  # vs the reference, percent
+    top1_agreement: float  # share of positions with the reference's argmax, 0..1
+    mean_kl: float  # nats, KL(reference || this)
+    weight_mb: float  # MB a decode step reads
+
+
+@torch.inference_mode()
+def window_logits(model: torch.nn.Module, arch: object, tokens: list[int], block_size: int = 16) -> torch.Tensor:
+    """Logits [len(tokens), vocab] float32 of one sequence computed in one prefill over a fresh paged cache."""
+    num_blocks = -(-len(tokens) // block_size)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
+    meta = build_attention_metadata([len(tokens)], [len(tokens)], [list(range(num_blocks))], block_size, device)
+    hidden = model(torch.tensor(tokens, device=device), torch.arange(len(tokens), device=device), caches, meta)
+    return model.compute_logits(hidden).float()
+
+
+def force_kernel_path(model: torch.nn.Module) -> None:
+    """Make every packed layer use its decode kernels at any number of rows."""
+    from loom.quant.methods import PackedLinearMethod
+
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, PackedLinearMethod):
+            method.dense_min_rows = 1 << 62
+
+
+def token_windows(token_ids: list[int], num_windows: int, window_len: int) -> list[list[int]]:
+    """The first `num_windows` consecutive windows of `window_len` tokens.
+
+    Raises:
+        ValueError: the text is too short.
+    """
+    if len(token_ids) < num_windows * window_len:
+        raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {num_windows} x {window_len}")
+    return [token_ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)]
+
+
+def compare(reference: list[torch.Tensor], other: list[torch.Tensor], windows: list[list[int]]) -> dict[str, float]:
+    """Perplexities, top-1 agreement and mean KL of `other` against `reference` (lists of [n, V] logits)."""
+    nll_ref = nll = kl = agree = count = 0.0
+    for ref, oth, toks in zip(reference, other, windows, strict=True):
+        target = torch.tensor(toks[1:])
+        lp_ref = F.log_softmax(ref[:-1].double(), dim=-1)
+        lp = F.log_softmax(oth[:-1].double(), dim=-1)
+        nll_ref += float(-lp_ref.gather(1, target[:, None]).sum())
+        nll += float(-lp.gather(1, target[:, None]).sum())
+        kl += float((lp_ref.exp() * (lp_ref - lp)).sum())
+        agree += float((ref[:-1].argmax(-1) == oth[:-1].argmax(-1)).sum())
+        count += len(toks) - 1
+    ppl_ref, ppl = math.exp(nll_ref / count), math.exp(nll / count)
+    return {"num_predictions": int(count), "perplexity_ref": ppl_ref, "perplexity": ppl,
+            "perplexity_change_pct": 100 * (ppl / ppl_ref - 1), "top1_agreement": agree / count,
+            "mean_kl": kl / count}
+
+
+def run_quality(model: str | None, methods: list[str], dtype: str, windows: list[list[int]]) -> list[QualityResult]:
+    """Each method's logits on `windows` against quantization "none" in float32 (the reference)."""
+    from loom.model.loader import load_model
+    from loom.worker.model_runner import resolve_dtype
+
+    device = torch.device("cpu")
+    ref_model = load_model(model, torch.float32, device, quantization="none")
+    reference = [window_logits(ref_model.model, ref_model.arch, w) for w in windows]
+    del ref_model
+    results = []
+    for method in methods:
+        torch_dtype = resolve_dtype(dtype, device)
+        loaded = load_model(model, torch_dtype, device, quantization=method)
+        force_kernel_path(loaded.model)
+        logits = [window_logits(loaded.model, loaded.arch, w) for w in windows]
+        stats = compare(reference, logits, windows)
+        report = loaded.model.weight_report()
+        read_mb = sum(n for kind, (_, n) in report.items() if kind != "embed_tokens") / 1e6
+        results.append(QualityResult(method, str(torch_dtype).removeprefix("torch."), stats["num_predictions"],
+                                     stats["perplexity"], stats["perplexity_change_pct"], stats["top1_agreement"],
+                                     stats["mean_kl"], read_mb))
+        del loaded
+    return results

@@ -1,0 +1,389 @@
+"""loom's packed-weight kernels: every qgemm ISA build this CPU runs (csrc/qgemm.c through
+loom/kernels/quant.py) and the torch fallback (loom/quant/torch_kernels.py), each against float64 values of
+the definitions in qgemm.c's header; activation codes and scales against the torch implementation bit for
+bit; dequantize bit for bit against layout.dequantize; thread-count invariance; validation; ISA dispatch.
+
+Error bounds. Every float32 result is a sum of n terms t_i, each computed with at most a couple of
+roundings (u = 2^-24 each), so whatever the order of summation |computed - exact| <= (n + c) u sum |t_i|.
+The tests allow n' eps sum |t_i| with eps = 2^-23 = 2u, i.e. 2 n' >= n + c:
+- C int8 path: one term per 16-value half-block (an exact integer dot times a scale product rounded
+  once), one per group for the mins, one bias: n <= K/16 + groups + 1, and n' = K/32 + groups + 8;
+- float-activation path, and torch's float32 matmuls: one term per product: n' = K + groups + 8.
+sum |t_i| is taken element-wise (|x| |q sc| ...), which bounds the block-wise sums too. A bfloat16 output
+is the float32 result rounded once to nearest even: it must equal the rounding of the float32 output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.kernels import build, registry
+from loom.kernels.quant import QuantizedActivations
+from loom.quant.layout import PackedWeight, dequantize, pack_q4g32, unpack_codes
+from loom.quant.torch_kernels import TorchQuantKernels
+
+EPS = 2.0 ** -23
+TORCH = TorchQuantKernels()
+C_ISAS = [isa for isa in registry.kernel_isas("qgemm") if registry.get_kernel("qgemm", isa=isa) is not None]
+IMPLS = [*C_ISAS, "torch"]
+LAYOUTS = [("q4g32", 32), ("q8g", 16), ("q8g", 32), ("q8g", 64), ("q8g", "K")]
+MS = [1, 2, 3, 4, 5, 8, 9, 17, 64]
+NS = [1, 7, 33, 577]
+KS = [32, 64, 96, 576]
+
+
+def kernels(impl: str):
+    return TORCH if impl == "torch" else registry.get_kernel("qgemm", isa=impl)
+
+
+def random_weight(layout: str, n: int, k: int, group: int, mins: bool, g: torch.Generator) -> PackedWeight:
+    """Codes over their full range, float16 scales of both signs (a few tiny, subnormal ones), mins."""
+    groups = k // group
+    scales = torch.randn(n, groups, generator=g) * 0.05
+    scales[torch.rand(n, groups, generator=g) < 0.05] = 3e-6  # float16 subnormal
+    scales = scales.half()
+    m = (torch.randn(n, groups, generator=g) * 0.2).half() if mins else None
+    if layout == "q4g32":
+        return pack_q4g32(torch.randint(0, 16, (n, k), generator=g), scales, m)
+    return PackedWeight("q8g", torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), scales, m, group)
+
+
+def random_x(m: int, k: int, dtype: torch.dtype, g: torch.Generator, strided: bool = False) -> torch.Tensor:
+    """Activations with outliers and an all-zero block; `strided`: rows of a wider matrix (row stride > K)."""
+    x = torch.randn(m, k + (32 if strided else 0), generator=g) * torch.rand(m, 1, generator=g) * 4
+    x[:, 3] *= 20  # an outlier channel
+    if k >= 64:
+        x[0, 32:64] = 0  # a zero block: s = 0, codes 0
+    x = x.to(dtype)
+    return x[:, :k] if strided else x
+
+
+def cases(layout: str, group: int | str, mins: bool) -> list[tuple]:
+    """(M, N, K, bias, x dtype, per_token): every M, every N, every K the group divides, both x dtypes."""
+    ks = [k for k in KS if group == "K" or k % group == 0]
+    out = []
+    for i, m in enumerate(MS):
+        n, k = NS[(3 * i + 2) % len(NS)], ks[(i + i // len(NS)) % len(ks)]  # M = 1 gets N = 33: full groups of 4
+        out.append((m, n, k, i % 3 == 0, torch.bfloat16 if i % 2 else torch.float32, i % 4 == 1))
+    return out
+
+
+def group_of(group: int | str, k: int) -> int:
+    return k if group == "K" else group
+
+
+def per_half(t: torch.Tensor, group: int) -> torch.Tensor:
+    """A per-group [R, K / group] tensor repeated to one value per 16-half block [R, K / 16]."""
+    return t.repeat_interleave(group // 16, dim=1) if group >= 16 else t
+
+
+def reference_q8(xa: QuantizedActivations, w: PackedWeight, bias: torch.Tensor | None):
+    """float64 value of gemm_q8's definition and the sum of |terms| (element-wise) for the bound."""
+    m, k = xa.xq.shape
+    n, g = w.shape[0], w.group_size
+    xq = xa.xq.double().view(m, k // 16, 16)
+    q = unpack_codes(w).double().view(n, k // 16, 16)
+    xs_h = xa.xs.double().repeat_interleave(2, dim=1)  # [M, K/16]
+    sc_h = per_half(w.scales.double(), g)  # [N, K/16]
+    idot = torch.einsum("mhj,nhj->mnh", xq, q)
+    adot = torch.einsum("mhj,nhj->mnh", xq.abs(), q.abs())
+    y = (idot * xs_h[:, None] * sc_h[None]).sum(-1)
+    s = (adot * xs_h[:, None] * sc_h.abs()[None]).sum(-1)
+    if w.mins is not None:
+        mn = w.mins.double()
+        xsum = xa.xsum.double()
+        if g == 16:
+            gs = xs_h * xq.sum(-1)
+            gabs = gs.abs()
+        else:
+            gs = xsum.view(m, k // g, g // 32).sum(-1)
+            gabs = xsum.abs().view(m, k // g, g // 32).sum(-1)
+        y = y + gs @ mn.T
+        s = s + gabs @ mn.abs().T
+    if bias is not None:
+        y = y + bias.double()
+        s = s + bias.double().abs()
+    return y, s
+
+
+def reference_f(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None):
+    """float64 value of gemm_f's definition (W from the exact float16 scales and mins, unrounded) and the
+    element-wise sum of |terms|."""
+    n, k = w.shape
+    g = w.group_size
+    q = unpack_codes(w).double().view(n, k // g, g)
+    wq = (q * w.scales.double().unsqueeze(-1)).view(n, k)
+    wm = (torch.zeros_like(q) if w.mins is None else w.mins.double().unsqueeze(-1).expand_as(q)).reshape(n, k)
+    xd = x.double()
+    y = xd @ (wq + wm).T
+    s = xd.abs() @ (wq.abs() + wm.abs()).T
+    if bias is not None:
+        y = y + bias.double()
+        s = s + bias.double().abs()
+    return y, s
+
+
+def check_outputs(impl, run, ref: torch.Tensor, s: torch.Tensor, terms: int, label: str) -> None:
+    y = run(torch.float32)
+    assert y.dtype == torch.float32 and y.shape == ref.shape, label
+    err = (y.double() - ref).abs()
+    bound = terms * EPS * s + 1e-30
+    assert torch.all(err <= bound), f"{label}: max err {err.max():.3g}, excess {(err - bound).max():.3g}"
+    yb = run(torch.bfloat16)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, y.bfloat16()), f"{label}: bf16 output != rounded float32"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout,group", LAYOUTS)
+@pytest.mark.parametrize("mins", [True, False])
+def test_gemm_q8_matches_float64(impl: str, layout: str, group, mins: bool) -> None:
+    kern = kernels(impl)
+    for m, n, k, with_bias, xdtype, per_token in cases(layout, group, mins):
+        g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+        gs = group_of(group, k)
+        w = random_weight(layout, n, k, gs, mins, g)
+        bias = torch.randn(n, generator=g) if with_bias else None
+        x = random_x(m, k, xdtype, g)
+        xa = kern.quantize_activations(x, per_token=per_token)
+        ref, s = reference_q8(xa, w, bias)
+        terms = (k // 32 if impl != "torch" else k) + k // gs + 8
+        label = f"{impl} {layout}/{gs} mins={mins} M={m} N={n} K={k} bias={with_bias} x={xdtype}"
+        check_outputs(impl, lambda dt: kern.gemm_q8(xa, w, bias, dt), ref, s, terms, label)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout,group", LAYOUTS)
+@pytest.mark.parametrize("mins", [True, False])
+def test_gemm_f_matches_float64(impl: str, layout: str, group, mins: bool) -> None:
+    kern = kernels(impl)
+    for m, n, k, with_bias, xdtype, strided in cases(layout, group, mins):
+        g = torch.Generator().manual_seed(m * 104729 + n * 17 + k)
+        gs = group_of(group, k)
+        w = random_weight(layout, n, k, gs, mins, g)
+        bias = torch.randn(n, generator=g) if with_bias else None
+        x = random_x(m, k, xdtype, g, strided=strided)
+        ref, s = reference_f(x, w, bias)
+        label = f"{impl} {layout}/{gs} mins={mins} M={m} N={n} K={k} bias={with_bias} x={xdtype} strided={strided}"
+        check_outputs(impl, lambda dt: kern.gemm_f(x, w, bias, dt), ref, s, k + k // gs + 8, label)
+
+
+def test_gemm_q8_is_close_to_the_float_product() -> None:
+    """The int8 path approximates x W^T within the activation quantization error (a semantic check that
+    the definitions, shared by all implementations, are the layout's matrix product)."""
+    g = torch.Generator().manual_seed(5)
+    k = 576
+    for impl in IMPLS:
+        kern = kernels(impl)
+        for layout, group in LAYOUTS:
+            gs = group_of(group, k)
+            w = random_weight(layout, 64, k, gs, True, g)
+            codes = unpack_codes(w).double().view(64, k // gs, gs)
+            w_abs = (codes.abs() * w.scales.double().abs().unsqueeze(-1)
+                     + w.mins.double().abs().unsqueeze(-1)).view(64, k)  # |sc q| + |min|
+            x = torch.randn(3, k, generator=g)
+            exact = x.double() @ dequantize(w).double().T
+            for per_token in (False, True):
+                xa = kern.quantize_activations(x, per_token=per_token)
+                y = kern.gemm_q8(xa, w).double()
+                # |x^ - x| <= s / 2 per element, so |y - x W^T| <= sum_k s_k / 2 (|sc q_k| + |min|)
+                half_s = xa.xs.double().repeat_interleave(32, dim=1) / 2
+                bound = half_s @ w_abs.T * 1.001 + 1e-4 * (x.double().abs() @ w_abs.T)
+                assert torch.all((y - exact).abs() <= bound), (impl, layout, group, per_token)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_quantize_activations_equals_torch(impl: str) -> None:
+    kern = kernels(impl)
+    for i, (m, k) in enumerate([(1, 32), (2, 64), (3, 96), (5, 576), (9, 576), (17, 1536), (64, 576)]):
+        for xdtype in (torch.float32, torch.bfloat16):
+            for per_token in (False, True):
+                g = torch.Generator().manual_seed(i)
+                x = random_x(m, k, xdtype, g, strided=i % 2 == 1)
+                xa, ref = kern.quantize_activations(x, per_token), TORCH.quantize_activations(x, per_token)
+                assert xa.xq.dtype == torch.int8 and xa.xq.shape == (m, k)
+                assert xa.xs.dtype == torch.float32 and xa.xs.shape == (m, k // 32) == xa.xsum.shape
+                assert torch.equal(xa.xq, ref.xq) and torch.equal(xa.xs, ref.xs), (m, k, xdtype, per_token)
+                assert int(xa.xq.min()) >= -127
+                blocks = x.double().reshape(m, k // 32, 32)
+                # xsum: a float32 sum of 32 exact values
+                bound = 32 * EPS * blocks.abs().sum(-1)
+                assert torch.all((xa.xsum.double() - blocks.sum(-1)).abs() <= bound), (m, k)
+                if per_token:
+                    assert torch.equal(xa.xs, xa.xs[:, :1].expand(m, k // 32))
+                # the definition, from float64: s = max|x| / 127 in float32, codes = round-half-even of x / s
+                amax = blocks.abs().amax(-1)
+                if per_token:
+                    amax = amax.amax(-1, keepdim=True).expand(m, k // 32)
+                assert torch.equal(xa.xs, (amax.float() / 127))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_quantize_rounds_half_to_even(impl: str) -> None:
+    x = torch.zeros(1, 32)
+    x[0, :6] = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5])  # s = 1 exactly: x / s are the ties
+    xa = kernels(impl).quantize_activations(x)
+    assert xa.xs.item() == 1.0
+    assert xa.xq[0, :6].tolist() == [127, 2, 4, -2, 0, 0]
+    zero = kernels(impl).quantize_activations(torch.zeros(2, 64))
+    assert not zero.xq.any() and not zero.xs.any() and not zero.xsum.any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout,group", LAYOUTS)
+def test_dequantize_is_bit_equal_to_the_layout(impl: str, layout: str, group) -> None:
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((1, 32), (7, 96), (33, 576)):
+        if group != "K" and k % group:
+            continue
+        for mins in (True, False):
+            w = random_weight(layout, n, k, group_of(group, k), mins, g)
+            w.scales[0, 0] = -0.0  # -0.0 * q and -0.0 * 0 keep their signs
+            for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                out = kernels(impl).dequantize(w, dtype)
+                assert out.dtype == dtype and out.shape == (n, k)
+                assert torch.equal(out.view(bits), dequantize(w, dtype).view(bits)), (layout, group, n, k, mins)
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+def test_threads_do_not_change_results(isa: str) -> None:
+    kern = kernels(isa)
+    g = torch.Generator().manual_seed(3)
+    x = random_x(9, 576, torch.float32, g)
+    weights = [random_weight("q4g32", 577, 576, 32, True, g), random_weight("q8g", 577, 576, 16, True, g),
+               random_weight("q8g", 577, 576, 64, False, g)]
+    old = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            xa = kern.quantize_activations(torch.randn(300, 576, generator=torch.Generator().manual_seed(1)))
+            outs.append([xa.xq, xa.xs, xa.xsum]
+                        + [kern.gemm_q8(kern.quantize_activations(x), w) for w in weights]
+                        + [kern.gemm_f(x.bfloat16(), w) for w in weights]
+                        + [kern.dequantize(w, torch.bfloat16) for w in weights])
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+def test_a_row_does_not_depend_on_the_batch_or_on_its_neighbours(isa: str) -> None:
+    """The C kernels compute each (x row, weight row) product the same way whatever M (one row per call or
+    several) and whichever rows of the weight are around it (N's grouping in fours at M = 1)."""
+    kern = kernels(isa)
+    g = torch.Generator().manual_seed(4)
+    x = random_x(6, 576, torch.float32, g)
+    for layout, group in LAYOUTS:
+        w = random_weight(layout, 37, 576, group_of(group, 576), True, g)
+        part = w.rows(slice(5, 12))  # starts off the grouping in fours
+        full_q8 = kern.gemm_q8(kern.quantize_activations(x), w)
+        full_f = kern.gemm_f(x, w)
+        for i in range(6):
+            xa = kern.quantize_activations(x[i : i + 1])
+            assert torch.equal(kern.gemm_q8(xa, w), full_q8[i : i + 1]), (layout, group, i)
+            assert torch.equal(kern.gemm_f(x[i : i + 1], w), full_f[i : i + 1]), (layout, group, i)
+            assert torch.equal(kern.gemm_q8(xa, part), full_q8[i : i + 1, 5:12]), (layout, group, i)
+            assert torch.equal(kern.gemm_f(x[i : i + 1], part), full_f[i : i + 1, 5:12]), (layout, group, i)
+
+
+def test_empty_inputs() -> None:
+    w = random_weight("q4g32", 8, 64, 32, True, torch.Generator().manual_seed(0))
+    for impl in IMPLS:
+        kern = kernels(impl)
+        x = torch.empty(0, 64)
+        assert kern.gemm_q8(kern.quantize_activations(x), w).shape == (0, 8)
+        assert kern.gemm_f(x, w, None, torch.bfloat16).shape == (0, 8)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rejects_what_it_cannot_read(impl: str) -> None:
+    kern = kernels(impl)
+    g = torch.Generator().manual_seed(0)
+    w = random_weight("q8g", 8, 64, 32, True, g)
+    x = torch.randn(2, 64)
+    xa = kern.quantize_activations(x)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kern.quantize_activations(torch.randn(2, 48))
+    with pytest.raises(ValueError, match="2-D"):
+        kern.quantize_activations(torch.randn(64))
+    with pytest.raises(ValueError):
+        kern.quantize_activations(torch.randn(2, 64).long())
+    with pytest.raises(ValueError, match="K=96"):
+        kern.gemm_q8(kern.quantize_activations(torch.randn(2, 96)), w)
+    with pytest.raises(ValueError, match="K=96"):
+        kern.gemm_f(torch.randn(2, 96), w)
+    with pytest.raises(ValueError, match="bias"):
+        kern.gemm_q8(xa, w, torch.randn(7))
+    with pytest.raises(ValueError, match="bias"):
+        kern.gemm_f(x, w, torch.randn(8).double())
+    with pytest.raises(ValueError, match="out_dtype"):
+        kern.gemm_f(x, w, None, torch.int32)
+    with pytest.raises(ValueError, match="xs"):
+        kern.gemm_q8(QuantizedActivations(xa.xq, xa.xs.double(), xa.xsum), w)
+    with pytest.raises(ValueError, match="PackedWeight"):
+        kern.gemm_f(x, torch.randn(8, 64))
+    with pytest.raises(ValueError, match="dtype"):
+        kern.dequantize(w, torch.int8)
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+def test_c_bindings_reject_layouts_the_kernel_cannot_read(isa: str) -> None:
+    kern = kernels(isa)
+    g = torch.Generator().manual_seed(0)
+    w = random_weight("q4g32", 8, 64, 32, True, g)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="unit column stride"):
+        kern.gemm_f(torch.randn(64, 2).T, w)
+    with pytest.raises(ValueError, match="unit column stride"):
+        kern.quantize_activations(torch.randn(64, 2).T)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kern.gemm_f(x.half(), w)
+    with pytest.raises(ValueError, match="out_dtype"):
+        kern.gemm_q8(kern.quantize_activations(x), w, None, torch.float16)
+    strided = PackedWeight("q4g32", torch.randint(0, 255, (8, 64), dtype=torch.uint8)[:, ::2], w.scales, w.mins, 32)
+    with pytest.raises(ValueError, match="contiguous"):
+        kern.gemm_f(x, strided)
+    with pytest.raises(ValueError, match="contiguous"):
+        kern.dequantize(strided)
+    xa = kern.quantize_activations(x)
+    with pytest.raises(ValueError, match="contiguous"):
+        kern.gemm_q8(QuantizedActivations(xa.xq, xa.xs, torch.randn(2, 2).T), w)
+    with pytest.raises(ValueError, match="bias"):
+        kern.gemm_q8(xa, w, torch.randn(8).bfloat16())
+
+
+needs_compiler = pytest.mark.skipif(not C_ISAS, reason="no C compiler: only the torch fallback runs")
+
+
+@needs_compiler
+def test_best_isa_and_the_loom_cpu_isa_cap(monkeypatch) -> None:
+    best = registry.get_kernel("qgemm")
+    assert best.isa == registry.kernel_isas("qgemm")[0]
+    assert best.impl == {"avx512_vnni": "avx512_vnni", "avx2": "avx2", "generic": "scalar"}[best.isa]
+    monkeypatch.setenv("LOOM_CPU_ISA", "generic")
+    registry.clear_kernel_cache()
+    try:
+        capped = registry.get_kernel("qgemm")
+        assert capped is not None and capped.isa == "generic" and capped.impl == "scalar"
+    finally:
+        monkeypatch.delenv("LOOM_CPU_ISA")
+        registry.clear_kernel_cache()
+    assert registry.get_kernel("qgemm").isa == best.isa
+
+
+def test_no_vnni_build_on_a_cpu_without_it() -> None:
+    has_vnni = registry.ISAS["avx512_vnni"].cpu_flags <= build.cpu_flags()
+    kern = registry.get_kernel("qgemm", isa="avx512_vnni")
+    if not has_vnni:
+        assert kern is None
+    elif kern is not None:  # a VNNI CPU with a compiler: it is the real VNNI code (its numerics run above)
+        assert kern.impl == "avx512_vnni" and "avx512_vnni" in C_ISAS
+
+
+@needs_compiler
+def test_every_isa_variant_compiles() -> None:
+    """The avx512_vnni build compiles here even where the CPU cannot run it (and the generic one too)."""
+    for isa in registry.KERNELS["qgemm"].isas:
+        path = build.build_library("qgemm", ("qgemm.c",), registry.ISAS[isa].cflags, tag=isa)
+        assert path.exists() and path.stat().st_size > 0
