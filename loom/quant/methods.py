@@ -8,7 +8,7 @@ how activations enter the kernel:
 |--------|-------------------------------------------|--------------------------------------------------|
 | gguf   | the file's own blocks, repacked exactly   | float, codes widened in registers (see below)    |
 | w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | float (bf16 / fp32), codes widened in registers  |
-| w8a16  | RTN int8 symmetric groups of 32 (q8g)     | float                                            |
+| w8a16  | RTN int8 asymmetric groups of 32 (q8g)    | float                                            |
 | w8a8   | RTN int8 symmetric per output channel     | int8, one dynamic scale per token (SmoothQuant's |
 |        |                                           | W8A8 without smoothing), int32 sums per block    |
 
@@ -32,11 +32,13 @@ from torch import nn
 from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import Linear, copy_rows
 from loom.quant.layout import PackedWeight, dequantize
-from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8
+from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quantize_q8_asym
 from loom.quant.torch_kernels import TorchQuantKernels
 
-# Rows above which dequantize + torch GEMM beats the packed kernels (measured, benchmarks/NOTES.md).
-DENSE_MIN_ROWS = 16
+# Rows above which a packed layer dequantizes and runs torch's GEMM (measured, benchmarks/NOTES.md): the
+# float-activation kernels win up to ~24-40 rows per matrix, but dequantizing every weight each step costs
+# more than that at batch 32 (the LM head alone: 113 ms to float32), so decode batches up to 48 stay packed.
+DENSE_MIN_ROWS = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,7 @@ def quantize_for_scheme(scheme: str, weight: torch.Tensor) -> PackedWeight:
     if scheme == "w4a16":
         return quantize_q4g32(weight)
     if scheme == "w8a16":
-        return quantize_q8(weight, 32)
+        return quantize_q8_asym(weight, 32)
     if scheme == "w8a8":
         return quantize_q8(weight, weight.shape[1])
     raise ValueError(f"scheme {scheme!r} does not quantize dense weights")

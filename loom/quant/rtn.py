@@ -50,6 +50,29 @@ def quantize_q8(weight: torch.Tensor, group_size: int) -> PackedWeight:
                         group_size)
 
 
+def quantize_q8_asym(weight: torch.Tensor, group_size: int = 32) -> PackedWeight:
+    """weight [N, K] -> asymmetric int8 groups (a zero point per group): scale = (max - min) / 255 as float16,
+    u = round((w - min) / scale) in 0..255 stored as the int8 code u - 128, and min' = min + 128 * scale as
+    float16, so W = scale * code + min'. All 256 codes span the group's own range (symmetric codes spend half
+    of them on the side the group does not reach).
+
+    Raises:
+        ValueError: as quantize_q8.
+    """
+    n, k = weight.shape
+    if k % group_size or (group_size != 16 and group_size % 32):
+        raise ValueError(f"int8 groups of {group_size} need input_size % {group_size} == 0 and group 16 or "
+                         f"a multiple of 32; input_size is {k}")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scales = ((hi - lo) / 255).half()
+    s = scales.float().unsqueeze(-1)
+    mins = (lo + 128 * scales.float()).half()
+    codes = torch.where(s > 0, ((w - mins.float().unsqueeze(-1)) / s.clamp_min(1e-30)).round(), torch.zeros_like(w))
+    return PackedWeight("q8g", codes.clamp_(-128, 127).to(torch.int8).reshape(n, k).contiguous(),
+                        scales.contiguous(), mins.contiguous(), group_size)
+
+
 def quantize_fp8_e4m3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (float8_e4m3fn [N, K], float32 scale [N, 1]) with scale = max|w| / 448 per output
     channel (448 = the largest e4m3 value; OCP FP8 spec), so W ~= fp8 * scale."""

@@ -73,8 +73,9 @@ def test_decode_step_declines_what_it_does_not_serve(packed_model) -> None:
     assert step.run(hidden, cos_sin, caches, prefill) is None
     decode = build_attention_metadata([1, 1], [4, 5], [[0], [1]], 16, CPU)
     assert step.run(hidden.bfloat16(), cos_sin, caches, decode) is None  # dtype of the model only
-    big = build_attention_metadata([1] * 17, [2] * 17, [[i % 8] for i in range(17)], 16, CPU)
-    assert step.run(torch.zeros(17, 576), inner.rotary_emb.cos_sin(torch.ones(17, dtype=torch.int64)), caches,
+    rows = step.max_rows + 1
+    big = build_attention_metadata([1] * rows, [2] * rows, [[i % 8] for i in range(rows)], 16, CPU)
+    assert step.run(torch.zeros(rows, 576), inner.rotary_emb.cos_sin(torch.ones(rows, dtype=torch.int64)), caches,
                     big) is None  # more rows than it takes
 
 

@@ -45,13 +45,15 @@
  * before its blocks, and each block broadcasts its own from L1. SmolLM2's rows are short (K = 576: 18
  * blocks), so a row's fixed cost (scale set-up, mins, horizontal sum, call) was as large as its blocks':
  * at M = 1 a call therefore handles four weight rows ("tiles", below), which took a [576, 576] q4g32
- * product on one Zen 3 thread from 2.0 to 1.45 ns per block (L2-resident), 14 GB/s of weights per thread.
- * The four rows are read one after the other: interleaving their blocks (four streams a row apart) halved
- * the cold-memory bandwidth of the q8g LM head [49152, 576]. Output rows are split in contiguous ranges
+ * product on one Zen 3 thread from 2.0 to 1.45 ns per block (L2-resident). The four rows are read one
+ * after the other: interleaving their blocks (four streams a row apart) halved the cold-memory bandwidth
+ * of the q8g LM head [49152, 576]. q4g32 then takes its blocks in pairs (q4_pair_dot: one 32-byte unpack,
+ * one VPMADDWD and one FMA for two blocks, the int8 activations re-laid out once per call to match):
+ * 1.25 ns per block, 16 GB/s of weights per thread from L2. Output rows are split in contiguous ranges
  * over `num_threads` OpenMP threads (torch's libgomp, loaded first, so the pool is shared).
  *
- * The functions that need scratch memory (group sums, bfloat16 x widened to float32) return 0, or -1 when
- * malloc failed (nothing written); the others return nothing.
+ * The functions that need scratch memory (group sums, the paired q4 activations, bfloat16 x widened to
+ * float32) return 0, or -1 when malloc failed (nothing written); the others return nothing.
  */
 #include "quant_common.h"
 
@@ -401,6 +403,63 @@ ALWAYS_INLINE __m256 q8_dot(const int kind, wblock wb, const int8_t *xb, const f
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wb.u, xv)), dv, acc);
 }
 
+/* q4g32, two blocks at once. 32 packed bytes hold blocks b and b + 1 (16 bytes each); with one shift and
+ * two ands they give LO = [values 0..15 of b | values 0..15 of b + 1] and HI = [16..31 of b | 16..31 of
+ * b + 1]. The activations are re-laid out to match once per call (q4_pair_activations: XLO, XHI of the
+ * pair side by side), so the pair needs two VPMADDUBSW, one VPADDW (<= 2 * 2 * 15 * 127 = 7620: no
+ * overflow), one VPMADDWD and one FMA with [d_b x4 | d_b+1 x4]: about two thirds of the work of two single
+ * blocks. acc + (integer dots of the pair) * their scale products dj[0], dj[1]. */
+typedef struct {
+    __m256i lo, hi;
+} wpair;
+
+ALWAYS_INLINE wpair q4_pair_prep(const uint8_t *wb) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)wb), m4 = _mm256_set1_epi8(0x0F);
+    wpair r;
+    r.lo = _mm256_and_si256(v, m4);
+    r.hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    return r;
+}
+
+ALWAYS_INLINE __m256 q4_pair_dot(wpair wp, const int8_t *xp, const float *dj, __m256 acc) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)xp), x1 = _mm256_loadu_si256((const __m256i *)(xp + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i p = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wp.lo, x0), wp.hi, x1);
+#else
+    const __m256i p = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wp.lo, x0), _mm256_maddubs_epi16(wp.hi, x1)),
+                                        _mm256_set1_epi16(1));
+#endif
+    const __m256 dv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)dj))),
+                                               _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dv, acc);
+}
+#endif /* LOOM_QSIMD */
+
+/* xp = xq with each pair of blocks (2p, 2p + 1) of a row re-laid out as [x_2p[0:16] x_2p+1[0:16]
+ * x_2p[16:32] x_2p+1[16:32]] (a last unpaired block as it is): the order q4_pair_dot reads. M rows of K. */
+static void q4_pair_activations(const int8_t *xq, int64_t M, int64_t K, int8_t *xp) {
+    const int64_t pairs = K / 64;
+    for (int64_t m = 0; m < M; ++m) {
+        const int8_t *src = xq + m * K;
+        int8_t *dst = xp + m * K;
+        for (int64_t p = 0; p < pairs; ++p) {
+#if LOOM_QSIMD
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(src + 64 * p));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(src + 64 * p + 32));
+            _mm256_storeu_si256((__m256i *)(dst + 64 * p), _mm256_permute2x128_si256(a, b, 0x20));
+            _mm256_storeu_si256((__m256i *)(dst + 64 * p + 32), _mm256_permute2x128_si256(a, b, 0x31));
+#else
+            memcpy(dst + 64 * p, src + 64 * p, 16);
+            memcpy(dst + 64 * p + 16, src + 64 * p + 32, 16);
+            memcpy(dst + 64 * p + 32, src + 64 * p + 16, 16);
+            memcpy(dst + 64 * p + 48, src + 64 * p + 48, 16);
+#endif
+        }
+        if (K % 64) memcpy(dst + 64 * pairs, src + 64 * pairs, 32);
+    }
+}
+#if LOOM_QSIMD
+
 /* The codes of a weight block as float32: q[i] = values 8i..8i+7. */
 ALWAYS_INLINE void f_codes(const int kind, const uint8_t *wb, __m256 *q) {
     if (kind == KIND_Q4) {
@@ -470,7 +529,64 @@ ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uin
         }                                                                                                        \
         if (j_ < cc) Q8_STEP(I, j_, E);                                                                          \
     } while (0)
-        if (by_row) {
+/* q4g32: the pairs of blocks of the chunk for weight row I, alternately into E and O (xq: paired layout) */
+#define Q4_SLOT(I, E, O)                                                                                         \
+    do {                                                                                                         \
+        const uint8_t *w_ = w + (I) * row_bytes + 16 * c0;                                                       \
+        const int8_t *x_ = xq + 32 * c0;                                                                         \
+        int64_t j_ = 0;                                                                                          \
+        for (; j_ + 4 <= cc; j_ += 4) {                                                                          \
+            E = q4_pair_dot(q4_pair_prep(w_ + 16 * j_), x_ + 32 * j_, d[I] + j_, E);                             \
+            O = q4_pair_dot(q4_pair_prep(w_ + 16 * j_ + 32), x_ + 32 * j_ + 64, d[I] + j_ + 2, O);               \
+        }                                                                                                        \
+        if (j_ + 2 <= cc) {                                                                                      \
+            E = q4_pair_dot(q4_pair_prep(w_ + 16 * j_), x_ + 32 * j_, d[I] + j_, E);                             \
+            j_ += 2;                                                                                             \
+        }                                                                                                        \
+        if (j_ < cc) O = q8_dot(kind, q8_prep(kind, w_ + 16 * j_), x_ + 32 * j_, d[I] + j_, O);                  \
+    } while (0)
+        if (kind == KIND_Q4 && by_row) {
+            Q4_SLOT(0, e0, o0);
+            Q4_SLOT(1, e1, o1);
+            Q4_SLOT(2, e2, o2);
+            Q4_SLOT(3, e3, o3);
+        } else if (kind == KIND_Q4) { /* each pair of weight blocks unpacked once for the mc rows of x */
+            const uint8_t *w_ = w + 16 * c0;
+            const int8_t *x_ = xq + 32 * c0;
+            int64_t j = 0;
+            for (; j + 4 <= cc; j += 4) {
+                const wpair pa = q4_pair_prep(w_ + 16 * j), pb = q4_pair_prep(w_ + 16 * j + 32);
+                e0 = q4_pair_dot(pa, x_ + 32 * j, d[0] + j, e0);
+                o0 = q4_pair_dot(pb, x_ + 32 * j + 64, d[0] + j + 2, o0);
+                if (mc > 1) {
+                    e1 = q4_pair_dot(pa, x_ + K + 32 * j, d[1] + j, e1);
+                    o1 = q4_pair_dot(pb, x_ + K + 32 * j + 64, d[1] + j + 2, o1);
+                }
+                if (mc > 2) {
+                    e2 = q4_pair_dot(pa, x_ + 2 * K + 32 * j, d[2] + j, e2);
+                    o2 = q4_pair_dot(pb, x_ + 2 * K + 32 * j + 64, d[2] + j + 2, o2);
+                }
+                if (mc > 3) {
+                    e3 = q4_pair_dot(pa, x_ + 3 * K + 32 * j, d[3] + j, e3);
+                    o3 = q4_pair_dot(pb, x_ + 3 * K + 32 * j + 64, d[3] + j + 2, o3);
+                }
+            }
+            if (j + 2 <= cc) {
+                const wpair pa = q4_pair_prep(w_ + 16 * j);
+                e0 = q4_pair_dot(pa, x_ + 32 * j, d[0] + j, e0);
+                if (mc > 1) e1 = q4_pair_dot(pa, x_ + K + 32 * j, d[1] + j, e1);
+                if (mc > 2) e2 = q4_pair_dot(pa, x_ + 2 * K + 32 * j, d[2] + j, e2);
+                if (mc > 3) e3 = q4_pair_dot(pa, x_ + 3 * K + 32 * j, d[3] + j, e3);
+                j += 2;
+            }
+            if (j < cc) {
+                const wblock wa = q8_prep(kind, w_ + 16 * j);
+                o0 = q8_dot(kind, wa, x_ + 32 * j, d[0] + j, o0);
+                if (mc > 1) o1 = q8_dot(kind, wa, x_ + K + 32 * j, d[1] + j, o1);
+                if (mc > 2) o2 = q8_dot(kind, wa, x_ + 2 * K + 32 * j, d[2] + j, o2);
+                if (mc > 3) o3 = q8_dot(kind, wa, x_ + 3 * K + 32 * j, d[3] + j, o3);
+            }
+        } else if (by_row) {
             /* one weight row after the other: the tile reads its 4 rows in memory order (interleaving them,
              * four streams a row apart, halved the cold bandwidth of the q8g LM head) */
             Q8_SLOT(0, e0, o0);
@@ -506,6 +622,7 @@ ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uin
                 if (mc > 3) e3 = q8_dot(kind, wa, xj + 3 * K, d[3] + ds * j, e3);
             }
         }
+#undef Q4_SLOT
 #undef Q8_SLOT
 #undef Q8_STEP
     }
@@ -744,12 +861,23 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
         q8_group_sums(xq, xs, xsum, M, K, G, scratch);
         gs = scratch;
     }
+    int8_t *xp = NULL; /* q4g32 (SIMD builds): the activations in the paired layout of q4_pair_dot */
+    if (kind == KIND_Q4 && LOOM_QSIMD) {
+        xp = (int8_t *)malloc((size_t)(M * K));
+        if (!xp) {
+            free(scratch);
+            return -1;
+        }
+        q4_pair_activations(xq, M, K, xp);
+        xq = xp;
+    }
     const rows_q8_fn rows = kind == KIND_Q4 ? rows_q8_q4 : (kind == KIND_Q8 ? rows_q8_q8 : rows_q8_q8_16);
 #define Q8_TILE(NR_, MC_, N_, M0_)                                                                               \
     rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
          xq + (M0_) * K, K, xs + (M0_) * nb, gs + (M0_) * ng, K, dots)
     FOR_EACH_TILE(Q8_TILE)
 #undef Q8_TILE
+    free(xp);
     free(scratch);
     return 0;
 }
