@@ -136,6 +136,27 @@ def bench(root: Path, device: torch.device, full: bool) -> dict[str, float]:
             "loom_batch_s": loom_batch_s, "hf_batch_s": hf_batch_s, "batch_speedup": hf_batch_s / loom_batch_s}
 
 
+def check_packed(device: torch.device) -> dict[str, float]:
+    """Issue 9 item 5: the bundled GGUF run packed (quantization gguf, torch kernels on a GPU) against its dequantized
+    float32 path on the same device: top-1 agreement and max |logit difference| over one 256-token window."""
+    from loom.bench.quality import force_kernel_path, window_logits
+    from loom.model.loader import load_model
+
+    tokens = [(i * 7919) % 49152 for i in range(256)]
+    ref = load_model(None, torch.float32, device, quantization="none")
+    ref_logits = window_logits(ref.model, ref.arch, tokens)
+    del ref
+    out: dict[str, float] = {}
+    for method in ("gguf", "w8a16", "w4a16", "w8a8"):
+        loaded = load_model(None, torch.float32, device, quantization=method)
+        force_kernel_path(loaded.model)
+        logits = window_logits(loaded.model, loaded.arch, tokens)
+        out[f"{method}_top1"] = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        out[f"{method}_max_abs_logit_diff"] = float((logits - ref_logits).abs().max())
+        del loaded
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -149,6 +170,7 @@ def main() -> int:
         t0 = time.perf_counter()
         results["parity_fp32"] = check_parity(Path(tmp), device)
         results["bench_bf16"] = bench(Path(tmp), device, full=device.type == "cuda" and not ns.small)
+        results["packed_vs_dequantized"] = check_packed(device)
         results["seconds"] = time.perf_counter() - t0
     print(json.dumps(results, indent=2))
     if ns.out:
