@@ -150,6 +150,10 @@ class PackedLinearMethod:
             return F.linear(x, layer.dense_weight, layer.bias)
         kernels = self.kernels
         if x.shape[0] > self.dense_min_rows:
+            if self.scheme.activations != "float":  # keep the int8 activations' numerics (w8a8 has no mins)
+                xa = kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")
+                m, k = xa.xq.shape
+                x = (xa.xq.to(x.dtype).view(m, k // 32, 32) * xa.xs.to(x.dtype).unsqueeze(-1)).view(m, k)
             outs = [F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
                     for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif self.scheme.activations == "float":

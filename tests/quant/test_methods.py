@@ -59,3 +59,15 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_models) -> None:
         load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="int3")
+
+
+def test_w8a8_keeps_its_int8_activations_above_the_kernel_rows(tiny_models) -> None:
+    """Prefill above dense_min_rows dequantizes the weights; the activations must still be int8 per token, or a
+    request's tokens would depend on its batch (found by a fresh-user trial)."""
+    loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
+    layer = loaded.model.model.layers[0].mlp.down_proj
+    x = torch.randn(64, layer.input_size)
+    kernel_rows = torch.cat([layer(x[i : i + 8]) for i in range(0, 64, 8)])  # 8 rows: the int8 kernel
+    layer.quant_method.dense_min_rows = 8
+    dense = layer(x)  # 64 rows: dequantize + GEMM
+    assert torch.allclose(dense, kernel_rows, rtol=1e-4, atol=1e-4), (dense - kernel_rows).abs().max()
