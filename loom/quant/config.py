@@ -88,9 +88,16 @@ class GGUFConfig:
         return self.tensor_types.get("model.embed_tokens.weight") in {t.name for t in REPACKED_TYPES}
 
 
+# The LM head of the lossier methods is kept at 8-bit weight-only (w8a16): GPTQ and AWQ checkpoints leave
+# lm_head unquantized by default and llama.cpp's 4-bit files keep output.weight at Q6_K/Q8_0, because its
+# errors reach the logits with no later layer to average them out. Measured on the bundled model, 8x512
+# held-out tokens (benchmarks/BENCHMARKS.md, "Quality"): w4a16 top-1 agreement 78.9% with a 4-bit head.
+LM_HEAD_SCHEME = {"w4a16": "w8a16", "w8a8": "w8a16", "fp8": "w8a16"}
+
+
 class RTNConfig:
-    """Quantize a dense checkpoint at load: every linear layer (and the LM head) whose input size the layout
-    takes; others stay dense (logged)."""
+    """Quantize a dense checkpoint at load: every linear layer whose input size the layout takes (others
+    stay dense, logged), and the LM head under `LM_HEAD_SCHEME`."""
 
     keeps_gguf_packed = False
     float32_kernels = True
@@ -101,13 +108,14 @@ class RTNConfig:
     def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
         from loom.quant.methods import Fp8LinearMethod, PackedLinearMethod
 
-        if self.name == "fp8":
+        name = LM_HEAD_SCHEME.get(self.name, self.name) if prefix == "lm_head" else self.name
+        if name == "fp8":
             return Fp8LinearMethod()
         if layer.input_size % 32:
-            logger.info("%s stays dense under %s: input size %d is not a multiple of 32", prefix, self.name,
+            logger.info("%s stays dense under %s: input size %d is not a multiple of 32", prefix, name,
                         layer.input_size)
             return default_linear_method(layer.dtype, _device_of(layer))
-        return PackedLinearMethod(self.name, "RTN")
+        return PackedLinearMethod(name, "RTN")
 
     def embedding_packed(self) -> bool:
         return False

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from loom.model.loader import load_model
+from loom.quant.config import LM_HEAD_SCHEME
 from loom.quant.methods import Fp8LinearMethod, PackedLinearMethod
 from tests.model.model_harness import PagedHarness
 
@@ -29,8 +30,12 @@ def test_quantized_methods_stay_near_the_dense_model(tiny_models, name: str, met
     path = str(tiny_models[name].path)
     dense = load_model(path, torch.float32, CPU, quantization="none")
     quant = load_model(path, torch.float32, CPU, quantization=method)
-    kinds = {type(m.quant_method) for m in quant.model.modules() if hasattr(m, "quant_method")}
-    assert kinds == {Fp8LinearMethod if method == "fp8" else PackedLinearMethod}  # every linear, the LM head too
+    head = quant.model.lm_head.quant_method
+    kinds = {type(m.quant_method) for m in quant.model.modules() if hasattr(m, "quant_method") and m.quant_method
+             is not head}
+    assert kinds == {Fp8LinearMethod if method == "fp8" else PackedLinearMethod}  # every linear
+    # the LM head of the lossier methods stays 8-bit weight-only (LM_HEAD_SCHEME)
+    assert isinstance(head, PackedLinearMethod) and head.scheme.name == LM_HEAD_SCHEME.get(method, method)
     ref, got = _logits(dense.model, dense.arch), _logits(quant.model, quant.arch)
     assert got.shape == ref.shape and torch.isfinite(got).all()
     # relative error of the logits on random O(1) weights through 2 layers (measured: int8 ~1-5%, 4-bit ~33%,
