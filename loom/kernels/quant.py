@@ -117,6 +117,7 @@ class QuantKernels:
         self._quant = self._fn(lib.loom_quantize_act, [p, i64, i32, i64, i64, i32, p, p, p, i32], None)
         self._q4_q8 = self._fn(lib.loom_gemm_q4g32_q8, [p, p, p, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
         self._q8_q8 = self._fn(lib.loom_gemm_q8g_q8, [p, p, p, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
+        self._quant16 = self._fn(lib.loom_quantize_act16, [p, i64, i32, i64, i64, p, p, p, i32], None)
         self._q4_f = self._fn(lib.loom_gemm_q4g32_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
         self._q8_f = self._fn(lib.loom_gemm_q8g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._dq4 = self._fn(lib.loom_dequant_q4g32, [p, p, p, i64, i64, p, i32, i32], None)
@@ -142,6 +143,23 @@ class QuantKernels:
             self._quant(x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), m, k, int(per_token), xq.data_ptr(),
                         xs.data_ptr(), xsum.data_ptr(), torch.get_num_threads())
         return QuantizedActivations(xq, xs, xsum)
+
+    def quantize_activations16(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [M, K] float32 or bfloat16 -> the int16 codes gemm_f multiplies (qgemm.c, item 3): codes int16
+        [M, K], block scales float32 [M, K/32], sums of the dequantized 16-value halves float32 [M, K/16].
+        Exposed for tests; gemm_f quantizes its input itself.
+
+        Raises:
+            ValueError: x not a 2-D float32 / bfloat16 CPU matrix with unit column stride, or K % 32 != 0.
+        """
+        m, k, ldx = _check_x(x)
+        codes = torch.empty(m, k, dtype=torch.int16)
+        scales = torch.empty(m, k // 32, dtype=torch.float32)
+        halves = torch.empty(m, k // 16, dtype=torch.float32)
+        if m and k:
+            self._quant16(x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), m, k, codes.data_ptr(),
+                          scales.data_ptr(), halves.data_ptr(), torch.get_num_threads())
+        return codes, scales, halves
 
     def gemm_q8(self, xa: QuantizedActivations, w: PackedWeight, bias: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -180,8 +198,9 @@ class QuantKernels:
 
     def gemm_f(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """y [M, N] = x W^T (+ bias) with float activations (weight-only quantization: codes widened to
-        float32, float32 products and sums; qgemm.c, item 3). x [M, K] float32 or bfloat16, any row stride
+        """y [M, N] = x W^T (+ bias) for weight-only quantization: x quantized to int16 codes per block of 32
+        (relative error <= 2^-16 of the block's max|x|: finer than float16 or bfloat16 activations), exact
+        integer dots per block, float32 scaling and sums (qgemm.c, item 3). x [M, K] float32 or bfloat16, any row stride
         with unit column stride; bias float32 [N] or None; out_dtype float32 or bfloat16.
 
         Raises:

@@ -6,13 +6,14 @@ how activations enter the kernel:
 
 | scheme | weights                                   | activations                                      |
 |--------|-------------------------------------------|--------------------------------------------------|
-| gguf   | the file's own blocks, repacked exactly   | float, codes widened in registers (see below)    |
-| w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | float (bf16 / fp32), codes widened in registers  |
-| w8a16  | RTN int8 asymmetric groups of 32 (q8g)    | float                                            |
+| gguf   | the file's own blocks, repacked exactly   | int16 codes per block of 32 (see below)          |
+| w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | int16 codes per block of 32                      |
+| w8a16  | RTN int8 asymmetric groups of 32 (q8g)    | int16 codes per block of 32                      |
 | w8a8   | RTN int8 symmetric per output channel     | int8, one dynamic scale per token (SmoothQuant's |
 |        |                                           | W8A8 without smoothing), int32 sums per block    |
 
-gguf keeps float activations: int8 activations per block of 32 (llama.cpp's Q8_0/Q8_1 pairing) ran no faster
+"float" activations (the model dtype) reach the C kernels, which quantize them to int16 codes per block of
+32 (2^-16 of the block's max: finer than bfloat16; qgemm.c, item 3): int8 activations per block of 32 (llama.cpp's Q8_0/Q8_1 pairing) ran no faster
 on AVX2 and agreed with the float32 top-1 token on only 92% of held-out positions (100% with float ones;
 benchmarks/NOTES.md, "Quantized kernels"). Activations are quantized once per layer input: q/k/v and gate/up are stacked into one layer, so one call
 serves them all, and a stacked layer whose shards came in different layouts shares that one quantization.

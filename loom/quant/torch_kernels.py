@@ -6,7 +6,9 @@ with the same rounding (torch.round is round-half-even, as the C code's conversi
 rounding mode), so codes and scales are equal bit for bit; `gemm_q8` as one float32 matmul of the
 dequantized activations (xq * xs) by the dequantized symmetric part of the weight (scales * codes), plus
 the mins' term from the activation group sums exactly as the C code defines them; `gemm_f` as
-layout.dequantize then F.linear in float32; `dequantize` is layout.dequantize. Runs on the device of its
+layout.dequantize then F.linear in float32 (float activations: the C kernels' int16 activation codes,
+whose reference is `quantize_activations16`, differ from it by at most their rounding, 2^-16 of a block's
+max|x|); `dequantize` is layout.dequantize. Runs on the device of its
 inputs.
 """
 
@@ -59,6 +61,26 @@ class TorchQuantKernels:
         s = xs.unsqueeze(-1)
         q = torch.where(s > 0, torch.round(blocks / s).clamp(-127, 127), 0.0)
         return QuantizedActivations(q.to(torch.int8).reshape(m, k), xs, blocks.sum(-1))
+
+    def quantize_activations16(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The C gemm_f's int16 activation codes (qgemm.c, item 3), bit for bit: x [M, K] -> codes int16
+        [M, K] = round(x / s) clamped to [-32767, 32767] (0 where s == 0), s = max|x| / 32767 per block of 32
+        (float32 [M, K/32]; NaN for a block holding a NaN), and the sums of the dequantized halves
+        s * sum(codes) float32 [M, K/16].
+
+        Raises:
+            ValueError: x not a 2-D floating tensor with K % 32 == 0.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+            raise ValueError("x must be a 2-D float32 / bfloat16 / float16 tensor [M, K]")
+        m, k = x.shape
+        if k % 32:
+            raise ValueError(f"K={k} must be a multiple of 32")
+        blocks = x.float().reshape(m, k // 32, 32)
+        s = blocks.abs().amax(-1) / 32767 if k else blocks.new_zeros(m, 0)
+        q = torch.where(s.unsqueeze(-1) > 0, torch.round(blocks / s.unsqueeze(-1)).clamp(-32767, 32767), 0.0)
+        halves = q.view(m, k // 16, 16).sum(-1) * s.repeat_interleave(2, dim=1)
+        return q.to(torch.int16).reshape(m, k), s.contiguous(), halves
 
     def gemm_q8(self, xa: QuantizedActivations, w: PackedWeight, bias: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -58,9 +58,12 @@ def test_decode_step_equals_the_per_layer_path(packed_model, isa: str) -> None:
     if isa == kernel_isas("decode_step")[0]:  # the per-layer path runs the best ISA's kernels too
         assert torch.equal(one_call, per_layer)
         assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
-    else:  # another ISA's kernels sum in another order: float32 rounding apart
-        assert torch.allclose(one_call, per_layer, rtol=1e-4, atol=1e-4), (one_call - per_layer).abs().max()
-        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(caches, per_layer_caches))
+    else:  # another ISA's kernels sum in another order: float32 rounding apart, which can move an int16
+        # activation code by one step (2^-15 of its block's max) in a later layer: relative error, 30 layers
+        rel = float((one_call - per_layer).norm() / per_layer.norm())
+        assert rel < 1e-4, rel
+        for a, b in zip(caches, per_layer_caches):
+            assert float((a - b).norm() / b.norm()) < 1e-4
 
 
 def test_decode_step_declines_what_it_does_not_serve(packed_model) -> None:

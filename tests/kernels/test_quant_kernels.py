@@ -8,7 +8,10 @@ roundings (u = 2^-24 each), so whatever the order of summation |computed - exact
 The tests allow n' eps sum |t_i| with eps = 2^-23 = 2u, i.e. 2 n' >= n + c:
 - C int8 path: one term per 16-value half-block (an exact integer dot times a scale product rounded
   once), one per group for the mins, one bias: n <= K/16 + groups + 1, and n' = K/32 + groups + 8;
-- float-activation path, and torch's float32 matmuls: one term per product: n' = K + groups + 8.
+- C weight-only path (int16 activation codes, checked bit for bit against torch's reference): one term per
+  block or half-block, and per group the mins times a float sum of up to G/16 half sums, each rounded once:
+  n' = K/16 + groups + 8 against the product of the dequantized codes;
+- torch's float32 matmuls (its gemm_f takes the float activations): one term per product: n' = K + groups + 8.
 sum |t_i| is taken element-wise (|x| |q sc| ...), which bounds the block-wise sums too. A bfloat16 output
 is the float32 result rounded once to nearest even: it must equal the rounding of the float32 output.
 """
@@ -163,9 +166,54 @@ def test_gemm_f_matches_float64(impl: str, layout: str, group, mins: bool) -> No
         w = random_weight(layout, n, k, gs, mins, g)
         bias = torch.randn(n, generator=g) if with_bias else None
         x = random_x(m, k, xdtype, g, strided=strided)
-        ref, s = reference_f(x, w, bias)
         label = f"{impl} {layout}/{gs} mins={mins} M={m} N={n} K={k} bias={with_bias} x={xdtype} strided={strided}"
-        check_outputs(impl, lambda dt: kern.gemm_f(x, w, bias, dt), ref, s, k + k // gs + 8, label)
+        if impl == "torch":
+            ref, s = reference_f(x, w, bias)
+            terms = k + k // gs + 8
+        else:  # the C kernels multiply the int16 codes of x (qgemm.c, item 3)
+            ref, s = reference_f(dequantize16(x), w, bias)
+            terms = k // 16 + k // gs + 8
+        check_outputs(impl, lambda dt: kern.gemm_f(x, w, bias, dt), ref, s, terms, label)
+
+
+def dequantize16(x: torch.Tensor) -> torch.Tensor:
+    """float64 x^ = s * codes of torch's reference of the C kernels' int16 activation codes."""
+    codes, scales, _ = TORCH.quantize_activations16(x)
+    m, k = x.shape
+    return (codes.double().view(m, k // 32, 32) * scales.double().unsqueeze(-1)).view(m, k)
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+def test_int16_activation_codes_equal_torch(isa: str) -> None:
+    kern = kernels(isa)
+    for i, (m, k) in enumerate([(1, 32), (2, 64), (3, 96), (5, 576), (17, 1536), (64, 576)]):
+        for xdtype in (torch.float32, torch.bfloat16):
+            x = random_x(m, k, xdtype, torch.Generator().manual_seed(i), strided=i % 2 == 1)
+            got, ref = kern.quantize_activations16(x), TORCH.quantize_activations16(x)
+            assert got[0].dtype == torch.int16 and got[0].shape == (m, k) and got[2].shape == (m, k // 16)
+            for a, b in zip(got, ref, strict=True):
+                assert torch.equal(a, b), (m, k, xdtype)
+            assert int(got[0].abs().max()) == 32767  # every non-zero block reaches the full range
+            # |x^ - x| <= s / 2 (+ x / s's float32 rounding, < 0.003 of a code step): ~2^-16 of the block's max|x|
+            err = (dequantize16(x) - x.double()).abs().view(m, k // 32, 32).amax(-1)
+            assert torch.all(err <= x.double().abs().view(m, k // 32, 32).amax(-1) * 2.0 ** -16 * 1.01)
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+def test_int16_codes_round_half_to_even_and_keep_nan(isa: str) -> None:
+    kern = kernels(isa)
+    x = torch.zeros(2, 64)
+    x[0, :6] = torch.tensor([32767.0, 2.5, 3.5, -2.5, -0.5, 0.5])  # s = 1 exactly: x / s are the ties
+    x[1, 40] = float("nan")
+    codes, scales, halves = kern.quantize_activations16(x)
+    assert scales[0, 0].item() == 1.0 and codes[0, :6].tolist() == [32767, 2, 4, -2, 0, 0]
+    assert not codes[0, 32:].any() and scales[0, 1].item() == 0.0  # an all-zero block: s = 0, codes 0
+    assert scales[1, 1].isnan() and halves[1, 2:].isnan().all() and not halves[1, :2].isnan().any()
+    w = random_weight("q4g32", 8, 64, 32, True, torch.Generator().manual_seed(0))
+    w8 = random_weight("q8g", 8, 64, 32, False, torch.Generator().manual_seed(0))
+    for weight in (w, w8):  # a NaN in the activations reaches the outputs, mins or not
+        y = kern.gemm_f(x, weight)
+        assert y[1].isnan().all() and not y[0].isnan().any()
 
 
 def test_gemm_q8_is_close_to_the_float_product() -> None:

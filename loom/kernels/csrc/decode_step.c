@@ -8,7 +8,7 @@
  * bit for bit, from one call per step:
  *
  *   for each layer:  (normed, residual) = add_rmsnorm(h, residual)     (layer 0: rmsnorm of the embedding)
- *                    qkv = normed Wqkv^T (+ b)                          (loom_gemm_*_f: float activations)
+ *                    qkv = normed Wqkv^T (+ b)                          (loom_gemm_*_f: int16 x codes)
  *                    q, k = rotary(qkv[:, :Hq D]), rotary(qkv[:, Hq D : (Hq + Hkv) D])
  *                    K/V cache rows at slot_mapping[b] = k, v           (slot < 0: padding, not written)
  *                    a = paged_decode(q, caches, block_table, seq_lens)

@@ -26,9 +26,17 @@
  *    32; the float sum of the group's xsum blocks (in order) for larger groups; for q8g group 16, whose
  *    groups are half a block, xs[m,b] * (sum of the half's codes), i.e. the sum of the dequantized
  *    activations (xsum has no half-block sums).
- * 3. loom_gemm_{q4g32,q8g}_f (weight-only, "W4A16 / W8A16"): y[m,n] = sum_g sc[n,g] * sum_{k in g} x[m,k] q[n,k]
- *      + sum_g mins[n,g] * sum_{k in g} x[m,k] (+ bias[n]), float32 arithmetic; the codes are widened to
- *      float32 in registers, the group sums of x are computed once per call.
+ * 3. loom_gemm_{q4g32,q8g}_f (weight-only, "W4A16 / W8A16"): x is quantized per block of 32 to int16 codes,
+ *      s = max|x| / 32767 (NaN when the block holds a NaN), c = round-half-even(x / s) clamped to
+ *      [-32767, 32767] (c = 0 where s == 0); then y = x^ W^T with x^ = s * c:
+ *      y[m,n] = sum_b (s[m,b] * sc[n,g(b)]) * idot16(m,n,b) + sum_g mins[n,g] * gs[m,g] (+ bias[n]),
+ *      idot16 the exact integer dot (q8g group 16: per half, each with its scale), gs the float sum, in order,
+ *      of the group's half sums h = s * (integer sum of 16 codes). x^ is within 2^-16 of each block's max|x|
+ *      of x: finer than float16 or bfloat16 activations (top-1 agreement with the float32 path: benchmarks/
+ *      BENCHMARKS.md). Why int16 and not float: widening 4-bit codes to float32 costs four conversions and
+ *      four FMAs per 32 values; VPMADDWD on int16 codes takes half the instructions (2.2 -> 1.35 ns per block
+ *      on one Zen 3 thread from L2), which is what lets the decode GEMV approach memory speed. The codes are
+ *      computed once per call (loom_quantize_act16 exposes them).
  * 4. loom_dequant_{q4g32,q8g}: W [N, K] = float32(sc) * q + float32(min), bit for bit layout.dequantize
  *    (the product of a float16 and a code of at most 8 bits is exact, so one FMA rounds like mul + add),
  *    float32 or bfloat16 (the float32 value rounded to nearest even, as torch's .to(bfloat16)).
@@ -52,10 +60,11 @@
  * 1.25 ns per block, 16 GB/s of weights per thread from L2. Output rows are split in contiguous ranges
  * over `num_threads` OpenMP threads (torch's libgomp, loaded first, so the pool is shared).
  *
- * The functions that need scratch memory (group sums, the paired q4 activations, bfloat16 x widened to
- * float32) return 0, or -1 when malloc failed (nothing written); the others return nothing.
+ * The functions that need scratch memory (group sums, the paired q4 activations, the int16 codes) return 0, or -1 when malloc failed (nothing written); the others return nothing.
  */
 #include "quant_common.h"
+
+#include <math.h> /* NAN */
 
 #define MROWS 4 /* rows of x per pass over a weight row */
 
@@ -323,7 +332,7 @@ ALWAYS_INLINE int min_term(const uint16_t *mn, const float *gs, int64_t ng, cons
 }
 #endif
 
-/* Register tiles. One call of rows_q8 / rows_f computes up to four (weight row, x row) products, "slots":
+/* Register tiles. One call of rows_q8 / rows_16 computes up to four (weight row, x row) products, "slots":
  * at M == 1 the slots are NR = 4 consecutive weight rows against the one x row (the call's fixed costs,
  * scale set-up, mins and horizontal sums, shared by four rows), read one row after the other so that
  * memory is still read in order; at M > 1 one weight row against mc <= MROWS rows of x (each weight block
@@ -460,42 +469,73 @@ static void q4_pair_activations(const int8_t *xq, int64_t M, int64_t K, int8_t *
 }
 #if LOOM_QSIMD
 
-/* The codes of a weight block as float32: q[i] = values 8i..8i+7. */
-ALWAYS_INLINE void f_codes(const int kind, const uint8_t *wb, __m256 *q) {
-    if (kind == KIND_Q4) {
-        /* bytes 0..7 hold values 0..7 (low nibbles) and 16..23 (high), bytes 8..15 values 8..15, 24..31 */
-        const __m256i lo4 = _mm256_set1_epi32(0x0F);
-        const __m256i c0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)wb));
-        const __m256i c1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8)));
-        q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(c0, lo4));
-        q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c1, lo4));
-        q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c0, 4));
-        q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c1, 4));
-    } else {
-        for (int i = 0; i < 4; ++i)
-            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wb + 8 * i))));
-    }
+/* int16 activation codes (section 3) of a weight block against the block's x codes. q4g32 takes blocks in
+ * pairs: 32 packed bytes (blocks b, b + 1), each byte zero-extended to int16 in its 128-bit lane, give with
+ * one and / one shift per half A = [b 0-7 | b+1 0-7], B = [b 16-23 | b+1 16-23], C = [b 8-15 | b+1 8-15],
+ * D = [b 24-31 | b+1 24-31] (the order q4_pair_codes16 lays the x codes out in). A last unpaired block is a
+ * pair whose second block has zero codes. VPMADDWD of each with the x codes and three adds give 8 int32:
+ * lanes 0-3 the dot of block b, lanes 4-7 of b + 1 (|sum| <= 32 * 15 * 32767 < 2^31: exact). */
+typedef struct {
+    __m256i a, b, c, d;
+} w16x4;
+
+ALWAYS_INLINE w16x4 q4_codes16(const uint8_t *p, int pair) {
+    const __m256i v = pair ? _mm256_loadu_si256((const __m256i *)p)
+                           : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128((const __m128i *)p));
+    const __m256i z = _mm256_setzero_si256(), m = _mm256_set1_epi16(0x0F);
+    const __m256i lo = _mm256_unpacklo_epi8(v, z), hi = _mm256_unpackhi_epi8(v, z);
+    w16x4 r;
+    r.a = _mm256_and_si256(lo, m);
+    r.b = _mm256_srli_epi16(lo, 4);
+    r.c = _mm256_and_si256(hi, m);
+    r.d = _mm256_srli_epi16(hi, 4);
+    return r;
 }
 
-/* The 32 products of a block's codes q with x (x4: the block's four vectors of x) into *lo += t * s[0]
- * (KIND_Q8_16: values 0..15 into *lo with s[0], values 16..31 into *hi with s[1]). */
-ALWAYS_INLINE void f_dot(const int kind, const __m256 *q, const __m256 *x4, const float *s, __m256 *lo, __m256 *hi) {
-    if (kind == KIND_Q8_16) {
-        const __m256 t0 = _mm256_fmadd_ps(q[1], x4[1], _mm256_mul_ps(q[0], x4[0]));
-        const __m256 t1 = _mm256_fmadd_ps(q[3], x4[3], _mm256_mul_ps(q[2], x4[2]));
-        *lo = _mm256_fmadd_ps(t0, _mm256_broadcast_ss(s), *lo);
-        *hi = _mm256_fmadd_ps(t1, _mm256_broadcast_ss(s + 1), *hi);
-    } else {
-        __m256 t = _mm256_mul_ps(q[0], x4[0]);
-        t = _mm256_fmadd_ps(q[1], x4[1], t);
-        t = _mm256_fmadd_ps(q[2], x4[2], t);
-        t = _mm256_fmadd_ps(q[3], x4[3], t);
-        *lo = _mm256_fmadd_ps(t, _mm256_broadcast_ss(s), *lo);
-    }
+ALWAYS_INLINE __m256i q4_dot16(const w16x4 *w, const int16_t *xp) {
+    const __m256i *x = (const __m256i *)xp;
+    const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(w->a, _mm256_loadu_si256(x)),
+                                        _mm256_madd_epi16(w->b, _mm256_loadu_si256(x + 1)));
+    const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(w->c, _mm256_loadu_si256(x + 2)),
+                                        _mm256_madd_epi16(w->d, _mm256_loadu_si256(x + 3)));
+    return _mm256_add_epi32(s0, s1);
 }
 
-ALWAYS_INLINE void load_x4(const float *xb, __m256 *x4) {
-    for (int i = 0; i < 4; ++i) x4[i] = _mm256_loadu_ps(xb + 8 * i);
+/* q8g: a block's 32 codes as two vectors of 16 int16 (values 0..15, 16..31), and its dots with the x codes
+ * in value order: 8 int32 each (|sum| <= 16 * 128 * 32767 < 2^31). */
+ALWAYS_INLINE void q8_codes16(const uint8_t *p, __m256i *w) {
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+}
+
+typedef struct { /* one step's weight codes: q4 (a pair) or q8 (a block) */
+    w16x4 w4;
+    __m256i w8[2];
+} wcodes;
+
+/* [d[0] x4 | d[1] x4] (pair = 0: [d[0] x4 | 0 x4]) */
+ALWAYS_INLINE __m256 pair_scales(const float *d, int pair) {
+    if (!pair) return _mm256_castps128_ps256(_mm_broadcast_ss(d)); /* upper lanes zero */
+    const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)d));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+/* acc + the dots of a q4 pair (pair = 0: one block) times their scale products d[0], d[1]. */
+ALWAYS_INLINE __m256 dot16_q4(const w16x4 *w, const int16_t *xp, const float *d, int pair, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(w, xp)), pair_scales(d, pair), acc);
+}
+
+/* q8g (groups >= 32): acc + the block's dot times d[0]. */
+ALWAYS_INLINE __m256 dot16_q8(const __m256i *w, const int16_t *x, const float *d, __m256 acc) {
+    const __m256i lo = _mm256_madd_epi16(w[0], _mm256_loadu_si256((const __m256i *)x));
+    const __m256i hi = _mm256_madd_epi16(w[1], _mm256_loadu_si256((const __m256i *)(x + 16)));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_broadcast_ss(d), acc);
+}
+
+/* q8g groups of 16: acc + the dot of one 16-value half (codes w, x codes at x) times its scale product d. */
+ALWAYS_INLINE __m256 dot16_half(__m256i w, const int16_t *x, const float *d, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)x))),
+                           _mm256_broadcast_ss(d), acc);
 }
 #endif /* LOOM_QSIMD */
 
@@ -665,122 +705,128 @@ ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uin
 #endif
 }
 
-/* dots[i] = sum_g sc[g] * sum_{k in g} x[m, k] q[k] + sum_g mn[g] sx[m, g] for the slots of a tile (as
- * rows_q8), x float32 rows at stride ldx, sx their group sums (stride ng). */
-ALWAYS_INLINE void rows_f(const int kind, const int nr, const int mc, const uint8_t *w, int64_t row_bytes,
-                          const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, const float *x, int64_t ldx,
-                          const float *sx, int64_t K, float *dots) {
+/* dots[i] = sum_b d[b] idot16(b) + sum_g mn[g] gs[m, g] for the slots of a tile (as rows_q8): the int16 x
+ * codes of section 3 (xc: row stride xstride; q4g32 in SIMD builds: the pair layout), d = the weight block
+ * scales times the x block scales xs (stride K/32), gs the group sums of the dequantized x (stride ng). */
+ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uint8_t *w, int64_t row_bytes,
+                           const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, const int16_t *xc,
+                           int64_t xstride, const float *xs, const float *gs, int64_t K, float *dots) {
     const int64_t nb = K / 32;
 #if LOOM_QSIMD
-    const int64_t bb = kind == KIND_Q4 ? 16 : 32, ds = kind == KIND_Q8_16 ? 2 : 1;
+    const int64_t bb = kind == KIND_Q4 ? 16 : 32, step = kind == KIND_Q4 ? 2 : 1; /* blocks per step */
     const int cnt = nr * mc, by_row = nr == NR;
     __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-    for (int64_t c0 = 0; c0 < nb; c0 += CH) {
+    for (int64_t c0 = 0; c0 < nb; c0 += CH) { /* CH is even: chunks start on a pair */
         const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
-        float s[NR][2 * CH]; /* the weight scales of the chunk's blocks (KIND_Q8_16: of the halves), per row */
-        for (int r = 0; r < nr; ++r) block_scales(kind, sc + r * ng, bpg, NULL, c0, cc, s[r]);
-/* block c0 + (J) of weight row I (by_row tiles): values 0..15 into A, 16..31 into B (the same variable
- * except for KIND_Q8_16) */
-#define F_STEP(I, J, A, B)                                                                                       \
+        float d[NSLOT][2 * CH]; /* scale products of the chunk's blocks (KIND_Q8_16: halves), per slot */
+        for (int i = 0; i < cnt; ++i)
+            block_scales(kind, sc + (by_row ? i : 0) * ng, bpg, xs + (by_row ? 0 : i) * nb, c0, cc, d[i]);
+/* One step of the chunk (q4: the pair at block j, `pair` = 0 for a lone last block; q8: block j) of the
+ * weight codes WQ against the x codes at X with scale products D, into ACC (q4 and q8 groups >= 32) or, for
+ * groups of 16, the first half into E and the second into O. Steps go to E, O, E, ... from each chunk's
+ * start (ACC = E for even steps j / step), in by-row and by-x tiles alike. */
+#define STEP(WQ, X, D, J, PAIR, ACC, E, O)                                                                       \
     do {                                                                                                         \
-        __m256 q_[4], x_[4];                                                                                     \
-        f_codes(kind, w + (I) * row_bytes + bb * (c0 + (J)), q_);                                                \
-        load_x4(x + 32 * (c0 + (J)), x_);                                                                        \
-        f_dot(kind, q_, x_, s[I] + ds * (J), &A, &B);                                                            \
-    } while (0)
-/* all blocks of the chunk for weight row I */
-#define F_SLOT(I, E, O)                                                                                          \
-    do {                                                                                                         \
-        int64_t j_ = 0;                                                                                          \
-        if (kind == KIND_Q8_16) {                                                                                \
-            for (; j_ < cc; ++j_) F_STEP(I, j_, E, O);                                                           \
+        if (kind == KIND_Q4) {                                                                                   \
+            ACC = dot16_q4(&(WQ).w4, X, D + (J), PAIR, ACC);                                                     \
+        } else if (kind == KIND_Q8_16) {                                                                         \
+            E = dot16_half((WQ).w8[0], X, D + 2 * (J), E);                                                       \
+            O = dot16_half((WQ).w8[1], (X) + 16, D + 2 * (J) + 1, O);                                            \
         } else {                                                                                                 \
-            for (; j_ + 2 <= cc; j_ += 2) {                                                                      \
-                F_STEP(I, j_, E, E);                                                                             \
-                F_STEP(I, j_ + 1, O, O);                                                                         \
-            }                                                                                                    \
-            if (j_ < cc) F_STEP(I, j_, E, E);                                                                    \
+            ACC = dot16_q8((WQ).w8, X, D + (J), ACC);                                                            \
         }                                                                                                        \
     } while (0)
-/* block c0 + (J) of the weight row against the mc rows of x (nr == 1 tiles) */
-#define F_STEP_X(J, A0, A1, A2, A3, B0, B1, B2, B3)                                                             \
+#define LOAD(WQ, WR, J, PAIR)                                                                                    \
     do {                                                                                                         \
-        const int64_t b_ = c0 + (J);                                                                             \
-        __m256 q_[4], x_[4];                                                                                     \
-        f_codes(kind, w + bb * b_, q_);                                                                          \
-        load_x4(x + 32 * b_, x_);                                                                                \
-        f_dot(kind, q_, x_, s[0] + ds * (J), &A0, &B0);                                                          \
-        if (mc > 1) {                                                                                            \
-            load_x4(x + ldx + 32 * b_, x_);                                                                      \
-            f_dot(kind, q_, x_, s[0] + ds * (J), &A1, &B1);                                                      \
+        if (kind == KIND_Q4) (WQ).w4 = q4_codes16((WR) + 16 * (J), PAIR);                                        \
+        else q8_codes16((WR) + 32 * (J), (WQ).w8);                                                               \
+    } while (0)
+/* all steps of the chunk for weight row I (by-row tiles): an even and an odd step per iteration */
+#define R_SLOT(I, E, O)                                                                                          \
+    do {                                                                                                         \
+        const uint8_t *wr_ = w + (I) * row_bytes + bb * c0;                                                      \
+        const int16_t *x_ = xc + 32 * c0;                                                                        \
+        wcodes wq_;                                                                                              \
+        int64_t j = 0;                                                                                           \
+        for (; j + 2 * step <= cc; j += 2 * step) {                                                              \
+            LOAD(wq_, wr_, j, 1);                                                                                \
+            STEP(wq_, x_ + 32 * j, d[I], j, 1, E, E, O);                                                         \
+            LOAD(wq_, wr_, j + step, 1);                                                                         \
+            STEP(wq_, x_ + 32 * (j + step), d[I], j + step, 1, O, E, O);                                         \
         }                                                                                                        \
-        if (mc > 2) {                                                                                            \
-            load_x4(x + 2 * ldx + 32 * b_, x_);                                                                  \
-            f_dot(kind, q_, x_, s[0] + ds * (J), &A2, &B2);                                                      \
+        if (j < cc) { /* one even step left: a whole pair or a lone block */                                     \
+            LOAD(wq_, wr_, j, j + 1 < cc);                                                                       \
+            STEP(wq_, x_ + 32 * j, d[I], j, j + 1 < cc, E, E, O);                                                \
         }                                                                                                        \
-        if (mc > 3) {                                                                                            \
-            load_x4(x + 3 * ldx + 32 * b_, x_);                                                                  \
-            f_dot(kind, q_, x_, s[0] + ds * (J), &A3, &B3);                                                      \
-        }                                                                                                        \
+    } while (0)
+/* the step at j of the one weight row (codes in wq) against x row M (by-x tiles) */
+#define X_STEP(M, E, O)                                                                                          \
+    do {                                                                                                         \
+        const int16_t *x_ = xc + (M) * xstride + 32 * (c0 + j);                                                  \
+        if (odd) STEP(wq, x_, d[M], j, pair, O, E, O);                                                           \
+        else STEP(wq, x_, d[M], j, pair, E, E, O);                                                               \
     } while (0)
         if (by_row) { /* one weight row after the other, in memory order (see rows_q8) */
-            F_SLOT(0, e0, o0);
-            F_SLOT(1, e1, o1);
-            F_SLOT(2, e2, o2);
-            F_SLOT(3, e3, o3);
+            R_SLOT(0, e0, o0);
+            R_SLOT(1, e1, o1);
+            R_SLOT(2, e2, o2);
+            R_SLOT(3, e3, o3);
         } else {
-            int64_t j = 0;
-            if (kind == KIND_Q8_16) {
-                for (; j < cc; ++j) F_STEP_X(j, e0, e1, e2, e3, o0, o1, o2, o3);
-            } else {
-                for (; j + 2 <= cc; j += 2) {
-                    F_STEP_X(j, e0, e1, e2, e3, e0, e1, e2, e3);
-                    F_STEP_X(j + 1, o0, o1, o2, o3, o0, o1, o2, o3);
-                }
-                if (j < cc) F_STEP_X(j, e0, e1, e2, e3, e0, e1, e2, e3);
+            for (int64_t j = 0; j < cc; j += step) {
+                const int pair = kind == KIND_Q4 && j + 1 < cc, odd = (j / step) & 1;
+                wcodes wq;
+                LOAD(wq, w + bb * c0, j, pair);
+                X_STEP(0, e0, o0);
+                if (mc > 1) X_STEP(1, e1, o1);
+                if (mc > 2) X_STEP(2, e2, o2);
+                if (mc > 3) X_STEP(3, e3, o3);
             }
         }
-#undef F_STEP_X
-#undef F_SLOT
-#undef F_STEP
+#undef X_STEP
+#undef R_SLOT
+#undef LOAD
+#undef STEP
     }
     __m256 a0[NSLOT] = {e0, e1, e2, e3}, a1[NSLOT] = {o0, o1, o2, o3};
-    finish(cnt, by_row, a0, a1, mn, sx, ng, dots);
+    finish(cnt, by_row, a0, a1, mn, gs, ng, dots);
 #else
     for (int r = 0; r < nr; ++r) {
         const uint8_t *wr = w + r * row_bytes;
         const uint16_t *scr = sc + r * ng;
         for (int m = 0; m < mc; ++m) {
+            const int16_t *xm = xc + m * xstride;
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; ++b) {
-                const float *xb = x + m * ldx + 32 * b;
-                float lo = 0.0f, hi = 0.0f; /* values 0..15 and 16..31 */
+                int32_t lo = 0, hi = 0; /* values 0..15 and 16..31 */
                 for (int j = 0; j < 16; ++j) {
-                    float qa, qb;
+                    int qa, qb;
                     if (kind == KIND_Q4) {
-                        qa = (float)(wr[16 * b + j] & 0xF);
-                        qb = (float)(wr[16 * b + j] >> 4);
+                        qa = wr[16 * b + j] & 0xF;
+                        qb = wr[16 * b + j] >> 4;
                     } else {
-                        qa = (float)(int8_t)wr[32 * b + j];
-                        qb = (float)(int8_t)wr[32 * b + 16 + j];
+                        qa = (int8_t)wr[32 * b + j];
+                        qb = (int8_t)wr[32 * b + 16 + j];
                     }
-                    lo += xb[j] * qa;
-                    hi += xb[16 + j] * qb;
+                    lo += qa * xm[32 * b + j];
+                    hi += qb * xm[32 * b + 16 + j];
                 }
-                if (kind == KIND_Q8_16)
-                    acc += loom_f16_to_f32(scr[2 * b]) * lo + loom_f16_to_f32(scr[2 * b + 1]) * hi;
-                else
-                    acc += loom_f16_to_f32(scr[b / bpg]) * (lo + hi);
+                const float xsb = xs[m * nb + b];
+                if (kind == KIND_Q8_16) {
+                    acc += (loom_f16_to_f32(scr[2 * b]) * xsb) * (float)lo;
+                    acc += (loom_f16_to_f32(scr[2 * b + 1]) * xsb) * (float)hi;
+                } else {
+                    acc += (loom_f16_to_f32(scr[b / bpg]) * xsb) * (float)(lo + hi);
+                }
             }
             if (mn)
-                for (int64_t g = 0; g < ng; ++g) acc += loom_f16_to_f32(mn[r * ng + g]) * sx[m * ng + g];
+                for (int64_t g = 0; g < ng; ++g) acc += loom_f16_to_f32(mn[r * ng + g]) * gs[m * ng + g];
             dots[r * mc + m] = acc;
         }
     }
 #endif
 }
 
-/* rows_q8 / rows_f with `kind`, `nr` and `mc` turned into constants: nr == NR (then mc == 1), or nr == 1. */
+/* rows_q8 / rows_16 with `kind`, `nr` and `mc` turned into constants: nr == NR (then mc == 1), or nr == 1. */
 #define DEFINE_ROWS(ROWS, XT, KIND, NAME)                                                                         \
     static void NAME(int64_t nr, int64_t mc, const uint8_t *w, int64_t rb, const uint16_t *sc, const uint16_t *mn, \
                      int64_t ng, int64_t bpg, const XT *x, int64_t ldx, const float *xs, const float *gs,          \
@@ -801,21 +847,39 @@ ALWAYS_INLINE void rows_f(const int kind, const int nr, const int mc, const uint
 /* one signature for both paths: q8 (x = xq, ldx unused, xs = scales, gs = group sums), f (xs unused) */
 #define ROWS_Q8_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots) \
     rows_q8(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, xs, gs, K, dots)
-#define ROWS_F_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots) \
-    rows_f(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, gs, K, dots)
+#define ROWS_16_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots) \
+    rows_16(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots)
 DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q4, rows_q8_q4)
 DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8, rows_q8_q8)
 DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8_16, rows_q8_q8_16)
-DEFINE_ROWS(ROWS_F_ARGS, float, KIND_Q4, rows_f_q4)
-DEFINE_ROWS(ROWS_F_ARGS, float, KIND_Q8, rows_f_q8)
-DEFINE_ROWS(ROWS_F_ARGS, float, KIND_Q8_16, rows_f_q8_16)
+DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q4, rows_16_q4)
+DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q8, rows_16_q8)
+DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q8_16, rows_16_q8_16)
 typedef void (*rows_q8_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
                            int64_t, const int8_t *, int64_t, const float *, const float *, int64_t, float *);
-typedef void (*rows_f_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
-                          int64_t, const float *, int64_t, const float *, const float *, int64_t, float *);
+typedef void (*rows_16_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
+                           int64_t, const int16_t *, int64_t, const float *, const float *, int64_t, float *);
 
 /* Work below which the products run on the calling thread: waking the pool costs more than it saves. */
 #define PAR_MIN_WORK 32768
+
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16
+#endif
+/* Software prefetch of weight rows [n0, n0 + rows) (codes, scales, mins) a few tiles ahead of use. */
+static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, const uint16_t *mn,
+                                 int64_t ng, int64_t n0, int64_t rows, int64_t N) {
+    if (n0 >= N) return;
+    if (rows > N - n0) rows = N - n0;
+    const char *p = (const char *)(w + n0 * row_bytes);
+    for (int64_t off = 0; off < rows * row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    p = (const char *)(sc + n0 * ng);
+    for (int64_t off = 0; off < rows * ng * 2; off += 64) __builtin_prefetch(p + off, 0, 3);
+    if (mn) {
+        p = (const char *)(mn + n0 * ng);
+        for (int64_t off = 0; off < rows * ng * 2; off += 64) __builtin_prefetch(p + off, 0, 3);
+    }
+}
 
 /* y = the tiles over all (n, m), shared by both paths: `rows(nr, mc, n, m0, dots)` computes one tile. At
  * M == 1 the work items are fixed groups of NR rows (a last partial group runs a row at a time), else
@@ -827,6 +891,7 @@ typedef void (*rows_f_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint
         float dots[NSLOT];                                                                                       \
         if (M == 1) {                                                                                            \
             const int64_t n0 = it * NR, cnt = N - n0 < NR ? N - n0 : NR;                                         \
+            prefetch_rows(w, row_bytes, sc, mn, ng, n0 + PREFETCH_ROWS, NR, N);                                  \
             if (cnt == NR) {                                                                                     \
                 TILE(NR, 1, n0, 0);                                                                              \
                 for (int64_t r = 0; r < NR; ++r)                                                                 \
@@ -900,46 +965,135 @@ int loom_gemm_q8g_q8(const int8_t *xq, const float *xs, const float *xsum, int64
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
-/* 3. float-activation (weight-only) GEMM                                                                   */
+/* 3. weight-only GEMM: int16 activation codes                                                              */
 /* ------------------------------------------------------------------------------------------------------ */
 
-static int gemm_f(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
-                  const uint16_t *sc, const uint16_t *mn, int64_t G, const float *bias, void *y, int64_t N,
-                  int y_bf16, int num_threads) {
-    const int64_t ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
-    const int64_t bpg = G >= 32 ? G / 32 : 1;
-    /* scratch: x widened to float32 (bfloat16 input only) [M, K], then the group sums of x [M, ng] */
-    const size_t nx = x_bf16 ? (size_t)(M * K) : 0, ns = mn ? (size_t)(M * ng) : 0;
-    float *scratch = NULL;
-    if (nx + ns) {
-        scratch = (float *)malloc((nx + ns) * sizeof(float));
-        if (!scratch) return -1;
-    }
-    const float *xf = (const float *)x;
-    if (x_bf16) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
-        for (int64_t m = 0; m < M; ++m) {
-            const uint16_t *src = (const uint16_t *)x + m * ldx;
-            float *dst = scratch + m * K;
 #if LOOM_QSIMD
-            for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(dst + k, bf16x8_to_f32(src + k));
-#else
-            for (int64_t k = 0; k < K; ++k) dst[k] = loom_bf16_to_f32(src[k]);
+ALWAYS_INLINE int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
 #endif
+
+/* One row x [K] (float32 or bfloat16) -> int16 codes c [K] in value order, block scales s [K/32] and the
+ * sums of the dequantized halves h [K/16] (the header's item 3). */
+static void quantize_row16(const void *x, int x_bf16, int64_t K, int16_t *c, float *s, float *h) {
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; ++b) {
+#if LOOM_QSIMD
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], nan = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            const int64_t k = 32 * b + 8 * i;
+            v[i] = x_bf16 ? bf16x8_to_f32((const uint16_t *)x + k) : _mm256_loadu_ps((const float *)x + k);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
         }
-        xf = scratch;
-        ldx = K;
+        const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        const float d = _mm256_movemask_ps(nan) ? NAN : hmax8(a) / 32767.0f;
+        s[b] = d;
+        if (d > 0.0f) {
+            const __m256 dv = _mm256_set1_ps(d), lo = _mm256_set1_ps(-32767.0f), hi = _mm256_set1_ps(32767.0f);
+            __m256i r[4];
+            for (int i = 0; i < 4; ++i) /* MXCSR's default rounding: nearest even, as torch.round */
+                r[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v[i], dv), lo), hi));
+            /* packs works per 128-bit lane; the permute puts the 16 values back in order */
+            _mm256_storeu_si256((__m256i *)(c + 32 * b), _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(c + 32 * b + 16),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xD8));
+            h[2 * b] = d * (float)hsum8_epi32(_mm256_add_epi32(r[0], r[1]));
+            h[2 * b + 1] = d * (float)hsum8_epi32(_mm256_add_epi32(r[2], r[3]));
+            continue;
+        }
+#else
+        float v[32], mx = 0.0f;
+        int nan = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int64_t k = 32 * b + j;
+            v[j] = x_bf16 ? loom_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            const float m = v[j] < 0 ? -v[j] : v[j];
+            mx = m > mx ? m : mx;
+            nan |= v[j] != v[j];
+        }
+        const float d = nan ? NAN : mx / 32767.0f;
+        s[b] = d;
+        if (d > 0.0f) {
+            int32_t half[2] = {0, 0};
+            for (int j = 0; j < 32; ++j) {
+                float t = v[j] / d;
+                t = t < -32767.0f ? -32767.0f : (t > 32767.0f ? 32767.0f : t);
+                c[32 * b + j] = (int16_t)loom_round_even(t);
+                half[j / 16] += c[32 * b + j];
+            }
+            h[2 * b] = d * (float)half[0];
+            h[2 * b + 1] = d * (float)half[1];
+            continue;
+        }
+#endif
+        memset(c + 32 * b, 0, 32 * sizeof(int16_t)); /* s == 0 (an all-zero block) or NaN */
+        h[2 * b] = h[2 * b + 1] = d * 0.0f;         /* NaN stays NaN */
     }
-    float *sx = mn ? scratch + nx : NULL;
-    if (mn)
+}
+
+void loom_quantize_act16(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int16_t *c, float *s,
+                         float *h, int num_threads) {
+    const int64_t nb = K / 32, elem = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; ++m)
+        quantize_row16((const char *)x + m * ldx * elem, x_bf16, K, c + m * K, s + m * nb, h + m * 2 * nb);
+}
+
+/* q4g32 in SIMD builds: the codes of each pair of blocks (2p, 2p + 1) of a row laid out as q4_codes16 reads
+ * them, [b 0-7 | b+1 0-7 | b 16-23 | b+1 16-23 | b 8-15 | b+1 8-15 | b 24-31 | b+1 24-31], a missing block
+ * + 1 as zeros; rows of `stride` = 64 * ceil(K / 64) codes. */
+static void q4_pair_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stride, int16_t *cp) {
+    static const int order[8][2] = {{0, 0}, {1, 0}, {0, 16}, {1, 16}, {0, 8}, {1, 8}, {0, 24}, {1, 24}};
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t p = 0; 2 * p < nb; ++p)
+            for (int i = 0; i < 8; ++i) {
+                const int64_t blk = 2 * p + order[i][0];
+                int16_t *dst = cp + m * stride + 64 * p + 8 * i;
+                if (blk < nb) memcpy(dst, c + m * K + 32 * blk + order[i][1], 8 * sizeof(int16_t));
+                else memset(dst, 0, 8 * sizeof(int16_t));
+            }
+}
+
+static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
+                   const uint16_t *sc, const uint16_t *mn, int64_t G, const float *bias, void *y, int64_t N,
+                   int y_bf16, int num_threads) {
+    const int64_t nb = K / 32, ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
+    const int64_t bpg = G >= 32 ? G / 32 : 1;
+    const int paired = kind == KIND_Q4 && LOOM_QSIMD;
+    const int64_t xstride = paired ? 64 * ((nb + 1) / 2) : K; /* int16 codes per row, as the kernel reads them */
+    /* scratch: codes [M, K], paired codes [M, xstride], then floats xs [M, nb], h [M, 2 nb], gs [M, ng] */
+    const size_t ncodes = (size_t)(M * K) + (paired ? (size_t)(M * xstride) : 0);
+    const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * ng) : 0);
+    char *scratch = (char *)malloc(ncodes * sizeof(int16_t) + nfloat * sizeof(float));
+    if (!scratch) return -1;
+    int16_t *codes = (int16_t *)scratch, *xc = codes;
+    float *xs = (float *)(scratch + ncodes * sizeof(int16_t)), *h = xs + M * nb, *gs = mn ? h + M * 2 * nb : NULL;
+    loom_quantize_act16(x, ldx, x_bf16, M, K, codes, xs, h, num_threads);
+    if (paired) {
+        xc = codes + M * K;
+        q4_pair_codes16(codes, M, K, xstride, xc);
+    }
+    if (mn) /* group sums of the dequantized x: its halves summed in order */
         for (int64_t m = 0; m < M; ++m)
-            for (int64_t g = 0; g < ng; ++g) sx[m * ng + g] = sum_f32(xf + m * ldx + g * G, G);
-    const rows_f_fn rows = kind == KIND_Q4 ? rows_f_q4 : (kind == KIND_Q8 ? rows_f_q8 : rows_f_q8_16);
-#define F_TILE(NR_, MC_, N_, M0_)                                                                                \
+            for (int64_t g = 0; g < ng; ++g) {
+                const int64_t per = G / 16;
+                float t = h[m * 2 * nb + g * per];
+                for (int64_t i = 1; i < per; ++i) t += h[m * 2 * nb + g * per + i];
+                gs[m * ng + g] = t;
+            }
+    const rows_16_fn rows = kind == KIND_Q4 ? rows_16_q4 : (kind == KIND_Q8 ? rows_16_q8 : rows_16_q8_16);
+#define TILE16(NR_, MC_, N_, M0_)                                                                                \
     rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
-         xf + (M0_) * ldx, ldx, NULL, mn ? sx + (M0_) * ng : NULL, K, dots)
-    FOR_EACH_TILE(F_TILE)
-#undef F_TILE
+         xc + (M0_) * xstride, xstride, xs + (M0_) * nb, mn ? gs + (M0_) * ng : NULL, K, dots)
+    FOR_EACH_TILE(TILE16)
+#undef TILE16
     free(scratch);
     return 0;
 }
@@ -948,14 +1102,14 @@ static int gemm_f(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, i
 int loom_gemm_q4g32_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
                       const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
                       int num_threads) {
-    return gemm_f(KIND_Q4, x, ldx, x_bf16, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
+    return gemm_16(KIND_Q4, x, ldx, x_bf16, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
 }
 
 int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
                     const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
                     int y_bf16, int num_threads) {
-    return gemm_f(group == 16 ? KIND_Q8_16 : KIND_Q8, x, ldx, x_bf16, M, K, (const uint8_t *)qweight, scales, mins,
-                  group, bias, y, N, y_bf16, num_threads);
+    return gemm_16(group == 16 ? KIND_Q8_16 : KIND_Q8, x, ldx, x_bf16, M, K, (const uint8_t *)qweight, scales, mins,
+                   group, bias, y, N, y_bf16, num_threads);
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
