@@ -715,12 +715,7 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
 #if LOOM_QSIMD
     const int64_t bb = kind == KIND_Q4 ? 16 : 32, step = kind == KIND_Q4 ? 2 : 1; /* blocks per step */
     const int cnt = nr * mc, by_row = nr == NR;
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
-    for (int64_t c0 = 0; c0 < nb; c0 += CH) { /* CH is even: chunks start on a pair */
-        const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
-        float d[NSLOT][2 * CH]; /* scale products of the chunk's blocks (KIND_Q8_16: halves), per slot */
-        for (int i = 0; i < cnt; ++i)
-            block_scales(kind, sc + (by_row ? i : 0) * ng, bpg, xs + (by_row ? 0 : i) * nb, c0, cc, d[i]);
+    __m256 a0[NSLOT], a1[NSLOT];
 /* One step of the chunk (q4: the pair at block j, `pair` = 0 for a lone last block; q8: block j) of the
  * weight codes WQ against the x codes at X with scale products D, into ACC (q4 and q8 groups >= 32) or, for
  * groups of 16, the first half into E and the second into O. Steps go to E, O, E, ... from each chunk's
@@ -750,13 +745,13 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
         int64_t j = 0;                                                                                           \
         for (; j + 2 * step <= cc; j += 2 * step) {                                                              \
             LOAD(wq_, wr_, j, 1);                                                                                \
-            STEP(wq_, x_ + 32 * j, d[I], j, 1, E, E, O);                                                         \
+            STEP(wq_, x_ + 32 * j, dr, j, 1, E, E, O);                                                         \
             LOAD(wq_, wr_, j + step, 1);                                                                         \
-            STEP(wq_, x_ + 32 * (j + step), d[I], j + step, 1, O, E, O);                                         \
+            STEP(wq_, x_ + 32 * (j + step), dr, j + step, 1, O, E, O);                                         \
         }                                                                                                        \
         if (j < cc) { /* one even step left: a whole pair or a lone block */                                     \
             LOAD(wq_, wr_, j, j + 1 < cc);                                                                       \
-            STEP(wq_, x_ + 32 * j, d[I], j, j + 1 < cc, E, E, O);                                                \
+            STEP(wq_, x_ + 32 * j, dr, j, j + 1 < cc, E, E, O);                                                \
         }                                                                                                        \
     } while (0)
 /* the step at j of the one weight row (codes in wq) against x row M (by-x tiles) */
@@ -766,12 +761,26 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
         if (odd) STEP(wq, x_, d[M], j, pair, O, E, O);                                                           \
         else STEP(wq, x_, d[M], j, pair, E, E, O);                                                               \
     } while (0)
-        if (by_row) { /* one weight row after the other, in memory order (see rows_q8) */
-            R_SLOT(0, e0, o0);
-            R_SLOT(1, e1, o1);
-            R_SLOT(2, e2, o2);
-            R_SLOT(3, e3, o3);
-        } else {
+    if (by_row) {
+        /* one weight row after the other, in memory order (see rows_q8), each with its own two accumulators in
+         * registers (eight live across the rows spilled inside the loop) */
+        for (int r = 0; r < NR; ++r) {
+            __m256 e = _mm256_setzero_ps(), o = e;
+            for (int64_t c0 = 0; c0 < nb; c0 += CH) { /* CH is even: chunks start on a pair */
+                const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
+                float dr[2 * CH]; /* scale products of the chunk's blocks (KIND_Q8_16: halves) */
+                block_scales(kind, sc + r * ng, bpg, xs, c0, cc, dr);
+                R_SLOT(r, e, o);
+            }
+            a0[r] = e;
+            a1[r] = o;
+        }
+    } else {
+        __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+        for (int64_t c0 = 0; c0 < nb; c0 += CH) {
+            const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
+            float d[NSLOT][2 * CH]; /* scale products of the chunk's blocks, per x row */
+            for (int i = 0; i < mc; ++i) block_scales(kind, sc, bpg, xs + i * nb, c0, cc, d[i]);
             for (int64_t j = 0; j < cc; j += step) {
                 const int pair = kind == KIND_Q4 && j + 1 < cc, odd = (j / step) & 1;
                 wcodes wq;
@@ -782,12 +791,13 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
                 if (mc > 3) X_STEP(3, e3, o3);
             }
         }
+        a0[0] = e0, a0[1] = e1, a0[2] = e2, a0[3] = e3;
+        a1[0] = o0, a1[1] = o1, a1[2] = o2, a1[3] = o3;
+    }
 #undef X_STEP
 #undef R_SLOT
 #undef LOAD
 #undef STEP
-    }
-    __m256 a0[NSLOT] = {e0, e1, e2, e3}, a1[NSLOT] = {o0, o1, o2, o3};
     finish(cnt, by_row, a0, a1, mn, gs, ng, dots);
 #else
     for (int r = 0; r < nr; ++r) {
