@@ -5,6 +5,7 @@ file name.
 |---------|-----------------------------------------------------------------------------------------------|
 | none    | every weight dequantized at load to the model dtype: the oracle path (transformers parity)    |
 | gguf    | a GGUF file's own quantized blocks, repacked exactly into loom's layouts (default for GGUF)   |
+| bf16    | weights stored in bfloat16 (a bf16 checkpoint's own values), float32 activations and sums     |
 | w8a16   | int8 weights (RTN, asymmetric groups of 32), float activations                                |
 | w4a16   | 4-bit weights (RTN, asymmetric groups of 32), float activations                               |
 | w8a8    | int8 weights per channel, int8 activations per token (dynamic)                                |
@@ -121,6 +122,22 @@ class RTNConfig:
         return False
 
 
+class Bf16Config:
+    """Every linear layer (the LM head too) keeps bfloat16 weights; embeddings stay in the model dtype."""
+
+    name = "bf16"
+    keeps_gguf_packed = False
+    float32_kernels = True
+
+    def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
+        from loom.quant.methods import Bf16WeightMethod
+
+        return Bf16WeightMethod(_device_of(layer))
+
+    def embedding_packed(self) -> bool:
+        return False
+
+
 def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None) -> QuantizationConfig:
     """The config for `--quantization name` (None = auto: "gguf" for a GGUF file, else "none").
 
@@ -139,6 +156,8 @@ def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None)
         if gguf_tensor_types is None:
             raise ValueError("quantization='gguf' needs a GGUF file (this checkpoint is a Hugging Face directory)")
         return GGUFConfig(gguf_tensor_types)
+    if name == "bf16":
+        return Bf16Config()
     return RTNConfig(name)
 
 

@@ -224,3 +224,42 @@ class Fp8LinearMethod:
             return f"fp8_e4m3 values held as {str(layer.dense_weight.dtype).removeprefix('torch.')}", \
                 layer.dense_weight.nbytes
         return "fp8_e4m3", layer.fp8_weight.numel() + layer.fp8_scale.numel() * 4
+
+
+# Rows up to which Bf16WeightMethod runs loom's GEMV (memory-bound: half the bytes of float32 weights); above,
+# the product is compute-bound and torch's float32 GEMM on the widened weight is faster.
+BF16_GEMV_MAX_ROWS = 8
+
+
+class Bf16WeightMethod:
+    """Weights stored in bfloat16, activations and sums in the model dtype (float32 on a CPU without native
+    bf16): a bf16 checkpoint's own values exactly (every bfloat16 is a float32), at half the bytes of
+    float32 weights. Up to BF16_GEMV_MAX_ROWS rows, loom's `gemv_w16` kernel widens the weights in registers
+    (csrc/gemv_w16.c); above, the weight is widened to the activation dtype and F.linear runs. Other dtypes
+    or devices widen and call F.linear at every size."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.gemv = get_kernel("gemv_w16") if device.type == "cpu" else None
+
+    def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        rows = sum(output_sizes)
+        layer.weight = nn.Parameter(torch.empty(rows, input_size, dtype=torch.bfloat16, device=device),
+                                    requires_grad=False)  # [output_size, input_size] bfloat16
+        layer.bias = (nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False)
+                      if bias else None)  # [output_size] model dtype, or None
+        layer.weight_loaders["weight"] = lambda t, shard: copy_rows(layer, layer.weight, t, shard)
+        if bias:
+            layer.weight_loaders["bias"] = lambda t, shard: copy_rows(layer, layer.bias, t, shard)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.weight.data = layer.weight.data.contiguous()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= BF16_GEMV_MAX_ROWS \
+                and (layer.bias is None or layer.bias.dtype == torch.float32):
+            return self.gemv(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight.to(x.dtype), layer.bias)
+
+    def weight_format(self, layer: Linear) -> tuple[str, int]:
+        return "bf16 weights", layer.weight.numel() * 2

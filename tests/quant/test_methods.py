@@ -76,3 +76,30 @@ def test_w8a8_keeps_its_int8_activations_above_the_kernel_rows(tiny_models) -> N
     layer.quant_method.dense_min_rows = 8
     dense = layer(x)  # 64 rows: dequantize + GEMM
     assert torch.allclose(dense, kernel_rows, rtol=1e-4, atol=1e-4), (dense - kernel_rows).abs().max()
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mha_tied", "qwen2_gqa"])
+def test_bf16_weights_equal_the_float32_model_on_a_bf16_checkpoint(tiny_models, tmp_path, name: str) -> None:
+    """--quantization bf16 keeps a bf16 checkpoint's weights at their values: the same model as float32
+    weights, up to float32 summation order (loom's gemv_w16 at decode, F.linear on the widened weight at
+    prefill)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loom.quant.methods import Bf16WeightMethod
+
+    src = tiny_models[name].path
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.bfloat16().contiguous() for k, v in load_file(f).items()}, tmp_path / f.name)
+        elif f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    dense = load_model(str(tmp_path), torch.float32, CPU, quantization="none")
+    half = load_model(str(tmp_path), torch.float32, CPU, quantization="bf16")
+    layers = [m for m in half.model.modules() if hasattr(m, "quant_method")]
+    assert layers and all(isinstance(m.quant_method, Bf16WeightMethod) for m in layers)
+    assert all(m.weight.dtype == torch.bfloat16 for m in layers)
+    ref, got = _logits(dense.model, dense.arch), _logits(half.model, half.arch)
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < 1e-5, rel
