@@ -69,6 +69,8 @@ def cases(layout: str, group: int | str, mins: bool) -> list[tuple]:
     for i, m in enumerate(MS):
         n, k = NS[(3 * i + 2) % len(NS)], ks[(i + i // len(NS)) % len(ks)]  # M = 1 gets N = 33: full groups of 4
         out.append((m, n, k, i % 3 == 0, torch.bfloat16 if i % 2 else torch.float32, i % 4 == 1))
+    # one row (the by-row tiles) at every K: odd and even block counts, a q4 pair plus a lone block (K = 96)
+    out += [(1, 33, k, False, torch.float32, False) for k in ks]
     return out
 
 

@@ -749,9 +749,14 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
             LOAD(wq_, wr_, j + step, 1);                                                                         \
             STEP(wq_, x_ + 32 * (j + step), dr, j + step, 1, O, E, O);                                         \
         }                                                                                                        \
-        if (j < cc) { /* one even step left: a whole pair or a lone block */                                     \
+        if (j < cc) { /* an even step left: a whole pair or a lone block */                                     \
             LOAD(wq_, wr_, j, j + 1 < cc);                                                                       \
-            STEP(wq_, x_ + 32 * j, dr, j, j + 1 < cc, E, E, O);                                                \
+            STEP(wq_, x_ + 32 * j, dr, j, j + 1 < cc, E, E, O);                                                  \
+            j += step;                                                                                           \
+        }                                                                                                        \
+        if (j < cc) { /* q4 only: then an odd one, a lone last block (cc - j was 3) */                           \
+            LOAD(wq_, wr_, j, 0);                                                                                \
+            STEP(wq_, x_ + 32 * j, dr, j, 0, O, E, O);                                                           \
         }                                                                                                        \
     } while (0)
 /* the step at j of the one weight row (codes in wq) against x row M (by-x tiles) */
