@@ -48,12 +48,7 @@ class TorchQuantKernels:
         Raises:
             ValueError: x not a 2-D floating tensor with K % 32 == 0.
         """
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
-            raise ValueError("x must be a 2-D float32 / bfloat16 / float16 tensor [M, K]")
-        m, k = x.shape
-        if k % 32:
-            raise ValueError(f"K={k} must be a multiple of 32")
-        blocks = x.float().reshape(m, k // 32, 32)
+        m, k, blocks = _blocks_of_32(x)
         amax = blocks.abs().amax(-1) if k else blocks.new_zeros(m, 0)
         if per_token and k:
             amax = amax.amax(-1, keepdim=True).expand(m, k // 32)
@@ -71,12 +66,7 @@ class TorchQuantKernels:
         Raises:
             ValueError: x not a 2-D floating tensor with K % 32 == 0.
         """
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
-            raise ValueError("x must be a 2-D float32 / bfloat16 / float16 tensor [M, K]")
-        m, k = x.shape
-        if k % 32:
-            raise ValueError(f"K={k} must be a multiple of 32")
-        blocks = x.float().reshape(m, k // 32, 32)
+        m, k, blocks = _blocks_of_32(x)
         s = blocks.abs().amax(-1) / 32767 if k else blocks.new_zeros(m, 0)
         q = torch.where(s.unsqueeze(-1) > 0, torch.round(blocks / s.unsqueeze(-1)).clamp(-32767, 32767), 0.0)
         halves = q.view(m, k // 16, 16).sum(-1) * s.repeat_interleave(2, dim=1)
@@ -120,6 +110,17 @@ class TorchQuantKernels:
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         return dequantize(w, dtype)
+
+
+def _blocks_of_32(x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """x [M, K] -> (M, K, x as float32 blocks [M, K/32, 32]); ValueError unless x is a 2-D float tensor with
+    K % 32 == 0."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError("x must be a 2-D float32 / bfloat16 / float16 tensor [M, K]")
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"K={k} must be a multiple of 32")
+    return m, k, x.float().reshape(m, k // 32, 32)
 
 
 def _check(w: PackedWeight, k: int, bias: torch.Tensor | None, out_dtype: torch.dtype) -> int:
