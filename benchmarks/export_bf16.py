@@ -4,6 +4,8 @@ transformers dequantizes the GGUF blocks to float32; the weights are then rounde
 safetensors with the tokenizer, so the directory loads as any bf16 checkpoint does.
 
     .venv/bin/python benchmarks/export_bf16.py /tmp/smollm2-bf16
+
+transformers needs `accelerate` to read a GGUF file: it comes with the test extra (`pip install -e '.[test]'`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from loom.model.loader import default_model_path
 
 def main(out: str) -> None:
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     config = model.config
     if hasattr(config, "quantization_config"):  # transformers will not save a model it loaded from GGUF
         del config.quantization_config

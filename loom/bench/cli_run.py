@@ -62,6 +62,9 @@ def _set_threads(ns: argparse.Namespace) -> None:
     if ns.num_threads is not None:
         import torch
 
+        if ns.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {ns.num_threads}")
+
         torch.set_num_threads(ns.num_threads)  # the hf peer gets the same threads as the engine
 
 

@@ -247,7 +247,27 @@ def _set_num_threads(num_threads: int | None) -> None:
     """
     if num_threads is None and os.environ.get("OMP_NUM_THREADS"):
         return
-    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    threads = num_threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    _warn_if_cores_are_busy(threads)
+
+
+def _warn_if_cores_are_busy(threads: int) -> None:
+    """Log a warning when other work already keeps the cores busy at start-up: OpenMP threads spin-wait for
+    each other by default, so two such processes on the same cores wait a scheduler quantum at every one of a
+    decode step's ~150 parallel regions (measured on 2 cores: 79 -> 0.8 tok/s with two loom processes; with
+    OMP_WAIT_POLICY=passive 58-68 tok/s each, at ~20% cost when alone)."""
+    if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return
+    cores = os.cpu_count() or 1
+    if threads > 1 and load > 0.75 * cores:
+        logger.warning("the CPU is busy (load %.1f on %d cores) and %d OpenMP threads spin-wait by default: "
+                       "sharing cores can slow decoding 10-100x; use fewer --num-threads or set "
+                       "OMP_WAIT_POLICY=passive (docs/serving.md, 'Shared cores')", load, cores, threads)
 
 
 def _resolve_max_model_len(requested: int | None, model_max: int) -> int:

@@ -126,11 +126,15 @@ def _load(name: str, isa: str | None) -> Any:
     chosen = isa if isa is not None else (runnable[0] if runnable else None)
     if chosen is None or chosen not in runnable:
         wanted = isa or " or ".join(spec.isas)
-        logger.info("loom CPU kernel %s off: this CPU does not run %s (torch paths run)", name, wanted)
+        capped = os.environ.get("LOOM_CPU_ISA")
+        why = f"LOOM_CPU_ISA={capped} excludes" if capped else "this CPU does not run"
+        logger.info("loom CPU kernel %s off: %s %s (torch paths run)", name, why, wanted)
         return None
     try:
         path = build.build_library(name, spec.sources, ISAS[chosen].cflags, tag=chosen)
-        return spec.binding(ctypes.CDLL(str(path)), chosen)
+        kernel = spec.binding(ctypes.CDLL(str(path)), chosen)
+        logger.debug("loom CPU kernel %s: the %s build", name, chosen)
+        return kernel
     except (OSError, RuntimeError) as exc:
         reason = str(exc)
         # one warning per distinct reason (a missing compiler stops every kernel the same way)

@@ -1,0 +1,31 @@
+"""The start-up warning for cores already busy (OpenMP threads spin-wait: shared cores slow decoding 10-100x)."""
+
+from __future__ import annotations
+
+import logging
+
+from loom.engine import llm_engine
+
+
+def _warnings(monkeypatch, caplog, load: float, threads: int = 2, policy: str | None = None) -> list[str]:
+    monkeypatch.setattr(llm_engine.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(llm_engine.os, "cpu_count", lambda: 2)
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="loom.engine.llm_engine"):
+        llm_engine._warn_if_cores_are_busy(threads)
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_busy_cores_are_warned_about(monkeypatch, caplog) -> None:
+    msgs = _warnings(monkeypatch, caplog, load=1.9)
+    assert len(msgs) == 1 and "OMP_WAIT_POLICY=passive" in msgs[0] and "load 1.9 on 2 cores" in msgs[0]
+
+
+def test_no_warning_when_idle_single_threaded_or_passive(monkeypatch, caplog) -> None:
+    assert _warnings(monkeypatch, caplog, load=0.3) == []
+    assert _warnings(monkeypatch, caplog, load=1.9, threads=1) == []
+    assert _warnings(monkeypatch, caplog, load=1.9, policy="PASSIVE") == []
