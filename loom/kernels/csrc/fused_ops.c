@@ -29,41 +29,29 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "quant_common.h" /* loom_bf16_to_f32, loom_f32_to_bf16 */
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define PARALLEL_MIN_ROWS 64
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                              /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array */
 static inline float get(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return bf16 ? loom_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void put(void *p, int64_t i, float v, int bf16) {
     if (bf16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
+        ((uint16_t *)p)[i] = loom_f32_to_bf16(v);
     else
         ((float *)p)[i] = v;
 }
 
 /* float32 -> the float32 value of its bfloat16 rounding (what a bf16 tensor op stores) */
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+static inline float round_bf16(float v) { return loom_bf16_to_f32(loom_f32_to_bf16(v)); }
 
 /* ---- 8-lane vectors: __m256 on AVX2, a struct of 8 floats in the portable build (same lane arithmetic) ---- */
 #if defined(__AVX2__)

@@ -22,18 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_common.h" /* loom_bf16_to_f32, loom_f32_to_bf16 */
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define MROWS 4 /* x rows per pass over a weight row */
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 #if defined(__AVX2__)
 static inline float hsum8(__m256 v) {
@@ -49,10 +45,11 @@ static inline float hsum8(__m256 v) {
 
 /*
  * dots[m] = sum_k xe[m][k] * w[k] over the first k16 (a multiple of 16) values, for R rows of the permuted x
- * (row stride k16). R is a compile-time constant so the 2R (or 4R at R <= 2) accumulators stay in registers.
+ * (row stride `stride`). R is a compile-time constant so the 2R (or 4R at R <= 2) accumulators stay in registers.
  */
 #define LOOM_ROW_DOTS(R)                                                                                  \
-    static inline void row_dots##R(const float *xe, int64_t k16, const uint16_t *w, float *dots) {        \
+    static inline void row_dots##R(const float *xe, int64_t stride, int64_t k16, const uint16_t *w,       \
+                                   float *dots) {                                                         \
         __m256 e0[R], o0[R], e1[R], o1[R];                                                                \
         for (int m = 0; m < R; ++m) e0[m] = o0[m] = e1[m] = o1[m] = _mm256_setzero_ps();                 \
         int64_t k = 0;                                                                                    \
@@ -63,7 +60,7 @@ static inline float hsum8(__m256 v) {
                 LOOM_WIDEN(w0, we0, wo0);                                                                 \
                 LOOM_WIDEN(w1, we1, wo1);                                                                 \
                 for (int m = 0; m < R; ++m) {                                                             \
-                    const float *xm = xe + m * k16 + k;                                                   \
+                    const float *xm = xe + m * stride + k;                                                   \
                     e0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), we0, e0[m]);                             \
                     o0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), wo0, o0[m]);                         \
                     e1[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 16), we1, e1[m]);                        \
@@ -74,7 +71,7 @@ static inline float hsum8(__m256 v) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + k));                              \
             LOOM_WIDEN(w0, we0, wo0);                                                                     \
             for (int m = 0; m < R; ++m) {                                                                 \
-                const float *xm = xe + m * k16 + k;                                                       \
+                const float *xm = xe + m * stride + k;                                                       \
                 e0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), we0, e0[m]);                                 \
                 o0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), wo0, o0[m]);                             \
             }                                                                                             \
@@ -89,45 +86,6 @@ LOOM_ROW_DOTS(4)
 #undef LOOM_ROW_DOTS
 #undef LOOM_WIDEN
 
-void loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N,
-                   int64_t K, int num_threads) {
-    const int64_t k16 = K & ~(int64_t)15;
-    /* x permuted per 16 values: [x0 x2 .. x14 | x1 x3 .. x15], matching LOOM_WIDEN's even/odd halves */
-    /* 64-byte aligned (rows of k16 floats stay aligned): no load of x splits a cache line */
-    void *mem = NULL;
-    if (posix_memalign(&mem, 64, sizeof(float) * (size_t)(M * k16 + 16))) return;
-    float *xe = (float *)mem;
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < k16; k += 16)
-            for (int i = 0; i < 8; ++i) {
-                xe[m * k16 + k + i] = x[m * ldx + k + 2 * i];
-                xe[m * k16 + k + 8 + i] = x[m * ldx + k + 2 * i + 1];
-            }
-    if (num_threads < 1) num_threads = 1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; ++n) {
-        const uint16_t *wr = w + n * K;
-        const float bias = b ? b[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += MROWS) {
-            const int64_t mc = M - m0 < MROWS ? M - m0 : MROWS;
-            float dots[MROWS];
-            const float *xb = xe + m0 * k16;
-            switch (mc) {
-            case 1: row_dots1(xb, k16, wr, dots); break;
-            case 2: row_dots2(xb, k16, wr, dots); break;
-            case 3: row_dots3(xb, k16, wr, dots); break;
-            default: row_dots4(xb, k16, wr, dots); break;
-            }
-            for (int64_t m = 0; m < mc; ++m) {
-                float s = dots[m];
-                const float *xm = x + (m0 + m) * ldx;
-                for (int64_t k = k16; k < K; ++k) s += xm[k] * bf16_to_f32(wr[k]);
-                y[(m0 + m) * N + n] = s + bias;
-            }
-        }
-    }
-    free(xe);
-}
 #else
 /* dots[m] = sum_k x_m[k] * w[k] over the first k8 (a multiple of 8) values for R rows of x (stride ldx):
  * eight interleaved partial sums per row, R compile-time so compilers keep them in vector registers */
@@ -137,7 +95,7 @@ void loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *
         memset(part, 0, sizeof part);                                                                     \
         for (int64_t k = 0; k < k8; k += 8) {                                                             \
             float wf[8];                                                                                  \
-            for (int l = 0; l < 8; ++l) wf[l] = bf16_to_f32(w[k + l]);                                    \
+            for (int l = 0; l < 8; ++l) wf[l] = loom_bf16_to_f32(w[k + l]);                                    \
             for (int m = 0; m < R; ++m)                                                                   \
                 for (int l = 0; l < 8; ++l) part[m][l] += x[m * ldx + k + l] * wf[l];                     \
         }                                                                                                 \
@@ -152,9 +110,12 @@ LOOM_ROW_DOTS(3)
 LOOM_ROW_DOTS(4)
 #undef LOOM_ROW_DOTS
 
-void loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N,
-                   int64_t K, int num_threads) {
-    const int64_t k8 = K & ~(int64_t)7;
+#endif
+
+/* y = x w^T + b: row_dots over the first kv values of xv (x as row_dots reads it, rows `xv_stride` apart), the
+ * tail k >= kv from x itself; contiguous ranges of weight rows per OpenMP thread. */
+static void gemv_rows(const float *xv, int64_t xv_stride, int64_t kv, const float *x, int64_t ldx, const uint16_t *w,
+                      const float *b, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; ++n) {
@@ -163,20 +124,44 @@ void loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *
         for (int64_t m0 = 0; m0 < M; m0 += MROWS) {
             const int64_t mc = M - m0 < MROWS ? M - m0 : MROWS;
             float dots[MROWS];
-            const float *xb = x + m0 * ldx;
+            const float *xb = xv + m0 * xv_stride;
             switch (mc) {
-            case 1: row_dots1(xb, ldx, k8, wr, dots); break;
-            case 2: row_dots2(xb, ldx, k8, wr, dots); break;
-            case 3: row_dots3(xb, ldx, k8, wr, dots); break;
-            default: row_dots4(xb, ldx, k8, wr, dots); break;
+            case 1: row_dots1(xb, xv_stride, kv, wr, dots); break;
+            case 2: row_dots2(xb, xv_stride, kv, wr, dots); break;
+            case 3: row_dots3(xb, xv_stride, kv, wr, dots); break;
+            default: row_dots4(xb, xv_stride, kv, wr, dots); break;
             }
             for (int64_t m = 0; m < mc; ++m) {
                 float s = dots[m];
-                const float *xm = xb + m * ldx;
-                for (int64_t k = k8; k < K; ++k) s += xm[k] * bf16_to_f32(wr[k]);
+                const float *xm = x + (m0 + m) * ldx;
+                for (int64_t k = kv; k < K; ++k) s += xm[k] * loom_bf16_to_f32(wr[k]);
                 y[(m0 + m) * N + n] = s + bias;
             }
         }
     }
+}
+
+#if defined(__AVX2__)
+void loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N,
+                   int64_t K, int num_threads) {
+    const int64_t k16 = K & ~(int64_t)15;
+    /* x permuted per 16 values: [x0 x2 .. x14 | x1 x3 .. x15], matching LOOM_WIDEN's even/odd halves */
+    /* 64-byte aligned (rows of k16 floats stay aligned): no load of x splits a cache line */
+    void *mem = NULL;
+    if (posix_memalign(&mem, 64, sizeof(float) * (size_t)(M * k16 + 16))) return;
+    float *xe = (float *)mem;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < k16; k += 16)
+            for (int i = 0; i < 8; ++i) {
+                xe[m * k16 + k + i] = x[m * ldx + k + 2 * i];
+                xe[m * k16 + k + 8 + i] = x[m * ldx + k + 2 * i + 1];
+            }
+    gemv_rows(xe, k16, k16, x, ldx, w, b, y, M, N, K, num_threads);
+    free(xe);
+}
+#else
+void loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N,
+                   int64_t K, int num_threads) {
+    gemv_rows(x, ldx, K & ~(int64_t)7, x, ldx, w, b, y, M, N, K, num_threads);
 }
 #endif

@@ -42,6 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_common.h" /* loom_bf16_to_f32, loom_f32_to_bf16 */
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -50,20 +52,6 @@
 #define MAX_TILE 64        /* keys per tile, a multiple of 8 */
 #define MIN_SPLIT_KEYS 128 /* fewest keys of one split range */
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                              /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* the read-only arguments of one request */
 typedef struct {
@@ -265,13 +253,13 @@ static inline void widen_row(float *dst, const uint16_t *src, int64_t D) {
         const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
         _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
     }
-    for (; d < D; ++d) dst[d] = bf16_to_f32(src[d]);
+    for (; d < D; ++d) dst[d] = loom_bf16_to_f32(src[d]);
 }
 #else
 static inline float exp1(float x) { return x < -104.0f ? 0.0f : expf(x); }
 
 static inline void widen_row(float *dst, const uint16_t *src, int64_t D) {
-    for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_f32(src[d]);
+    for (int64_t d = 0; d < D; ++d) dst[d] = loom_bf16_to_f32(src[d]);
 }
 #endif
 
@@ -454,7 +442,7 @@ static void attend_range(const req_t *R, const scratch_t *S, int64_t t0, int64_t
 static void store_out(void *out, int64_t at, const float *acc, float inv, int64_t D, int bf16) {
     if (bf16) {
         uint16_t *o = (uint16_t *)out + at;
-        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * inv);
+        for (int64_t d = 0; d < D; ++d) o[d] = loom_f32_to_bf16(acc[d] * inv);
     } else {
         float *o = (float *)out + at;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
@@ -512,7 +500,7 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
             const req_t R = {k_cache, v_cache, block_table + b * bt_stride, block_size, H_kv, D, G, tile, scale,
                              bf16};
             for (int64_t i = 0; i < H * D; ++i)
-                S.q[i] = bf16 ? bf16_to_f32(((const uint16_t *)q)[b * H * D + i]) : ((const float *)q)[b * H * D + i];
+                S.q[i] = bf16 ? loom_bf16_to_f32(((const uint16_t *)q)[b * H * D + i]) : ((const float *)q)[b * H * D + i];
             if (splits == 1) {
                 attend_range(&R, &S, t0, t1, m, l, acc);
                 for (int64_t hq = 0; hq < H; ++hq)

@@ -276,6 +276,12 @@ static void q8_group_sums(const int8_t *xq, const float *xs, const float *xsum, 
 /* 2. int8-activation GEMM                                                                                  */
 /* ------------------------------------------------------------------------------------------------------ */
 
+/* The code of value j (0..31) of block b of a weight row, for the scalar paths. */
+static inline int scalar_code(const int kind, const uint8_t *wr, int64_t b, int j) {
+    if (kind == KIND_Q4) return j < 16 ? wr[16 * b + j] & 0xF : wr[16 * b + j - 16] >> 4;
+    return (int8_t)wr[32 * b + j];
+}
+
 #define CH 64 /* blocks per chunk of precomputed scale products (2048 values of k per chunk) */
 
 /* Scale of each 32-block c0 + u of a weight row, u < cc (KIND_Q8_16: of each 16-half, u < 2 cc), times the
@@ -678,14 +684,7 @@ ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uin
                 const int8_t *xb = xq + m * K + 32 * b;
                 int32_t lo = 0, hi = 0; /* values 0..15 and 16..31 of the block */
                 for (int j = 0; j < 16; ++j) {
-                    int qa, qb;
-                    if (kind == KIND_Q4) {
-                        qa = wr[16 * b + j] & 0xF;
-                        qb = wr[16 * b + j] >> 4;
-                    } else {
-                        qa = (int8_t)wr[32 * b + j];
-                        qb = (int8_t)wr[32 * b + 16 + j];
-                    }
+                    const int qa = scalar_code(kind, wr, b, j), qb = scalar_code(kind, wr, b, 16 + j);
                     lo += qa * xb[j];
                     hi += qb * xb[16 + j];
                 }
@@ -814,14 +813,7 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
             for (int64_t b = 0; b < nb; ++b) {
                 int32_t lo = 0, hi = 0; /* values 0..15 and 16..31 */
                 for (int j = 0; j < 16; ++j) {
-                    int qa, qb;
-                    if (kind == KIND_Q4) {
-                        qa = wr[16 * b + j] & 0xF;
-                        qb = wr[16 * b + j] >> 4;
-                    } else {
-                        qa = (int8_t)wr[32 * b + j];
-                        qb = (int8_t)wr[32 * b + 16 + j];
-                    }
+                    const int qa = scalar_code(kind, wr, b, j), qb = scalar_code(kind, wr, b, 16 + j);
                     lo += qa * xm[32 * b + j];
                     hi += qb * xm[32 * b + 16 + j];
                 }

@@ -1,4 +1,5 @@
-/* Helpers of loom's quantized CPU kernels (qgemm.c): scalar float16 / bfloat16 conversions and output stores.
+/* Helpers of loom's portable CPU kernels (qgemm.c, fused_ops.c, paged_decode.c, gemv_w16.c): scalar float16 /
+ * bfloat16 conversions and output stores.
  *
  * Portable on purpose: this header needs no ISA. x86 intrinsics are included only when the translation unit
  * is compiled for AVX2 + FMA + F16C (the `avx2` and `avx512_vnni` builds of loom/kernels/registry.py); the
