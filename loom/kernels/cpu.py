@@ -10,6 +10,8 @@ import ctypes
 
 import torch
 
+from loom.kernels.cpu_generic import check_decode_tables
+
 # Most rows of x the GEMV kernel takes. Above this a step is no longer weight-bandwidth-bound and oneDNN's
 # blocked GEMM is faster (benchmarks/NOTES.md, "Third pass").
 GEMV_MAX_ROWS = 4
@@ -99,11 +101,7 @@ class PagedDecodeBf16:
             raise ValueError(f"paged_decode_bf16 does not take query {tuple(query.shape)} {query.dtype} over "
                              f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
         batch, heads, head_dim = query.shape
-        if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or seq_lens.shape != (batch,) \
-                or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.stride(1) != 1:
-            raise ValueError("block_table [B, max_blocks] and seq_lens [B] must be int64 with unit column stride")
-        if batch and not lengths_checked and int(seq_lens.min()) < 1:
-            raise ValueError("every seq_len must be >= 1")
+        check_decode_tables(block_table, seq_lens, batch, lengths_checked)
         query = query.contiguous()
         seq_lens = seq_lens.contiguous()
         out = torch.empty_like(query)

@@ -34,6 +34,22 @@ def _torch_chunk(numel: int) -> int:
     return 0 if threads <= 1 else -(-numel // threads)
 
 
+def check_decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, batch: int, lengths_checked: bool) -> None:
+    """The paged decode kernels' table checks: block_table int64 [B, max_blocks] with unit column stride and
+    seq_lens int64 [B], CPU tensors, every seq_len >= 1 (unless the caller already checked).
+
+    Raises:
+        ValueError: any of those does not hold.
+    """
+    if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or seq_lens.shape != (batch,) \
+            or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.stride(1) != 1 \
+            or not block_table.is_cpu or not seq_lens.is_cpu:
+        raise ValueError("block_table [B, max_blocks] and seq_lens [B] must be int64 CPU tensors, the table "
+                         "with unit column stride")
+    if batch and not lengths_checked and int(seq_lens.min()) < 1:
+        raise ValueError("every seq_len must be >= 1")
+
+
 class PagedDecode:
     """ctypes binding of `loom_paged_decode` (csrc/paged_decode.c): one-token attention of a batch over its own
     blocks of a float32 or bfloat16 paged KV cache, read in place (no gather, no padding, online softmax).
@@ -90,13 +106,7 @@ class PagedDecode:
             raise ValueError(f"paged_decode ({self.isa}) does not take query {tuple(query.shape)} {query.dtype} "
                              f"over kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
         batch, heads, head_dim = query.shape
-        if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or seq_lens.shape != (batch,) \
-                or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.stride(1) != 1 \
-                or not block_table.is_cpu or not seq_lens.is_cpu:
-            raise ValueError("block_table [B, max_blocks] and seq_lens [B] must be int64 CPU tensors, the table "
-                             "with unit column stride")
-        if batch and not lengths_checked and int(seq_lens.min()) < 1:
-            raise ValueError("every seq_len must be >= 1")
+        check_decode_tables(block_table, seq_lens, batch, lengths_checked)
         query = query.contiguous()
         seq_lens = seq_lens.contiguous()
         out = torch.empty_like(query)

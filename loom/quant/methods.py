@@ -253,7 +253,7 @@ class Bf16WeightMethod:
             layer.weight_loaders["bias"] = lambda t, shard: copy_rows(layer, layer.bias, t, shard)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        layer.weight.data = layer.weight.data.contiguous()
+        pass  # the bfloat16 parameter the loaders filled is already the kernel's contiguous layout
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= BF16_GEMV_MAX_ROWS \

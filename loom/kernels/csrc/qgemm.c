@@ -870,10 +870,10 @@ typedef void (*rows_16_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uin
 /* Work below which the products run on the calling thread: waking the pool costs more than it saves. */
 #define PAR_MIN_WORK 32768
 
-#ifndef PREFETCH_ROWS
+/* Software prefetch of weight rows [n0, n0 + rows) (codes, scales, mins) a few tiles ahead of use: 16 rows
+ * ahead took 30 cold [3072, 576] q4g32 products on 2 Zen 3 threads from 13.6 to 15.5-21 GB/s (8 rows: about
+ * the same, none: the first figure; benchmarks/NOTES.md, "Second pass"). */
 #define PREFETCH_ROWS 16
-#endif
-/* Software prefetch of weight rows [n0, n0 + rows) (codes, scales, mins) a few tiles ahead of use. */
 static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, const uint16_t *mn,
                                  int64_t ng, int64_t n0, int64_t rows, int64_t N) {
     if (n0 >= N) return;
