@@ -6,7 +6,7 @@ file name.
 | none    | every weight dequantized at load to the model dtype: the oracle path (transformers parity)    |
 | gguf    | a GGUF file's own quantized blocks, repacked exactly into loom's layouts (default for GGUF)   |
 | bf16    | weights stored in bfloat16 (a bf16 checkpoint's own values), float32 activations and sums     |
-| w8a16   | int8 weights (RTN, asymmetric groups of 32), float activations                                |
+| w8a16   | int8 weights (RTN groups of 32, each on the better of an asymmetric and a symmetric grid)     |
 | w4a16   | 4-bit weights (RTN, asymmetric groups of 32), float activations                               |
 | w8a8    | int8 weights per channel, int8 activations per token (dynamic)                                |
 | fp8     | float8 e4m3 weights, a float32 scale per channel                                              |

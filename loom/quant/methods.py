@@ -8,7 +8,7 @@ how activations enter the kernel:
 |--------|-------------------------------------------|--------------------------------------------------|
 | gguf   | the file's own blocks, repacked exactly   | int16 codes per block of 32 (see below)          |
 | w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | int16 codes per block of 32                      |
-| w8a16  | RTN int8 asymmetric groups of 32 (q8g)    | int16 codes per block of 32                      |
+| w8a16  | RTN int8 groups of 32, best grid (q8g)    | int16 codes per block of 32                      |
 | w8a8   | RTN int8 symmetric per output channel     | int8, one dynamic scale per token (SmoothQuant's |
 |        |                                           | W8A8 without smoothing), int32 sums per block    |
 

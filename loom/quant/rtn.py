@@ -51,10 +51,17 @@ def quantize_q8(weight: torch.Tensor, group_size: int) -> PackedWeight:
 
 
 def quantize_q8_asym(weight: torch.Tensor, group_size: int = 32) -> PackedWeight:
-    """weight [N, K] -> asymmetric int8 groups (a zero point per group): scale = (max - min) / 255 as float16,
-    u = round((w - min) / scale) in 0..255 stored as the int8 code u - 128, and min' = min + 128 * scale as
-    float16, so W = scale * code + min'. All 256 codes span the group's own range (symmetric codes spend half
-    of them on the side the group does not reach).
+    """weight [N, K] -> int8 groups with a scale and an offset per group, W = scale * code + min', each group on
+    whichever of two grids reconstructs it with the smaller squared error:
+
+    - asymmetric: scale = (max - min) / 255, u = round((w - min) / scale) in 0..255 stored as the code u - 128,
+      min' = min + 128 * scale: all 256 codes span the group's own range;
+    - symmetric: scale = max|w| / 127, code = round(w / scale) in -127..127, min' = 0 (Q8_0's grid). A group
+      that already lies on a Q8_0 grid (a GGUF Q8_0 tensor, e.g. SmolLM2's tied embedding) is reproduced
+      exactly, where the asymmetric grid would move every weight by up to half its step.
+
+    Choosing the grid per group by reconstruction error is the simplest form of the scale search that llama.cpp's
+    quantizers (make_qx_quants) and AWQ's clipping search do. scale and min' are float16.
 
     Raises:
         ValueError: as quantize_q8.
@@ -65,12 +72,25 @@ def quantize_q8_asym(weight: torch.Tensor, group_size: int = 32) -> PackedWeight
                          f"a multiple of 32; input_size is {k}")
     w = weight.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
-    scales = ((hi - lo) / 255).half()
-    s = scales.float().unsqueeze(-1)
-    mins = (lo + 128 * scales.float()).half()
-    codes = torch.where(s > 0, ((w - mins.float().unsqueeze(-1)) / s.clamp_min(1e-30)).round(), torch.zeros_like(w))
-    return PackedWeight("q8g", codes.clamp_(-128, 127).to(torch.int8).reshape(n, k).contiguous(),
-                        scales.contiguous(), mins.contiguous(), group_size)
+    a_scales = ((hi - lo) / 255).half()
+    a_mins = (lo + 128 * a_scales.float()).half()
+    s_scales = (w.abs().amax(dim=2) / 127).half()
+    s_mins = torch.zeros_like(s_scales)
+
+    def codes_and_error(scales: torch.Tensor, mins: torch.Tensor, lo_code: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s, m = scales.float().unsqueeze(-1), mins.float().unsqueeze(-1)
+        codes = torch.where(s > 0, ((w - m) / s.clamp_min(1e-30)).round(), torch.zeros_like(w))
+        codes = codes.clamp_(lo_code, 127)
+        return codes, (codes * s + m - w).square().sum(dim=2)
+
+    a_codes, a_err = codes_and_error(a_scales, a_mins, -128)
+    s_codes, s_err = codes_and_error(s_scales, s_mins, -127)
+    use_sym = s_err <= a_err
+    codes = torch.where(use_sym.unsqueeze(-1), s_codes, a_codes)
+    scales = torch.where(use_sym, s_scales, a_scales)
+    mins = torch.where(use_sym, s_mins, a_mins)
+    return PackedWeight("q8g", codes.to(torch.int8).reshape(n, k).contiguous(), scales.contiguous(),
+                        mins.contiguous(), group_size)
 
 
 def quantize_fp8_e4m3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
