@@ -1,0 +1,99 @@
+"""Proposers: the seam of speculative decoding, and the n-gram (prompt lookup) proposer.
+
+A proposer sees one request's tokens (prompt then output so far) and returns at most k draft tokens that
+the target model verifies in its next pass. It never decides what is emitted: a wrong draft costs one
+verified position, never a wrong token (loom/spec/verify.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """`--speculative-method`, `--num-speculative-tokens` and each method's options.
+
+    Raises:
+        ValueError: an unknown method or an out-of-range option, naming it.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: most draft tokens per request and step
+    prompt_lookup_min: int = 2  # ngram: shortest suffix (tokens) that may match
+    prompt_lookup_max: int = 4  # ngram: longest suffix tried first
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
+                             f"got {self.prompt_lookup_max}")
+
+
+class Proposer(Protocol):
+    """Drafts tokens for one request at a time. Pure: the same tokens give the same drafts."""
+
+    name: str
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """token_ids: the request's prompt then output tokens (>= 1); max_tokens >= 0 -> at most max_tokens
+        draft tokens to follow token_ids (possibly none)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's `ngram` method): find the most recent
+    earlier occurrence of the request's last n tokens, for n from prompt_lookup_max down to
+    prompt_lookup_min, and propose the tokens that followed it. Pays off where the output copies its
+    input: code edits, quoting, summaries that reuse phrases."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n} and {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        total = len(token_ids)
+        if max_tokens <= 0 or total <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n :]
+            # windows starting at 0 .. total - n - 1: every occurrence that ends before the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the token after the most recent match
+                return tokens[start : start + max_tokens].tolist()
+        return []
+
+
+PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
+    "ngram": lambda c: NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max),
+}
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The registered proposer of config.method.
+
+    Raises:
+        ValueError: no proposer is registered under config.method.
+    """
+    factory = PROPOSERS.get(config.method)
+    if factory is None:
+        raise ValueError(f"speculative_method must be one of {sorted(PROPOSERS)}, got {config.method!r}")
+    return factory(config)
