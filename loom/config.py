@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from loom.spec.proposer import SpeculativeConfig
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache storage; "auto" = the model dtype. int8: asymmetric codes with a float16 scale + min per 32
 # values of a (token slot, kv head) row; fp8_e4m3: a float32 scale per row (docs/kv_cache.md).
@@ -94,8 +96,14 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # KV storage: auto (= dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
     kv_offload_memory_gb: float = 0.0  # GiB of host memory for offloaded KV blocks; 0 = no host tier
     preemption_mode: str = "recompute"  # recompute | swap (needs kv_offload_memory_gb > 0)
+    speculative_method: str | None = None  # ngram; None = no speculative decoding (loom/spec)
+    num_speculative_tokens: int = 4  # most draft tokens per request and step
+    prompt_lookup_min: int = 2  # ngram: shortest suffix that may match (tokens)
+    prompt_lookup_max: int = 4  # ngram: longest suffix, tried first (tokens)
 
     def __post_init__(self) -> None:
+        if self.speculative_method is not None:
+            self.speculative_config()  # raises ValueError naming a bad option
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:
@@ -118,6 +126,13 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offload_memory_bytes=int(self.kv_offload_memory_gb * (1 << 30)),
         )
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings, or None when speculation is off."""
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
+                                 self.prompt_lookup_max)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -55,6 +55,14 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks, block order
+    # draft tokens being verified this step (speculative decoding): their K/V are computed with the step's
+    # tokens, and num_computed_tokens counts them until the runner's answer rolls the rejected ones back
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus the drafts in flight."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,9 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # read-only view, for penalties and prompt logprobs
     output_token_ids: list[int]  # read-only view, for penalties
     is_new: bool  # first time scheduled since (re)admission: the runner resets its per-request state if needed
+    # draft tokens (speculative decoding): token_ids = [last token] + spec_token_ids; the runner verifies them
+    # and samples at every position (sample is True)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

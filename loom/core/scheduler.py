@@ -32,6 +32,7 @@ from loom.core.sched_output import (
 )
 from loom.core.stop import check_stop
 from loom.request import Request, RequestStatus
+from loom.spec.proposer import Proposer
 
 
 class QueueFullError(RuntimeError):
@@ -40,6 +41,33 @@ class QueueFullError(RuntimeError):
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class SpecDecodeStats:
+    """Speculative decoding counters, cumulative (vLLM's spec_decode_* metrics)."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0  # verify passes that carried drafts (one per request and step)
+        self.num_draft_tokens = 0  # tokens proposed
+        self.num_accepted_tokens = 0  # drafts the target kept
+        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens  # kept drafts at position 0, 1, ...
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept drafts over proposed drafts, in [0, 1] (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify pass: 1 + kept drafts on average (1 before any draft)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 class Scheduler:
@@ -52,11 +80,15 @@ class Scheduler:
         num_blocks: int,
         num_host_blocks: int = 0,
         sliding_window: int | None = None,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """Args:
         num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
         num_host_blocks: blocks of the host tier (from the runner's kv_offload budget); 0 = none.
         sliding_window: the model's attention window in tokens (blocks outside it are freed early); None = none.
+        proposer: drafts tokens for decoding requests (speculative decoding, loom/spec); None = off.
+        num_speculative_tokens: most drafts per request and step (k).
         """
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -72,6 +104,9 @@ class Scheduler:
         self._prompt_logprobs_sent: dict[str, int] = {}  # request_id -> prompt logprobs passed on so far
         self._prompt_logprobs_seen: dict[str, int] = {}  # request_id -> prompt logprobs received since admission
         self.num_preemptions_total = 0  # cumulative
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens)
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -126,10 +161,13 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            drafts = self._propose(request, budget) if num_new == 1 else []
+            if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)) is None:
+                drafts = []  # speculation never preempts anyone: decode the one token as usual
+            if not drafts and not self._allocate_or_preempt(request, num_new, preempted):
                 break  # it preempted itself; it was the last running request
-            scheduled.append(self._schedule_one(request, num_new, is_new=False))
-            budget -= num_new
+            scheduled.append(self._schedule_one(request, num_new, is_new=False, drafts=drafts))
+            budget -= num_new + len(drafts)
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
@@ -166,6 +204,7 @@ class Scheduler:
             self._prompt_logprobs_seen.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # a swapped request gets its count back from the host tier
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -189,13 +228,28 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_one(self, request: Request, num_new: int, is_new: bool) -> ScheduledRequest:
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request: at most k, within the step's budget, the request's max_tokens
+        (the bonus token included) and max_model_len (every draft position gets a KV slot)."""
+        if self.proposer is None:
+            return []
+        limit = min(self.num_speculative_tokens, budget - 1, self.max_model_len - request.num_tokens,
+                    request.max_tokens - len(request.output_token_ids) - 1)
+        if limit <= 0:
+            return []
+        return self.proposer.propose(request.token_ids_slice(0, request.num_tokens), limit)[:limit]
+
+    def _schedule_one(self, request: Request, num_new: int, is_new: bool,
+                      drafts: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
-        request.num_computed_tokens = end
+        # The drafts' K/V are computed too; update_from_output moves num_computed_tokens back to the
+        # tokens the request kept.
+        request.spec_token_ids = drafts or []
+        request.num_computed_tokens = end + len(request.spec_token_ids)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, end),
+            token_ids=request.token_ids_slice(start, end) + (drafts or []),
             start_position=start,
             block_table=self.kv_cache_manager.get_block_ids(request.request_id),
             sample=end == request.num_tokens and request.max_tokens > 0,
@@ -203,6 +257,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             is_new=is_new,
+            spec_token_ids=drafts or [],
         )
 
     # ---- update ----------------------------------------------------------------------------------
@@ -234,12 +289,21 @@ class Scheduler:
         new_token_ids: list[int] = []
         status: RequestStatus | None = None
         if sched.sample:
-            for token_id in runner_output.sampled_token_ids[rid]:
+            sampled = runner_output.sampled_token_ids[rid]
+            for token_id in sampled:
                 request.output_token_ids.append(token_id)
                 new_token_ids.append(token_id)
                 status = check_stop(request, self.max_model_len)
                 if status is not None:
                     break
+            if sched.spec_token_ids:
+                # Rejected drafts roll back: the K/V of the kept drafts are valid, the last kept token's
+                # is computed next step (a rejected draft's slot is overwritten then; blocks past it stay
+                # allocated and are reused). No block holding a rejected draft was hashed: hashes cover
+                # known tokens only.
+                request.num_computed_tokens = request.num_tokens - 1
+                request.spec_token_ids = []
+                self.spec_stats.record(len(sched.spec_token_ids), len(sampled) - 1)
             self.kv_cache_manager.update_block_hashes(request)
         elif request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
             status = RequestStatus.FINISHED_LENGTH
@@ -362,7 +426,7 @@ class Scheduler:
         bs = self.cache_config.block_size
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
-            assert 0 < r.num_computed_tokens <= r.num_tokens
+            assert 0 < r.num_computed_tokens <= r.num_tokens_with_spec
             assert len(self.kv_cache_manager.get_block_ids(r.request_id)) >= _cdiv(r.num_computed_tokens, bs)
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from loom.config import PREEMPTION_MODES, QUANTIZATION_METHODS, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES, EngineArgs
+from loom.spec.proposer import SPECULATIVE_METHODS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -48,6 +49,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="bound on the waiting queue; when full, new requests are refused (HTTP 503)")
+    g.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                   help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the prompt "
+                        "and output, verified exactly by the model; docs/speculative.md); default: off")
+    g.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
+                   help="most draft tokens per request and step (default: %(default)s)")
+    g.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
+                   help="ngram: shortest suffix that may match, in tokens (default: %(default)s)")
+    g.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
+                   help="ngram: longest suffix, tried first, in tokens (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else the number of cores)")
     return parser

@@ -19,6 +19,7 @@ from loom.outputs import RequestOutput
 from loom.request import Request, RequestStatus
 from loom.sample.penalties import check_params_against_vocab
 from loom.sampling_params import SamplingParams
+from loom.spec.proposer import make_proposer
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class EngineStats:
     num_blocks_offloaded: int = 0  # cumulative device -> host tier block copies
     num_blocks_restored: int = 0  # cumulative host tier -> device block copies
     num_blocks_recomputed: int = 0  # cumulative computed blocks dropped by (non-swap) preemption
+    spec_num_drafts: int = 0  # cumulative verify passes that carried drafts (speculative decoding)
+    spec_num_draft_tokens: int = 0  # cumulative draft tokens proposed
+    spec_num_accepted_tokens: int = 0  # cumulative draft tokens kept
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # cumulative kept drafts at position 0, 1, ...
 
 
 class LLMEngine:
@@ -60,9 +65,12 @@ class LLMEngine:
         self.block_size = cache_config.block_size
         self.num_kv_blocks = self.runner.num_blocks
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
+        spec = args.speculative_config()
         self.scheduler = Scheduler(
             args.scheduler_config(self.max_model_len), cache_config, self.num_kv_blocks,
             num_host_blocks=self.runner.num_host_blocks, sliding_window=arch.sliding_window,
+            proposer=make_proposer(spec) if spec is not None else None,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
@@ -232,6 +240,10 @@ class LLMEngine:
             num_blocks_offloaded=s.offload_counters.num_blocks_offloaded,
             num_blocks_restored=s.offload_counters.num_blocks_restored,
             num_blocks_recomputed=s.offload_counters.num_blocks_recomputed,
+            spec_num_drafts=s.spec_stats.num_drafts,
+            spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=tuple(s.spec_stats.num_accepted_tokens_per_pos),
         )
 
 

@@ -12,6 +12,7 @@ from loom.config import CacheConfig, ModelConfig
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from loom.model.loader import load_model
 from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
+from loom.spec.verify import accept_sampled
 from loom.attention.kv_quant import resolve_kv_cache_dtype
 from loom.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
 from loom.worker.kv_offload import HostKVCache, num_host_blocks_for_budget
@@ -127,6 +128,7 @@ class ModelRunner:
         lp_targets: list[int] = []
         lp_owners: list[tuple[str, int, int, int]] = []
         bs = self.block_size
+        attn_tables: list[list[int]] = []  # block table of each attention row group below
         for req in scheduled:
             base = len(input_ids)
             start = req.start_position
@@ -135,11 +137,23 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             table = req.block_table
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_start_loc.append(base + n)
-            seq_lens.append(start + n)
-            if req.sample:
-                sample_indices.append(base + n - 1)
+            if req.spec_token_ids:
+                # Verifying drafts: each query token is a decode row of its own (key j sees positions
+                # <= start + j), so the batched decode path, and the one-call C step, compute it exactly
+                # as they would compute that token decoded alone.
+                for j in range(n):
+                    query_start_loc.append(base + j + 1)
+                    seq_lens.append(start + j + 1)
+                    attn_tables.append(table)
+                sample_indices.extend(range(base, base + n))
                 sample_reqs.append(req)
+            else:
+                query_start_loc.append(base + n)
+                seq_lens.append(start + n)
+                attn_tables.append(table)
+                if req.sample:
+                    sample_indices.append(base + n - 1)
+                    sample_reqs.append(req)
             num_prompt = len(req.prompt_token_ids)
             if req.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
                 end = min(start + n, num_prompt - 1)  # the last prompt position predicts an output token
@@ -151,10 +165,10 @@ class ModelRunner:
                 self.generators[req.request_id] = torch.Generator(device=self.device).manual_seed(
                     req.sampling_params.seed
                 )
-        max_blocks = max(len(r.block_table) for r in scheduled)
-        block_tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, req in enumerate(scheduled):
-            block_tables[i, : len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.int32)
+        max_blocks = max(len(t) for t in attn_tables)
+        block_tables = torch.zeros((len(attn_tables), max_blocks), dtype=torch.int32)
+        for i, table in enumerate(attn_tables):
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         dev = self.device
         attn_metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
@@ -163,8 +177,8 @@ class ModelRunner:
             block_tables=block_tables.to(dev),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
-            num_reqs=len(scheduled),
-            max_query_len=max(len(r.token_ids) for r in scheduled),
+            num_reqs=len(attn_tables),
+            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)),
             block_size=bs,
         )
         return _StepInputs(
@@ -191,22 +205,30 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
         rows = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        sampling_inputs = [
-            SamplingInput(
-                params=r.sampling_params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                eos_token_ids=self.eos_token_ids,
-                generator=self.generators.get(r.request_id),
-            )
-            for r in inputs.sample_reqs
-        ]
+        sampling_inputs = []
+        for r in inputs.sample_reqs:
+            generator = self.generators.get(r.request_id)
+            # a verify pass samples after the last token and after each draft, each row with the output
+            # it would follow (penalties, min_tokens), from the request's generator in position order
+            for j in range(len(r.spec_token_ids) + 1):
+                sampling_inputs.append(SamplingInput(
+                    params=r.sampling_params,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=r.output_token_ids + r.spec_token_ids[:j] if j else r.output_token_ids,
+                    eos_token_ids=self.eos_token_ids,
+                    generator=generator,
+                ))
         result = sample(logits, sampling_inputs, self.default_generator)
         token_ids = result.sampled_token_ids.tolist()
-        for req, token_id, lp in zip(inputs.sample_reqs, token_ids, result.logprobs):
-            output.sampled_token_ids[req.request_id] = [token_id]
-            if lp is not None:
-                output.logprobs[req.request_id] = [lp]
+        row = 0
+        for req in inputs.sample_reqs:
+            n = len(req.spec_token_ids) + 1
+            kept = accept_sampled(req.spec_token_ids, token_ids[row : row + n]) if n > 1 else token_ids[row : row + 1]
+            output.sampled_token_ids[req.request_id] = kept
+            lps = result.logprobs[row : row + len(kept)]
+            if lps[0] is not None:
+                output.logprobs[req.request_id] = lps
+            row += n
 
 
 def _trim(lp: TokenLogprobs, keep: int) -> TokenLogprobs:

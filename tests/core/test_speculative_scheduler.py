@@ -1,0 +1,124 @@
+"""Speculative decoding in the scheduler: lookahead slots, rollback of rejected drafts, the prefix cache.
+
+The fake runner (conftest) keeps a simulated KV cache in which every slot's state depends on all earlier
+tokens, so a rejected draft whose K/V stayed in use, or a cached block holding one, changes the output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from loom.spec.verify import accept_sampled
+from tests.core.conftest import FakeRunner, make_request, make_scheduler, mix, reference_output, run_until_done, sample_from
+
+
+class SpecFakeRunner(FakeRunner):
+    """FakeRunner that verifies drafts: samples after every query token, keeps what accept_sampled keeps."""
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        out = super().execute(sched)
+        for req in sched.scheduled:
+            if not req.spec_token_ids:
+                continue
+            start = req.start_position
+            states = [self.kv[self.slot(req.block_table, start + j)] for j in range(len(req.token_ids))]
+            out.sampled_token_ids[req.request_id] = accept_sampled(req.spec_token_ids, [sample_from(s) for s in states])
+        return out
+
+
+class OracleProposer:
+    """Proposes the true continuation, with every `wrong_every`-th draft replaced by a wrong token."""
+
+    name = "oracle"
+
+    def __init__(self, prompts: dict[tuple[int, ...], list[int]], wrong_every: int) -> None:
+        self.prompts = prompts
+        self.wrong_every = wrong_every
+        self.calls = 0
+
+    def propose(self, token_ids, max_tokens):
+        for prompt, full in self.prompts.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                drafts = full[len(token_ids) - len(prompt) : len(token_ids) - len(prompt) + max_tokens]
+                self.calls += 1
+                if self.calls % self.wrong_every == 0 and drafts:
+                    drafts = drafts[:1] + [(t + 1) % 997 for t in drafts[1:]]
+                return drafts
+        return []
+
+
+def _with_proposer(sched: Any, proposer: Any, k: int) -> Any:
+    sched.proposer = proposer
+    sched.num_speculative_tokens = k
+    sched.spec_stats.num_accepted_tokens_per_pos = [0] * k
+    return sched
+
+
+@pytest.mark.parametrize("wrong_every", [1, 2, 1000])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_drafts_never_change_the_tokens(wrong_every: int, prefix_caching: bool) -> None:
+    prompts = {tuple(range(i, i + 5 + 3 * i)): 20 for i in range(4)}
+    prompts[tuple(range(0, 5))] = 20  # shares a prefix with request 0 (prefix-cache hits on generated blocks)
+    truth = {p: reference_output(list(p), n) for p, n in prompts.items()}
+    proposer = OracleProposer(truth, wrong_every)
+    sched = _with_proposer(make_scheduler(num_blocks=40, block_size=4, max_num_batched_tokens=16,
+                                          enable_prefix_caching=prefix_caching), proposer, 4)
+    for i, (p, n) in enumerate(prompts.items()):
+        sched.add_request(make_request(f"r{i}", list(p), n))
+    result = run_until_done(sched, SpecFakeRunner(4))
+    for i, p in enumerate(prompts):
+        assert result.tokens[f"r{i}"] == truth[p], i
+    assert sched.num_free_blocks == 40
+    stats = sched.spec_stats
+    assert stats.num_draft_tokens > 0
+    if wrong_every == 1000:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert result.steps < 40  # ~5 tokens per step instead of one
+    else:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_drafts_stay_within_budget_max_tokens_and_blocks() -> None:
+    prompt = list(range(7))
+    truth = reference_output(prompt, 6)
+    sched = _with_proposer(make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=3),
+                           OracleProposer({tuple(prompt): truth}, 1000), 8)
+    sched.add_request(make_request("a", prompt, 6))
+    runner = SpecFakeRunner(4)
+    tokens: list[int] = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens <= 3  # 1 token + at most budget - 1 drafts
+        for r in out.scheduled:
+            req = sched.get_request(r.request_id)
+            assert len(r.token_ids) == 1 + len(r.spec_token_ids) or not r.spec_token_ids
+            # drafts never reach past max_tokens: the bonus token is the last one allowed
+            assert len(req.output_token_ids) + len(r.spec_token_ids) + 1 <= 6
+        for core_out in sched.update_from_output(out, runner.execute(out)):
+            tokens.extend(core_out.new_token_ids)
+        sched.check_invariants()
+    assert tokens == truth
+    assert sched.num_free_blocks == 8
+
+
+def test_speculation_never_preempts_more_than_plain_decoding() -> None:
+    """Drafts get slots only where the pool has them free: a request without room for its drafts decodes
+    one token, and no request is preempted to make room for drafts."""
+    prompts = {tuple(range(10 * i, 10 * i + 8)): 8 for i in range(3)}
+    truth = {p: reference_output(list(p), n) for p, n in prompts.items()}
+    preemptions = []
+    for proposer in (None, OracleProposer(truth, 1000)):
+        sched = make_scheduler(num_blocks=8, block_size=4)
+        if proposer is not None:
+            _with_proposer(sched, proposer, 4)
+        for i, (p, n) in enumerate(prompts.items()):
+            sched.add_request(make_request(f"r{i}", list(p), n))
+        result = run_until_done(sched, SpecFakeRunner(4))
+        assert [result.tokens[f"r{i}"] for i in range(3)] == list(truth.values())
+        assert sched.num_free_blocks == 8
+        preemptions.append(sched.num_preemptions_total)
+    assert preemptions[0] > 0  # the pool really was tight
+    assert preemptions[1] <= preemptions[0]

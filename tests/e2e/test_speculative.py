@@ -1,0 +1,142 @@
+"""Speculative decoding end to end on the real model: greedy output equals decoding without it, for every
+proposer (a garbage one too), alone, batched, under preemption and chunked prefill, with no block leaked."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loom import LLM, SamplingParams
+
+CODE = """def binary_search(items, target):
+    lo, hi = 0, len(items) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if items[mid] == target:
+            return mid
+        if items[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return -1
+"""
+PROMPTS = [
+    "Repeat this function exactly:\n\n" + CODE + "\nHere it is:\n\n",
+    "The capital of Italy is",
+    "One, two, three, four, one, two, three, four, one, two,",
+    "List three colors:",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+class _Garbage:
+    """A proposer that guesses random tokens."""
+
+    name = "garbage"
+
+    def __init__(self) -> None:
+        self.rng = random.Random(0)
+
+    def propose(self, token_ids, max_tokens):
+        return [self.rng.randrange(49152) for _ in range(max_tokens)]
+
+
+def _run_checked(engine, prompts, params) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    results: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_invariants()
+        steps += 1
+        assert steps < 5000
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks  # every block is back in the pool
+    return [results[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def ngram() -> LLM:
+    return LLM(speculative_method="ngram", num_speculative_tokens=5)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_ngram_greedy_equals_plain_greedy(plain: LLM, ngram: LLM, batched: bool) -> None:
+    if batched:
+        expected, got = _tokens(plain.generate(PROMPTS, GREEDY)), _tokens(ngram.generate(PROMPTS, GREEDY))
+    else:
+        expected = [_tokens(plain.generate([p], GREEDY))[0] for p in PROMPTS]
+        got = [_tokens(ngram.generate([p], GREEDY))[0] for p in PROMPTS]
+    assert got == expected
+    stats = ngram.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0  # drafts were really verified and kept
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # ... and some rejected
+
+
+def test_garbage_drafts_still_give_the_exact_output(plain: LLM) -> None:
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=3)
+    llm.engine.scheduler.proposer = _Garbage()
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == _tokens(plain.generate(PROMPTS, GREEDY))
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.1
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(
+    plain: LLM, hf_tokenizer, prefix_caching: bool
+) -> None:
+    base = hf_tokenizer.encode("one two three four one two three four one two three four one two")
+    prompts = [base[: 5 + i] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    expected = _tokens(plain.generate(prompts, params))
+    tight = LLM(speculative_method="ngram", num_speculative_tokens=4, block_size=4, num_kv_blocks=16,
+                max_num_batched_tokens=9, max_num_seqs=6, enable_prefix_caching=prefix_caching)
+    assert _run_checked(tight.engine, prompts, params) == expected
+    assert tight.engine.get_stats().num_preemptions > 0
+    assert tight.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_stops_and_lengths_inside_a_drafted_run(plain: LLM, ngram: LLM) -> None:
+    prompt = PROMPTS[2]
+    free = _tokens(plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)))[0]
+    for max_tokens in (1, 2, 7, 13):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        assert _tokens(ngram.generate([prompt], params))[0] == free[:max_tokens]
+    stop_at = free[9]  # a token the drafts run through
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop_at])
+    got = ngram.generate([prompt], params)[0].outputs[0]
+    assert got.token_ids == free[: free.index(stop_at) + 1]
+    assert got.finish_reason == "stop"
+
+
+def test_seeded_sampling_with_speculation_repeats_by_seed(ngram: LLM) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
+    first = _tokens(ngram.generate(PROMPTS[:3], params))
+    assert first == _tokens(ngram.generate(PROMPTS[:3], params))
+    assert first != _tokens(ngram.generate(PROMPTS[:3], SamplingParams(
+        temperature=0.8, top_p=0.95, seed=6, max_tokens=30, ignore_eos=True)))
+
+
+def test_logprobs_of_kept_drafts_equal_plain_decoding(plain: LLM, ngram: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    a = plain.generate([PROMPTS[0]], params)[0].outputs[0]
+    b = ngram.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    assert len(b.logprobs) == len(b.token_ids)
+    for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+        assert la.keys() == lb.keys()
+        for t in la:
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
