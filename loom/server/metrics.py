@@ -62,6 +62,18 @@ class ServerMetrics:
         self.kv_recomputed = Counter("loom:kv_blocks_recomputed",
                                      "Computed KV blocks dropped by preemption (to be recomputed).", labels,
                                      registry=r).labels(model_name)
+        # speculative decoding, vLLM's names (zero when it is off)
+        self.spec_drafts = Counter("loom:spec_decode_num_drafts", "Verify passes that carried draft tokens.",
+                                   labels, registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter("loom:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels,
+                                         registry=r).labels(model_name)
+        self.spec_accepted = Counter("loom:spec_decode_num_accepted_tokens", "Draft tokens kept by verification.",
+                                     labels, registry=r).labels(model_name)
+        self._spec_per_pos = Counter("loom:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens kept, by position in the draft.", ["model_name", "position"],
+                                     registry=r)
+        self._last_spec = (0, 0, 0)
+        self._last_spec_pos: list[int] = []
         self._seen: dict[str, float | None] = {}  # request_id -> last_token_time seen (engine thread only)
         self._last_queries = 0  # cumulative engine counters at the previous step
         self._last_hits = 0
@@ -94,6 +106,16 @@ class ServerMetrics:
                                        self._last_restored)
         self._last_recomputed = _advance(self.kv_recomputed, getattr(stats, "num_blocks_recomputed", 0),
                                          self._last_recomputed)
+        self._last_spec = (
+            _advance(self.spec_drafts, getattr(stats, "spec_num_drafts", 0), self._last_spec[0]),
+            _advance(self.spec_draft_tokens, getattr(stats, "spec_num_draft_tokens", 0), self._last_spec[1]),
+            _advance(self.spec_accepted, getattr(stats, "spec_num_accepted_tokens", 0), self._last_spec[2]),
+        )
+        per_pos = list(getattr(stats, "spec_num_accepted_tokens_per_pos", ()))
+        self._last_spec_pos += [0] * (len(per_pos) - len(self._last_spec_pos))
+        for pos, total in enumerate(per_pos):
+            counter = self._spec_per_pos.labels(self.model_name, str(pos))
+            self._last_spec_pos[pos] = _advance(counter, total, self._last_spec_pos[pos])
 
     def _record_output(self, out: RequestOutput, now: float) -> None:
         m = out.metrics

@@ -1,0 +1,117 @@
+"""Speculative decoding on code-edit prompts: single-stream output tok/s with and without drafts, and
+whether greedy output stays identical (issue 10's first target).
+
+Each prompt gives the model a real Python standard-library function and asks for it back with one small
+change, so most of the answer copies the prompt (what prompt lookup exploits). Run each configuration in
+its own process, then compare:
+
+    .venv/bin/python benchmarks/spec_bench.py --out /tmp/plain.json
+    .venv/bin/python benchmarks/spec_bench.py --speculative-method ngram --out /tmp/ngram.json
+    .venv/bin/python benchmarks/spec_bench.py --compare /tmp/plain.json /tmp/ngram.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import time
+
+# short pure-Python standard-library functions (the first 20 with 6-40 source lines are used)
+CANDIDATES = [
+    ("textwrap", "indent"), ("textwrap", "dedent"), ("textwrap", "shorten"), ("shlex", "quote"),
+    ("shlex", "split"), ("fnmatch", "filter"), ("fnmatch", "fnmatchcase"), ("posixpath", "join"),
+    ("posixpath", "split"), ("posixpath", "basename"), ("posixpath", "commonpath"), ("posixpath", "relpath"),
+    ("heapq", "nsmallest"), ("statistics", "median"), ("statistics", "mode"), ("statistics", "median_low"),
+    ("colorsys", "rgb_to_hsv"), ("colorsys", "hls_to_rgb"), ("colorsys", "rgb_to_hls"), ("string", "capwords"),
+    ("glob", "has_magic"), ("base64", "b64encode"), ("base64", "b64decode"), ("calendar", "isleap"),
+    ("calendar", "leapdays"), ("keyword", "iskeyword"), ("html", "escape"), ("ipaddress", "ip_address"),
+    ("random", "Random.choice"), ("copy", "copy"), ("json", "dumps"), ("operator", "attrgetter"),
+    ("difflib", "get_close_matches"), ("urllib.parse", "urljoin"), ("email.utils", "quote"),
+]
+EDITS = ["Add a one-line comment at the top of the function body.", "Rename the function by adding the suffix _v2.",
+         "Add type hints to the parameters.", "Replace every double-quoted string with a single-quoted one."]
+
+
+def prompts(count: int = 20) -> list[str]:
+    import importlib
+
+    sources = []
+    for module, name in CANDIDATES:
+        try:
+            obj = importlib.import_module(module)
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            source = inspect.getsource(obj)
+        except (TypeError, OSError):  # a C function
+            continue
+        if 6 <= source.count("\n") <= 40:
+            sources.append(source)
+    if len(sources) < count:
+        raise RuntimeError(f"only {len(sources)} usable functions in this Python's standard library")
+    return [f"{EDITS[i % len(EDITS)]} Return the whole function in a Python code block.\n\n```python\n{src}```"
+            for i, src in enumerate(sources[:count])]
+
+
+def run(args: argparse.Namespace) -> None:
+    from loom import LLM, SamplingParams
+
+    kwargs = {"num_threads": args.threads}
+    if args.speculative_method != "none":
+        kwargs.update(speculative_method=args.speculative_method, num_speculative_tokens=args.k)
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    convs = [[{"role": "user", "content": p}] for p in prompts()]
+    llm.chat(convs[:1], params)  # warm-up (kernel builds, first-call costs)
+    rows = []
+    for conv in convs:
+        t0 = time.perf_counter()
+        out = llm.chat([conv], params)[0]
+        dt = time.perf_counter() - t0
+        ids = out.outputs[0].token_ids
+        ttft = out.metrics.first_token_time - out.metrics.arrival_time if out.metrics else 0.0
+        rows.append({"tokens": ids, "seconds": dt, "decode_tok_s": (len(ids) - 1) / max(dt - ttft, 1e-9)})
+    stats = llm.engine.get_stats()
+    total_tokens = sum(len(r["tokens"]) for r in rows)
+    total_s = sum(r["seconds"] for r in rows)
+    result = {"method": args.speculative_method, "k": args.k, "rows": rows, "output_tok_s": total_tokens / total_s,
+              "median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in rows),
+              "draft_tokens": stats.spec_num_draft_tokens, "accepted_tokens": stats.spec_num_accepted_tokens,
+              "drafts": stats.spec_num_drafts}
+    print(f"{args.speculative_method} k={args.k}: {total_tokens} tokens in {total_s:.1f} s = "
+          f"{result['output_tok_s']:.1f} output tok/s, median decode {result['median_decode_tok_s']:.1f} tok/s")
+    if stats.spec_num_draft_tokens:
+        print(f"  acceptance {stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens:.1%}, mean tokens per "
+              f"verify pass {1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts:.2f}")
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+def compare(a_path: str, b_path: str) -> None:
+    a, b = (json.load(open(p)) for p in (a_path, b_path))
+    same = sum(x["tokens"] == y["tokens"] for x, y in zip(a["rows"], b["rows"], strict=True))
+    ratios = [y["decode_tok_s"] / x["decode_tok_s"] for x, y in zip(a["rows"], b["rows"], strict=True)]
+    print(f"{b['method']} vs {a['method']}: output tok/s {b['output_tok_s']:.1f} vs {a['output_tok_s']:.1f} = "
+          f"{b['output_tok_s'] / a['output_tok_s']:.2f}x; per-prompt decode speed-up median "
+          f"{statistics.median(ratios):.2f}x (min {min(ratios):.2f}, max {max(ratios):.2f}); "
+          f"identical outputs {same}/{len(a['rows'])}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--speculative-method", default="none", choices=["none", "ngram"])
+    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="/tmp/spec_bench.json")
+    ap.add_argument("--compare", nargs=2, metavar="JSON")
+    args = ap.parse_args()
+    if args.compare:
+        compare(*args.compare)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
