@@ -7,11 +7,10 @@ Language Model Decoding with Speculative Sampling"). docs/speculative.md describ
 exactness guarantee.
 
 - proposer.py: the `Proposer` Protocol, the registry behind `--speculative-method`, the n-gram proposer;
-- verify.py: acceptance of drafted tokens, greedy and by rejection sampling.
+- verify.py: acceptance of drafted tokens, greedy and by rejection sampling (imports torch; the rest of
+  this package does not, so the scheduler can use it).
 """
 
 from loom.spec.proposer import PROPOSERS, NgramProposer, Proposer, SpeculativeConfig, make_proposer
-from loom.spec.verify import accept_sampled, rejection_sample
 
-__all__ = ["PROPOSERS", "NgramProposer", "Proposer", "SpeculativeConfig", "accept_sampled", "make_proposer",
-           "rejection_sample"]
+__all__ = ["PROPOSERS", "NgramProposer", "Proposer", "SpeculativeConfig", "make_proposer"]

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from loom.spec import accept_sampled, rejection_sample
+from loom.spec.verify import accept_sampled, rejection_sample
 
 
 def test_accept_sampled_keeps_matching_drafts_then_the_target_token() -> None:
