@@ -543,6 +543,65 @@ ALWAYS_INLINE __m256 dot16_half(__m256i w, const int16_t *x, const float *d, __m
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)x))),
                            _mm256_broadcast_ss(d), acc);
 }
+
+/* q4g32 tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * pair_scales(d) for the
+ * pairs of blocks in order (chunks of CH blocks for the scale products d = sc * xs), then the mins' term,
+ * then hsum8_tree, the same sequence in by-row and by-x tiles. By-row tiles read one weight row after the
+ * other (the order the DRAM stream wants); by-x tiles unpack each pair of one weight row once for up to four
+ * x rows. With the two accumulators per slot of the q8 tiles, the by-x tile held eight accumulators and
+ * GCC kept them on the stack (a store and a reload around every FMA: 8 cycles per pair and x row from L1,
+ * benchmarks/NOTES.md "Third pass"). */
+ALWAYS_INLINE void rows16_q4(const int nr, const int mc, const uint8_t *w, int64_t row_bytes, const uint16_t *sc,
+                             const uint16_t *mn, int64_t ng, const int16_t *xc, int64_t xstride, const float *xs,
+                             const float *gs, int64_t K, float *dots) {
+    const int64_t nb = K / 32;
+    const int cnt = nr * mc, by_row = nr == NR;
+    __m256 acc[NSLOT];
+    if (by_row) {
+        for (int r = 0; r < NR; ++r) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t c0 = 0; c0 < nb; c0 += CH) {
+                const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
+                float d[2 * CH];
+                block_scales(KIND_Q4, sc + r * ng, 1, xs, c0, cc, d);
+                const uint8_t *wr = w + r * row_bytes + 16 * c0;
+                const int16_t *x = xc + 32 * c0;
+                for (int64_t j = 0; j < cc; j += 2) {
+                    const int pair = j + 1 < cc;
+                    const w16x4 q = q4_codes16(wr + 16 * j, pair);
+                    a = dot16_q4(&q, x + 32 * j, d + j, pair, a);
+                }
+            }
+            acc[r] = a;
+        }
+    } else {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c0 = 0; c0 < nb; c0 += CH) {
+            const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
+            float d[NSLOT][2 * CH];
+            for (int i = 0; i < mc; ++i) block_scales(KIND_Q4, sc, 1, xs + i * nb, c0, cc, d[i]);
+            const int16_t *x = xc + 32 * c0;
+            for (int64_t j = 0; j < cc; j += 2) {
+                const int pair = j + 1 < cc;
+                const w16x4 q = q4_codes16(w + 16 * (c0 + j), pair);
+                a0 = dot16_q4(&q, x + 32 * j, d[0] + j, pair, a0);
+                if (mc > 1) a1 = dot16_q4(&q, x + xstride + 32 * j, d[1] + j, pair, a1);
+                if (mc > 2) a2 = dot16_q4(&q, x + 2 * xstride + 32 * j, d[2] + j, pair, a2);
+                if (mc > 3) a3 = dot16_q4(&q, x + 3 * xstride + 32 * j, d[3] + j, pair, a3);
+            }
+        }
+        acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+    }
+    float tail[NSLOT] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (mn)
+        for (int i = 0; i < cnt; ++i) {
+            const uint16_t *mi = mn + (by_row ? i : 0) * ng;
+            const float *gi = gs + (by_row ? 0 : i) * ng;
+            if (!min_term(mi, gi, ng, 1, acc + i))
+                for (int64_t g = 0; g < ng; ++g) tail[i] += loom_f16_to_f32(mi[g]) * gi[g];
+        }
+    for (int i = 0; i < cnt; ++i) dots[i] = hsum8_tree(acc[i]) + tail[i];
+}
 #endif /* LOOM_QSIMD */
 
 /* dots[i] for the slots i of a tile (see above): weight rows at w + r row_bytes (scales sc + r ng, one per
@@ -712,6 +771,10 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
                            int64_t xstride, const float *xs, const float *gs, int64_t K, float *dots) {
     const int64_t nb = K / 32;
 #if LOOM_QSIMD
+    if (kind == KIND_Q4) {
+        rows16_q4(nr, mc, w, row_bytes, sc, mn, ng, xc, xstride, xs, gs, K, dots);
+        return;
+    }
     const int64_t bb = kind == KIND_Q4 ? 16 : 32, step = kind == KIND_Q4 ? 2 : 1; /* blocks per step */
     const int cnt = nr * mc, by_row = nr == NR;
     __m256 a0[NSLOT], a1[NSLOT];
