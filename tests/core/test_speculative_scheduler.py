@@ -122,3 +122,33 @@ def test_speculation_never_preempts_more_than_plain_decoding() -> None:
         preemptions.append(sched.num_preemptions_total)
     assert preemptions[0] > 0  # the pool really was tight
     assert preemptions[1] <= preemptions[0]
+
+
+class WrongProposer:
+    """Always proposes drafts the target rejects (the true next token plus one)."""
+
+    name = "wrong"
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]]) -> None:
+        self.truth = truth
+
+    def propose(self, token_ids, max_tokens):
+        for prompt, full in self.truth.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                i = len(token_ids) - len(prompt)
+                return [(t + 1) % 997 for t in full[i : i + max_tokens]]
+        return []
+
+
+def test_requests_whose_drafts_all_fail_back_off() -> None:
+    """After a verify pass keeps nothing, the request waits 1, 2, 4, .. 16 decode steps before drafting again."""
+    prompt = list(range(5))
+    truth = {tuple(prompt): reference_output(prompt, 80)}
+    sched = _with_proposer(make_scheduler(num_blocks=40, block_size=4), WrongProposer(truth), 4)
+    sched.add_request(make_request("a", prompt, 80))
+    result = run_until_done(sched, SpecFakeRunner(4))
+    assert result.tokens["a"] == truth[tuple(prompt)]
+    # drafts at decode steps 1, 3, 6, 11, 20, 37, 54, 71: 8 passes instead of 79
+    assert sched.spec_stats.num_drafts == 8
+    assert sched.spec_stats.num_accepted_tokens == 0
+    assert not sched._spec_backoff  # cleaned up at finish
