@@ -68,6 +68,15 @@ def _set_threads(ns: argparse.Namespace) -> None:
         torch.set_num_threads(ns.num_threads)  # the hf peer gets the same threads as the engine
 
 
+def _print_spec_stats(llm: Any) -> None:
+    """Acceptance of speculative decoding, when it ran (vLLM's spec_decode figures)."""
+    stats = llm.engine.get_stats()
+    if stats.spec_num_draft_tokens:
+        print(f"[loom] speculative decoding: {stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} draft "
+              f"tokens kept ({stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens:.1%}), "
+              f"{1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts:.2f} tokens per verify pass")
+
+
 def cmd_latency(ns: argparse.Namespace) -> int:
     """`loom bench latency`: prints a table per backend, writes JSON and a box plot of E2E per run."""
     from loom.bench.cli import result_path
@@ -85,6 +94,7 @@ def cmd_latency(ns: argparse.Namespace) -> int:
             llm = _make_llm(ns)
             weight_bytes = decode_weight_bytes(llm)
             results[backend] = run_loom_latency(llm, cfg, vocab)
+            _print_spec_stats(llm)
             del llm
         else:
             results[backend] = run_hf_latency(_make_hf(ns), cfg, vocab)
@@ -130,7 +140,10 @@ def cmd_throughput(ns: argparse.Namespace) -> int:
     results = {}
     for backend in ns.backend:
         if backend == "loom":
-            results[backend] = run_loom_throughput(_make_llm(ns), requests, use_tqdm=not ns.no_tqdm)
+            llm = _make_llm(ns)
+            results[backend] = run_loom_throughput(llm, requests, use_tqdm=not ns.no_tqdm)
+            _print_spec_stats(llm)
+            del llm
         else:
             results[backend] = run_hf_throughput(_make_hf(ns), requests[:hf_count], ns.hf_batch_size)
         s = results[backend].summary()

@@ -140,3 +140,14 @@ def test_logprobs_of_kept_drafts_equal_plain_decoding(plain: LLM, ngram: LLM) ->
         assert la.keys() == lb.keys()
         for t in la:
             assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+
+
+def test_bench_prints_acceptance(ngram: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    from loom.bench.cli_run import _print_spec_stats
+
+    ngram.generate([PROMPTS[0]], GREEDY)
+    _print_spec_stats(ngram)
+    line = capsys.readouterr().out
+    stats = ngram.engine.get_stats()
+    assert f"{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} draft tokens kept" in line
+    assert "tokens per verify pass" in line
