@@ -102,8 +102,9 @@ class EngineArgs:
     prompt_lookup_max: int = 4  # ngram: longest suffix, tried first (tokens)
 
     def __post_init__(self) -> None:
-        if self.speculative_method is not None:
-            self.speculative_config()  # raises ValueError naming a bad option
+        # the speculative options are checked even while speculation is off, so a typo is not silently ignored
+        SpeculativeConfig("ngram" if self.speculative_method is None else self.speculative_method,
+                          self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:

@@ -72,6 +72,10 @@ class LLMEngine:
             proposer=make_proposer(spec) if spec is not None else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
+        if spec is not None:
+            logger.info("speculative decoding: %s, up to %d draft tokens per request and step (prompt lookup "
+                        "n = %d..%d)", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         logger.info(

@@ -39,3 +39,14 @@ def test_config_validation_names_the_option() -> None:
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
     assert make_proposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=5)).propose([1, 2, 1], 2) == [2, 1]
+
+
+def test_engine_args_check_the_speculative_options_even_when_off() -> None:
+    from loom.config import EngineArgs
+
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineArgs(num_speculative_tokens=99)
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        EngineArgs(prompt_lookup_min=9, prompt_lookup_max=1)
+    assert EngineArgs().speculative_config() is None
+    assert EngineArgs(speculative_method="ngram").speculative_config() == SpeculativeConfig()
