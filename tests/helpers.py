@@ -45,3 +45,23 @@ def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int 
     model.save_pretrained(directory, safe_serialization=True)
     hf_tokenizer.save_pretrained(directory)
     return directory
+
+
+def run_engine_checked(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Drive an LLMEngine step by step over `prompts` (request ids "0", "1", ...), checking the scheduler's
+    invariants after every step and that every KV block is back in the pool at the end; returns each
+    request's output token ids in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    results: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_invariants()
+        steps += 1
+        assert steps < 5000
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks  # every block is back in the pool
+    return [results[str(i)] for i in range(len(prompts))]

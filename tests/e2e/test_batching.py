@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loom import LLM, SamplingParams
+from tests.helpers import run_engine_checked
 
 PROMPTS = [
     "The capital of Italy is",
@@ -53,24 +54,6 @@ def test_n_samples_are_independent_and_reproducible(llm: LLM) -> None:
     assert samples == [c.token_ids for c in llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs]
 
 
-def _run_checked(engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Drive the engine step by step, checking the KV bookkeeping after every step."""
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    results: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_invariants()
-        steps += 1
-        assert steps < 5000
-    stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_blocks  # every block is back in the pool
-    return [results[str(i)] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_preemption_and_chunking_under_memory_pressure_keep_outputs(
     llm: LLM, hf_tokenizer, prefix_caching: bool
@@ -83,6 +66,6 @@ def test_preemption_and_chunking_under_memory_pressure_keep_outputs(
 
     tight = LLM(dtype="float32", quantization="none", block_size=4, num_kv_blocks=14, max_num_batched_tokens=7, max_num_seqs=8,
                 enable_prefix_caching=prefix_caching)
-    got = _run_checked(tight.engine, prompts, params)
+    got = run_engine_checked(tight.engine, prompts, params)
     assert got == expected
     assert tight.engine.get_stats().num_preemptions > 0  # the test really exercised preemption

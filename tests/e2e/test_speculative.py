@@ -8,6 +8,7 @@ import random
 import pytest
 
 from loom import LLM, SamplingParams
+from tests.helpers import run_engine_checked
 
 CODE = """def binary_search(items, target):
     lo, hi = 0, len(items) - 1
@@ -44,23 +45,6 @@ class _Garbage:
 
     def propose(self, token_ids, max_tokens):
         return [self.rng.randrange(49152) for _ in range(max_tokens)]
-
-
-def _run_checked(engine, prompts, params) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    results: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
-        engine.scheduler.check_invariants()
-        steps += 1
-        assert steps < 5000
-    stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_blocks  # every block is back in the pool
-    return [results[str(i)] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +88,7 @@ def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(
     expected = _tokens(plain.generate(prompts, params))
     tight = LLM(speculative_method="ngram", num_speculative_tokens=4, block_size=4, num_kv_blocks=16,
                 max_num_batched_tokens=9, max_num_seqs=6, enable_prefix_caching=prefix_caching)
-    assert _run_checked(tight.engine, prompts, params) == expected
+    assert run_engine_checked(tight.engine, prompts, params) == expected
     assert tight.engine.get_stats().num_preemptions > 0
     assert tight.engine.scheduler.spec_stats.num_accepted_tokens > 0
 

@@ -18,6 +18,16 @@ def _q8_0_grid(n: int, k: int, seed: int) -> torch.Tensor:
     return (q * d).reshape(n, k)
 
 
+def _q4_1_grid(n: int, groups: int, seed: int) -> torch.Tensor:
+    """A matrix already on a Q4_1 grid: per group of 32, float16 d and m, codes 0..15 reaching both ends."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, groups, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(n, groups, 1, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (n, groups, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (q * d + m).reshape(n, groups * 32)
+
+
 def test_q8_asym_reproduces_a_q8_0_grid_exactly() -> None:
     w = _q8_0_grid(64, 576, seed=0)
     packed = quantize_q8_asym(w, 32)
@@ -25,12 +35,7 @@ def test_q8_asym_reproduces_a_q8_0_grid_exactly() -> None:
 
 
 def test_q8_asym_reproduces_a_q4_1_grid_exactly() -> None:
-    g = torch.Generator().manual_seed(1)
-    d = (torch.rand(32, 8, 1, generator=g) * 0.01 + 1e-3).half().float()
-    m = (torch.randn(32, 8, 1, generator=g) * 0.05).half().float()
-    q = torch.randint(0, 16, (32, 8, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15
-    w = (q * d + m).reshape(32, 256)
+    w = _q4_1_grid(32, 8, seed=1)
     rel = (dequantize(quantize_q8_asym(w, 32)) - w).abs().max() / w.abs().max()
     assert rel < 2e-3  # float16 rounding of scale (d / 17) and min'; asymmetric codes 17 q land on the grid
 
@@ -59,10 +64,5 @@ def test_q8_asym_constant_and_zero_groups() -> None:
 
 
 def test_q4g32_reproduces_a_q4_1_grid() -> None:
-    g = torch.Generator().manual_seed(3)
-    d = (torch.rand(16, 4, 1, generator=g) * 0.01 + 1e-3).half().float()
-    m = (torch.randn(16, 4, 1, generator=g) * 0.05).half().float()
-    q = torch.randint(0, 16, (16, 4, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15
-    w = (q * d + m).reshape(16, 128)
+    w = _q4_1_grid(16, 4, seed=3)
     assert torch.equal(dequantize(quantize_q4g32(w)), w)
