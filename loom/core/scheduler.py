@@ -109,7 +109,7 @@ class Scheduler:
         self.num_preemptions_total = 0  # cumulative
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
-        self.spec_stats = SpecDecodeStats(num_speculative_tokens)
+        self.spec_stats = SpecDecodeStats(self.num_speculative_tokens)
         # request_id -> (decode steps left without drafts, current back-off): a verify pass that kept no draft
         # costs its extra rows for nothing, so the request waits 1, 2, 4 .. SPEC_MAX_BACKOFF steps before
         # drafting again; a kept draft resets it
