@@ -337,6 +337,25 @@ def test_a_row_does_not_depend_on_the_batch_or_on_its_neighbours(isa: str) -> No
             assert torch.equal(kern.gemm_f(x[i : i + 1], part), full_f[i : i + 1, 5:12]), (layout, group, i)
 
 
+@pytest.mark.parametrize("isa", C_ISAS)
+@pytest.mark.parametrize("k", [544, 576])  # 17 blocks (a lone last q4 block) and 18
+def test_every_batch_size_splits_into_passes_the_same_way(isa: str, k: int) -> None:
+    """A batch of M rows runs in passes over each weight row (MROWS, MROWS_Q4_16 rows of x per pass, the
+    last one partial): every M from 1 to 13 gives each row the bits it gets alone."""
+    kern = kernels(isa)
+    g = torch.Generator().manual_seed(5)
+    x = random_x(13, k, torch.float32, g)
+    for layout, group in LAYOUTS:
+        if k % group_of(group, k):
+            continue  # groups of 64 do not divide 17 blocks
+        w = random_weight(layout, 21, k, group_of(group, k), True, g)
+        alone_f = torch.cat([kern.gemm_f(x[i : i + 1], w) for i in range(13)])
+        alone_q8 = torch.cat([kern.gemm_q8(kern.quantize_activations(x[i : i + 1]), w) for i in range(13)])
+        for m in range(2, 14):
+            assert torch.equal(kern.gemm_f(x[:m], w), alone_f[:m]), (layout, group, m)
+            assert torch.equal(kern.gemm_q8(kern.quantize_activations(x[:m]), w), alone_q8[:m]), (layout, group, m)
+
+
 def test_empty_inputs() -> None:
     w = random_weight("q4g32", 8, 64, 32, True, torch.Generator().manual_seed(0))
     for impl in IMPLS:

@@ -67,6 +67,7 @@
 #include <math.h> /* NAN */
 
 #define MROWS 4 /* rows of x per pass over a weight row */
+#define MROWS_Q4_16 6 /* the same for q4g32 with int16 codes (rows16_q4: six accumulators fit the registers) */
 
 enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8_16 = 2 }; /* q4g32; q8g with groups >= 32; q8g with groups of 16 */
 
@@ -349,6 +350,7 @@ ALWAYS_INLINE int min_term(const uint16_t *mn, const float *gs, int64_t ng, cons
  * grouping in fours, nor on the thread count. */
 #define NR 4
 #define NSLOT 4 /* slots per call: NR x 1 or 1 x MROWS */
+#define NSLOT_MAX 6 /* slots of the largest tile: 1 x MROWS_Q4_16 */
 
 #if LOOM_QSIMD
 /* ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) for one vector: the order of hsum4 below. */
@@ -544,19 +546,29 @@ ALWAYS_INLINE __m256 dot16_half(__m256i w, const int16_t *x, const float *d, __m
                            _mm256_broadcast_ss(d), acc);
 }
 
+/* A pair's two weight block scales (float16 bits at sc) as [s0 x4 | s1 x4] float32 (pair = 0: [s0 x4 | 0 x4],
+ * reading only sc[0]). */
+ALWAYS_INLINE __m256 pair_weight_scales(const uint16_t *sc, int pair) {
+    uint32_t bits = sc[0];
+    if (pair) bits |= (uint32_t)sc[1] << 16;
+    const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bits));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
 /* q4g32 tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * pair_scales(d) for the
  * pairs of blocks in order (chunks of CH blocks for the scale products d = sc * xs), then the mins' term,
  * then hsum8_tree, the same sequence in by-row and by-x tiles. By-row tiles read one weight row after the
- * other (the order the DRAM stream wants); by-x tiles unpack each pair of one weight row once for up to four
- * x rows. With the two accumulators per slot of the q8 tiles, the by-x tile held eight accumulators and
+ * other (the order the DRAM stream wants); by-x tiles unpack each pair of one weight row once for up to six
+ * x rows (MROWS_Q4_16) and take the scale products from the pair's weight scales times the x rows' pair scale
+ * vectors. With the two accumulators per slot of the q8 tiles, the by-x tile held eight accumulators and
  * GCC kept them on the stack (a store and a reload around every FMA: 8 cycles per pair and x row from L1,
  * benchmarks/NOTES.md "Third pass"). */
 ALWAYS_INLINE void rows16_q4(const int nr, const int mc, const uint8_t *w, int64_t row_bytes, const uint16_t *sc,
                              const uint16_t *mn, int64_t ng, const int16_t *xc, int64_t xstride, const float *xs,
-                             const float *gs, int64_t K, float *dots) {
+                             const float *xv, const float *gs, int64_t K, float *dots) {
     const int64_t nb = K / 32;
     const int cnt = nr * mc, by_row = nr == NR;
-    __m256 acc[NSLOT];
+    __m256 acc[NSLOT_MAX];
     if (by_row) {
         for (int r = 0; r < NR; ++r) {
             __m256 a = _mm256_setzero_ps();
@@ -575,32 +587,59 @@ ALWAYS_INLINE void rows16_q4(const int nr, const int mc, const uint8_t *w, int64
             acc[r] = a;
         }
     } else {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c0 = 0; c0 < nb; c0 += CH) {
-            const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
-            float d[NSLOT][2 * CH];
-            for (int i = 0; i < mc; ++i) block_scales(KIND_Q4, sc, 1, xs + i * nb, c0, cc, d[i]);
-            const int16_t *x = xc + 32 * c0;
-            for (int64_t j = 0; j < cc; j += 2) {
-                const int pair = j + 1 < cc;
-                const w16x4 q = q4_codes16(w + 16 * (c0 + j), pair);
-                a0 = dot16_q4(&q, x + 32 * j, d[0] + j, pair, a0);
-                if (mc > 1) a1 = dot16_q4(&q, x + xstride + 32 * j, d[1] + j, pair, a1);
-                if (mc > 2) a2 = dot16_q4(&q, x + 2 * xstride + 32 * j, d[2] + j, pair, a2);
-                if (mc > 3) a3 = dot16_q4(&q, x + 3 * xstride + 32 * j, d[3] + j, pair, a3);
-            }
+        /* d = S * X per pair: S = the weight row's two block scales [s_b x4 | s_b+1 x4] (once per pair, shared
+         * by the mc rows of x), X = the x rows' pair scale vectors xv (once per call); lane for lane the same
+         * float32 product as block_scales' f16(sc) * xs, without its per-slot arrays */
+        const int64_t np = (nb + 1) / 2;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        for (int64_t p = 0; p < np; ++p) {
+            const int64_t j = 2 * p;
+            const int pair = j + 1 < nb;
+            const w16x4 q = q4_codes16(w + 16 * j, pair);
+            const __m256 S = pair_weight_scales(sc + j, pair);
+            const int16_t *x = xc + 64 * p;
+            const float *X = xv + 8 * p;
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x)), _mm256_mul_ps(S, _mm256_loadu_ps(X)), a0);
+            if (mc > 1)
+                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + xstride)),
+                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 8 * np)), a1);
+            if (mc > 2)
+                a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 2 * xstride)),
+                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 16 * np)), a2);
+            if (mc > 3)
+                a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 3 * xstride)),
+                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 24 * np)), a3);
+            if (mc > 4)
+                a4 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 4 * xstride)),
+                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 32 * np)), a4);
+            if (mc > 5)
+                a5 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 5 * xstride)),
+                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 40 * np)), a5);
         }
-        acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+        acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
     }
-    float tail[NSLOT] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (mn)
-        for (int i = 0; i < cnt; ++i) {
-            const uint16_t *mi = mn + (by_row ? i : 0) * ng;
-            const float *gi = gs + (by_row ? 0 : i) * ng;
-            if (!min_term(mi, gi, ng, 1, acc + i))
+    /* the mins' term (by-x tiles: each vector of mins converted once for the mc rows of x), then the sums */
+    float tail[NSLOT_MAX] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (mn) {
+        int vec = 1;
+        if (by_row)
+            for (int i = 0; i < cnt; ++i) vec = min_term(mn + i * ng, gs, ng, 1, acc + i);
+        else
+            vec = min_term(mn, gs, ng, mc, acc);
+        if (!vec)
+            for (int i = 0; i < cnt; ++i) {
+                const uint16_t *mi = mn + (by_row ? i : 0) * ng;
+                const float *gi = gs + (by_row ? 0 : i) * ng;
                 for (int64_t g = 0; g < ng; ++g) tail[i] += loom_f16_to_f32(mi[g]) * gi[g];
-        }
-    for (int i = 0; i < cnt; ++i) dots[i] = hsum8_tree(acc[i]) + tail[i];
+            }
+    }
+    int i = 0;
+    if (cnt >= 4) { /* lane i of hsum4 = hsum8_tree(acc[i]) */
+        float t[4];
+        _mm_storeu_ps(t, hsum4(acc));
+        for (; i < 4; ++i) dots[i] = t[i] + tail[i];
+    }
+    for (; i < cnt; ++i) dots[i] = hsum8_tree(acc[i]) + tail[i];
 }
 #endif /* LOOM_QSIMD */
 
@@ -768,11 +807,12 @@ ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uin
  * scales times the x block scales xs (stride K/32), gs the group sums of the dequantized x (stride ng). */
 ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uint8_t *w, int64_t row_bytes,
                            const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, const int16_t *xc,
-                           int64_t xstride, const float *xs, const float *gs, int64_t K, float *dots) {
+                           int64_t xstride, const float *xs, const float *xv, const float *gs, int64_t K,
+                           float *dots) {
     const int64_t nb = K / 32;
 #if LOOM_QSIMD
     if (kind == KIND_Q4) {
-        rows16_q4(nr, mc, w, row_bytes, sc, mn, ng, xc, xstride, xs, gs, K, dots);
+        rows16_q4(nr, mc, w, row_bytes, sc, mn, ng, xc, xstride, xs, xv, gs, K, dots);
         return;
     }
     const int64_t bb = kind == KIND_Q4 ? 16 : 32, step = kind == KIND_Q4 ? 2 : 1; /* blocks per step */
@@ -897,38 +937,43 @@ ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uin
 }
 
 /* rows_q8 / rows_16 with `kind`, `nr` and `mc` turned into constants: nr == NR (then mc == 1), or nr == 1. */
-#define DEFINE_ROWS(ROWS, XT, KIND, NAME)                                                                         \
+#define DEFINE_ROWS(ROWS, XT, KIND, NAME, MAXMC)                                                                       \
     static void NAME(int64_t nr, int64_t mc, const uint8_t *w, int64_t rb, const uint16_t *sc, const uint16_t *mn, \
-                     int64_t ng, int64_t bpg, const XT *x, int64_t ldx, const float *xs, const float *gs,          \
-                     int64_t K, float *dots) {                                                                   \
+                     int64_t ng, int64_t bpg, const XT *x, int64_t ldx, const float *xs, const float *xv,          \
+                     const float *gs, int64_t K, float *dots) {                                                  \
         (void)ldx; /* each path reads only its own arguments */                                                 \
         (void)xs;                                                                                                \
+        (void)xv;                                                                                                \
         if (nr == NR) {                                                                                          \
-            ROWS(KIND, NR, 1, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots);                                  \
+            ROWS(KIND, NR, 1, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots);                                  \
             return;                                                                                              \
         }                                                                                                        \
         switch (mc) {                                                                                            \
-        case 1: ROWS(KIND, 1, 1, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                        \
-        case 2: ROWS(KIND, 1, 2, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                        \
-        case 3: ROWS(KIND, 1, 3, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                        \
-        default: ROWS(KIND, 1, 4, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots); break;                       \
+        case 1: ROWS(KIND, 1, 1, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots); break;                        \
+        case 2: ROWS(KIND, 1, 2, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots); break;                        \
+        case 3: ROWS(KIND, 1, 3, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots); break;                        \
+        case 4: ROWS(KIND, 1, 4, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots); break;                        \
+        case 5: ROWS(KIND, 1, (MAXMC) > 4 ? 5 : 4, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots); break;      \
+        default: ROWS(KIND, 1, (MAXMC) > 4 ? 6 : 4, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots); break;                       \
         }                                                                                                        \
     }
 /* one signature for both paths: q8 (x = xq, ldx unused, xs = scales, gs = group sums), f (xs unused) */
-#define ROWS_Q8_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots) \
+#define ROWS_Q8_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots) \
     rows_q8(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, xs, gs, K, dots)
-#define ROWS_16_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots) \
-    rows_16(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, gs, K, dots)
-DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q4, rows_q8_q4)
-DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8, rows_q8_q8)
-DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8_16, rows_q8_q8_16)
-DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q4, rows_16_q4)
-DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q8, rows_16_q8)
-DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q8_16, rows_16_q8_16)
+#define ROWS_16_ARGS(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots) \
+    rows_16(KIND, NR_, MC_, w, rb, sc, mn, ng, bpg, x, ldx, xs, xv, gs, K, dots)
+DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q4, rows_q8_q4, MROWS)
+DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8, rows_q8_q8, MROWS)
+DEFINE_ROWS(ROWS_Q8_ARGS, int8_t, KIND_Q8_16, rows_q8_q8_16, MROWS)
+DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q4, rows_16_q4, MROWS_Q4_16)
+DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q8, rows_16_q8, MROWS)
+DEFINE_ROWS(ROWS_16_ARGS, int16_t, KIND_Q8_16, rows_16_q8_16, MROWS)
 typedef void (*rows_q8_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
-                           int64_t, const int8_t *, int64_t, const float *, const float *, int64_t, float *);
+                           int64_t, const int8_t *, int64_t, const float *, const float *, const float *, int64_t,
+                           float *);
 typedef void (*rows_16_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uint16_t *, const uint16_t *, int64_t,
-                           int64_t, const int16_t *, int64_t, const float *, const float *, int64_t, float *);
+                           int64_t, const int16_t *, int64_t, const float *, const float *, const float *, int64_t,
+                           float *);
 
 /* Work below which the products run on the calling thread: waking the pool costs more than it saves. */
 #define PAR_MIN_WORK 32768
@@ -953,12 +998,12 @@ static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, const uint
 
 /* y = the tiles over all (n, m), shared by both paths: `rows(nr, mc, n, m0, dots)` computes one tile. At
  * M == 1 the work items are fixed groups of NR rows (a last partial group runs a row at a time), else
- * single weight rows with the M rows of x in passes of MROWS; contiguous ranges of items per thread. */
-#define FOR_EACH_TILE(TILE)                                                                                      \
+ * single weight rows with the M rows of x in passes of MR; contiguous ranges of items per thread. */
+#define FOR_EACH_TILE(TILE, MR)                                                                                    \
     const int64_t items = M == 1 ? (N + NR - 1) / NR : N;                                                        \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)")       \
     for (int64_t it = 0; it < items; ++it) {                                                                     \
-        float dots[NSLOT];                                                                                       \
+        float dots[NSLOT_MAX];                                                                                   \
         if (M == 1) {                                                                                            \
             const int64_t n0 = it * NR, cnt = N - n0 < NR ? N - n0 : NR;                                         \
             prefetch_rows(w, row_bytes, sc, mn, ng, n0 + PREFETCH_ROWS, NR, N);                                  \
@@ -975,8 +1020,9 @@ static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, const uint
         } else {                                                                                                 \
             const int64_t n = it;                                                                                \
             const float bn = bias ? bias[n] : 0.0f;                                                              \
-            for (int64_t m0 = 0; m0 < M; m0 += MROWS) {                                                          \
-                const int64_t mc = M - m0 < MROWS ? M - m0 : MROWS;                                              \
+            prefetch_rows(w, row_bytes, sc, mn, ng, n + PREFETCH_ROWS, 1, N);                                    \
+            for (int64_t m0 = 0; m0 < M; m0 += (MR)) {                                                           \
+                const int64_t mc = M - m0 < (MR) ? M - m0 : (MR);                                                \
                 TILE(1, mc, n, m0);                                                                              \
                 for (int64_t m = 0; m < mc; ++m) loom_store_out(y, (m0 + m) * N + n, dots[m] + bn, y_bf16);      \
             }                                                                                                    \
@@ -1009,8 +1055,8 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
     const rows_q8_fn rows = kind == KIND_Q4 ? rows_q8_q4 : (kind == KIND_Q8 ? rows_q8_q8 : rows_q8_q8_16);
 #define Q8_TILE(NR_, MC_, N_, M0_)                                                                               \
     rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
-         xq + (M0_) * K, K, xs + (M0_) * nb, gs + (M0_) * ng, K, dots)
-    FOR_EACH_TILE(Q8_TILE)
+         xq + (M0_) * K, K, xs + (M0_) * nb, NULL, gs + (M0_) * ng, K, dots)
+    FOR_EACH_TILE(Q8_TILE, MROWS)
 #undef Q8_TILE
     free(xp);
     free(scratch);
@@ -1138,17 +1184,26 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const int64_t bpg = G >= 32 ? G / 32 : 1;
     const int paired = kind == KIND_Q4 && LOOM_QSIMD;
     const int64_t xstride = paired ? 64 * ((nb + 1) / 2) : K; /* int16 codes per row, as the kernel reads them */
-    /* scratch: codes [M, K], paired codes [M, xstride], then floats xs [M, nb], h [M, 2 nb], gs [M, ng] */
+    const int64_t np = (nb + 1) / 2; /* q4 pairs per row */
+    /* scratch: codes [M, K], paired codes [M, xstride], then floats xs [M, nb], h [M, 2 nb], gs [M, ng] and,
+     * paired, the pair scale vectors xv [M, np, 8] of the by-x tiles (rows16_q4) */
     const size_t ncodes = (size_t)(M * K) + (paired ? (size_t)(M * xstride) : 0);
-    const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * ng) : 0);
+    const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * ng) : 0) + (paired ? (size_t)(M * np * 8) : 0);
     char *scratch = (char *)malloc(ncodes * sizeof(int16_t) + nfloat * sizeof(float));
     if (!scratch) return -1;
     int16_t *codes = (int16_t *)scratch, *xc = codes;
     float *xs = (float *)(scratch + ncodes * sizeof(int16_t)), *h = xs + M * nb, *gs = mn ? h + M * 2 * nb : NULL;
+    float *xv = paired ? h + M * 2 * nb + (mn ? M * ng : 0) : NULL;
     loom_quantize_act16(x, ldx, x_bf16, M, K, codes, xs, h, num_threads);
     if (paired) {
         xc = codes + M * K;
         q4_pair_codes16(codes, M, K, xstride, xc);
+        for (int64_t m = 0; m < M; ++m) /* [xs_2p x4 | xs_2p+1 x4], a lone last block: [xs x4 | 0 x4] */
+            for (int64_t p = 0; p < np; ++p)
+                for (int i = 0; i < 8; ++i) {
+                    const int64_t b = 2 * p + i / 4;
+                    xv[(m * np + p) * 8 + i] = b < nb ? xs[m * nb + b] : 0.0f;
+                }
     }
     if (mn) /* group sums of the dequantized x: its halves summed in order */
         for (int64_t m = 0; m < M; ++m)
@@ -1161,8 +1216,9 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const rows_16_fn rows = kind == KIND_Q4 ? rows_16_q4 : (kind == KIND_Q8 ? rows_16_q8 : rows_16_q8_16);
 #define TILE16(NR_, MC_, N_, M0_)                                                                                \
     rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
-         xc + (M0_) * xstride, xstride, xs + (M0_) * nb, mn ? gs + (M0_) * ng : NULL, K, dots)
-    FOR_EACH_TILE(TILE16)
+         xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * 8 : NULL, mn ? gs + (M0_) * ng : NULL, \
+         K, dots)
+    FOR_EACH_TILE(TILE16, kind == KIND_Q4 && LOOM_QSIMD ? MROWS_Q4_16 : MROWS)
 #undef TILE16
     free(scratch);
     return 0;
