@@ -36,10 +36,12 @@ from loom.quant.layout import PackedWeight, dequantize
 from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quantize_q8_asym
 from loom.quant.torch_kernels import TorchQuantKernels
 
-# Rows above which a packed layer dequantizes and runs torch's GEMM (measured, benchmarks/NOTES.md): the
-# float-activation kernels win up to ~24-40 rows per matrix, but dequantizing every weight each step costs
-# more than that at batch 32 (the LM head alone: 113 ms to float32), so decode batches up to 48 stay packed.
-DENSE_MIN_ROWS = 48
+# Rows above which a packed layer dequantizes and runs torch's GEMM, per layout (measured on Zen 3 with the
+# cache-blocked M > 1 tiles, benchmarks/NOTES.md "Fourth pass": SmolLM2's four q4g32 layer matrices cross
+# over at ~200 rows, q8g ones at ~64; the LM head's dequantization alone costs 74 ms, so it stays packed at
+# every batch here). A layer of several layouts takes the smallest.
+DENSE_MIN_ROWS_BY_LAYOUT = {"q4g32": 128, "q8g": 64}
+DENSE_MIN_ROWS = min(DENSE_MIN_ROWS_BY_LAYOUT.values())  # the C decode step's batch limit: every layout packed
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +85,14 @@ def quantize_for_scheme(scheme: str, weight: torch.Tensor) -> PackedWeight:
 class PackedLinearMethod:
     """Weights in loom's packed layouts (loom/quant/layout.py), multiplied by loom's kernels."""
 
-    def __init__(self, scheme: str, source_label: str = "", dense_min_rows: int = DENSE_MIN_ROWS) -> None:
+    def __init__(self, scheme: str, source_label: str = "", dense_min_rows: int | None = None) -> None:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown packed scheme {scheme!r}; known: {sorted(SCHEMES)}")
         self.scheme = SCHEMES[scheme]
         self.source_label = source_label  # e.g. "GGUF Q4_1", for the start-up report
-        self.dense_min_rows = dense_min_rows  # rows from which dequantize + torch GEMM runs instead
+        # rows from which dequantize + torch GEMM runs instead; None: by layout, once the weights are packed
+        self.dense_min_rows = DENSE_MIN_ROWS if dense_min_rows is None else dense_min_rows
+        self._dense_rows_by_layout = dense_min_rows is None
         self.kernels: Any = None  # QuantKernels or TorchQuantKernels, set after loading
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
@@ -138,6 +142,8 @@ class PackedLinearMethod:
             layer.weight = None  # the dense staging copy is dropped (a tied embedding keeps its own)
         device = device or packed[0].qweight.device
         layer.packed = _merge_if_uniform(packed)
+        if self._dense_rows_by_layout:
+            self.dense_min_rows = min(DENSE_MIN_ROWS_BY_LAYOUT.get(p.layout, DENSE_MIN_ROWS) for p in layer.packed)
         bias = layer.bias.data.float() if layer.bias is not None else None
         layer.packed_bias, start = [], 0
         for p in layer.packed:

@@ -996,11 +996,28 @@ static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, const uint
     }
 }
 
+/* M > 1: the weight rows in chunks of at most CHUNK_BYTES (codes, scales, mins), in a multiple of
+ * num_threads chunks of equal size. */
+#define CHUNK_BYTES (128 * 1024)
+static int64_t weight_chunks(int64_t N, int64_t row_bytes, int num_threads) {
+    const int64_t t = num_threads > 0 ? num_threads : 1;
+    int64_t rows = CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    if (rows < 1) rows = 1;
+    const int64_t per = t * rows;
+    const int64_t chunks = t * ((N + per - 1) / per);
+    return chunks < N ? chunks : (N > 0 ? N : 1);
+}
+
 /* y = the tiles over all (n, m), shared by both paths: `rows(nr, mc, n, m0, dots)` computes one tile. At
- * M == 1 the work items are fixed groups of NR rows (a last partial group runs a row at a time), else
- * single weight rows with the M rows of x in passes of MR; contiguous ranges of items per thread. */
-#define FOR_EACH_TILE(TILE, MR)                                                                                    \
-    const int64_t items = M == 1 ? (N + NR - 1) / NR : N;                                                        \
+ * M == 1 the work items are fixed groups of NR rows (a last partial group runs a row at a time); at M > 1
+ * chunks of weight rows (weight_chunks), each running its rows against the x rows in passes of MR: the
+ * pass's x rows stay in L1 and the chunk in L2 (one weight row against all M rows before the next read the
+ * M rows from L2 and beyond: at M = 512 a layer's four q4 matrices took 67 ms instead of 43; running each
+ * pass over all N rows re-read the 28 MB LM head from DRAM per pass; benchmarks/NOTES.md, "Fourth pass").
+ * Contiguous ranges of items per thread. */
+#define FOR_EACH_TILE(TILE, MR, WROW_BYTES)                                                                      \
+    const int64_t items = M == 1 ? (N + NR - 1) / NR : weight_chunks(N, (WROW_BYTES), num_threads);              \
+    const int64_t chunk = M == 1 ? NR : (N + items - 1) / items;                                                 \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)")       \
     for (int64_t it = 0; it < items; ++it) {                                                                     \
         float dots[NSLOT_MAX];                                                                                   \
@@ -1018,13 +1035,15 @@ static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, const uint
                 }                                                                                                \
             }                                                                                                    \
         } else {                                                                                                 \
-            const int64_t n = it;                                                                                \
-            const float bn = bias ? bias[n] : 0.0f;                                                              \
-            prefetch_rows(w, row_bytes, sc, mn, ng, n + PREFETCH_ROWS, 1, N);                                    \
+            const int64_t lo = it * chunk, hi = N - lo < chunk ? N : lo + chunk;                                 \
             for (int64_t m0 = 0; m0 < M; m0 += (MR)) {                                                           \
                 const int64_t mc = M - m0 < (MR) ? M - m0 : (MR);                                                \
-                TILE(1, mc, n, m0);                                                                              \
-                for (int64_t m = 0; m < mc; ++m) loom_store_out(y, (m0 + m) * N + n, dots[m] + bn, y_bf16);      \
+                for (int64_t n = lo; n < hi; ++n) {                                                              \
+                    if (m0 == 0) prefetch_rows(w, row_bytes, sc, mn, ng, n + PREFETCH_ROWS, 1, hi);              \
+                    TILE(1, mc, n, m0);                                                                          \
+                    const float bn = bias ? bias[n] : 0.0f;                                                      \
+                    for (int64_t m = 0; m < mc; ++m) loom_store_out(y, (m0 + m) * N + n, dots[m] + bn, y_bf16);  \
+                }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
     }
@@ -1056,7 +1075,7 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
 #define Q8_TILE(NR_, MC_, N_, M0_)                                                                               \
     rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
          xq + (M0_) * K, K, xs + (M0_) * nb, NULL, gs + (M0_) * ng, K, dots)
-    FOR_EACH_TILE(Q8_TILE, MROWS)
+    FOR_EACH_TILE(Q8_TILE, MROWS, row_bytes + 2 * ng * (mn ? 2 : 1))
 #undef Q8_TILE
     free(xp);
     free(scratch);
@@ -1218,7 +1237,7 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
          xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * 8 : NULL, mn ? gs + (M0_) * ng : NULL, \
          K, dots)
-    FOR_EACH_TILE(TILE16, kind == KIND_Q4 && LOOM_QSIMD ? MROWS_Q4_16 : MROWS)
+    FOR_EACH_TILE(TILE16, kind == KIND_Q4 && LOOM_QSIMD ? MROWS_Q4_16 : MROWS, row_bytes + 2 * ng * (mn ? 2 : 1))
 #undef TILE16
     free(scratch);
     return 0;
