@@ -502,11 +502,19 @@ ALWAYS_INLINE w16x4 q4_codes16(const uint8_t *p, int pair) {
 
 ALWAYS_INLINE __m256i q4_dot16(const w16x4 *w, const int16_t *xp) {
     const __m256i *x = (const __m256i *)xp;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* VPDPWSSD: each multiply-add with its add, the same exact int32 sums (no saturation, no overflow) */
+    __m256i s = _mm256_madd_epi16(w->a, _mm256_loadu_si256(x));
+    s = _mm256_dpwssd_epi32(s, w->b, _mm256_loadu_si256(x + 1));
+    s = _mm256_dpwssd_epi32(s, w->c, _mm256_loadu_si256(x + 2));
+    return _mm256_dpwssd_epi32(s, w->d, _mm256_loadu_si256(x + 3));
+#else
     const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(w->a, _mm256_loadu_si256(x)),
                                         _mm256_madd_epi16(w->b, _mm256_loadu_si256(x + 1)));
     const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(w->c, _mm256_loadu_si256(x + 2)),
                                         _mm256_madd_epi16(w->d, _mm256_loadu_si256(x + 3)));
     return _mm256_add_epi32(s0, s1);
+#endif
 }
 
 /* q8g: a block's 32 codes as two vectors of 16 int16 (values 0..15, 16..31), and its dots with the x codes
