@@ -100,11 +100,13 @@ class EngineArgs:
     num_speculative_tokens: int = 4  # most draft tokens per request and step
     prompt_lookup_min: int = 2  # ngram: shortest suffix that may match (tokens)
     prompt_lookup_max: int = 4  # ngram: longest suffix, tried first (tokens)
+    speculative_disable_by_batch_size: int | None = 3  # no drafts while >= this many requests run; None = never
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
         SpeculativeConfig("ngram" if self.speculative_method is None else self.speculative_method,
-                          self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+                          self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
+                          self.speculative_disable_by_batch_size)
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:
@@ -133,7 +135,7 @@ class EngineArgs:
         if self.speculative_method is None:
             return None
         return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
-                                 self.prompt_lookup_max)
+                                 self.prompt_lookup_max, self.speculative_disable_by_batch_size)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -44,6 +44,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 SPEC_MAX_BACKOFF = 16  # most decode steps a request goes without drafts after verify passes that kept none
+SPEC_ACCEPT_DECAY = 0.8  # weight of a request's earlier verify passes in its running acceptance
 
 
 class SpecDecodeStats:
@@ -85,6 +86,7 @@ class Scheduler:
         sliding_window: int | None = None,
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
+        spec_disable_by_batch_size: int | None = None,
     ) -> None:
         """Args:
         num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
@@ -92,6 +94,7 @@ class Scheduler:
         sliding_window: the model's attention window in tokens (blocks outside it are freed early); None = none.
         proposer: drafts tokens for decoding requests (speculative decoding, loom/spec); None = off.
         num_speculative_tokens: most drafts per request and step (k).
+        spec_disable_by_batch_size: no drafts in a step while at least this many requests run; None = never.
         """
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -114,6 +117,11 @@ class Scheduler:
         # costs its extra rows for nothing, so the request waits 1, 2, 4 .. SPEC_MAX_BACKOFF steps before
         # drafting again; a kept draft resets it
         self._spec_backoff: dict[str, tuple[int, int]] = {}
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        # request_id -> decayed (accepted drafts, trials): a verify pass that kept j of d drafts is j
+        # acceptances and, when j < d, one rejection; their ratio estimates the per-token acceptance a
+        # that sets the request's k (see _draft_limit)
+        self._spec_accept: dict[str, tuple[float, float]] = {}
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -162,13 +170,15 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         i = 0
+        limit = self.spec_disable_by_batch_size
+        speculate = self.proposer is not None and (limit is None or len(self.running) < limit)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = self._propose(request, budget) if num_new == 1 else []
+            drafts = self._propose(request, budget) if num_new == 1 and speculate else []
             if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)) is None:
                 drafts = []  # speculation never preempts anyone: decode the one token as usual
             if not drafts and not self._allocate_or_preempt(request, num_new, preempted):
@@ -244,11 +254,24 @@ class Scheduler:
         if wait is not None and wait[0] > 0:
             self._spec_backoff[request.request_id] = (wait[0] - 1, wait[1])
             return []
-        limit = min(self.num_speculative_tokens, budget - 1, self.max_model_len - request.num_tokens,
+        limit = min(self._draft_limit(request.request_id), budget - 1, self.max_model_len - request.num_tokens,
                     request.max_tokens - len(request.output_token_ids) - 1)
         if limit <= 0:
             return []
         return self.proposer.propose(request.token_ids_slice(0, request.num_tokens), limit)[:limit]
+
+    def _draft_limit(self, request_id: str) -> int:
+        """k for this request: with per-token acceptance a, the kept run of drafts is geometric with mean
+        a / (1 - a), so drafts past floor(a / (1 - a)) + 1 mostly buy verify rows for nothing; a request starts
+        at the full k."""
+        k = self.num_speculative_tokens
+        stats = self._spec_accept.get(request_id)
+        if stats is None or stats[1] <= 0:
+            return k
+        a = stats[0] / stats[1]
+        if a >= 1.0:
+            return k
+        return max(1, min(k, int(a / (1.0 - a)) + 1))
 
     def _schedule_one(self, request: Request, num_new: int, is_new: bool,
                       drafts: list[int] | None = None) -> ScheduledRequest:
@@ -316,6 +339,10 @@ class Scheduler:
                 request.spec_token_ids = []
                 kept = len(sampled) - 1
                 self.spec_stats.record(len(sched.spec_token_ids), kept)
+                accepted, trials = self._spec_accept.get(rid, (0.0, 0.0))
+                rejected = 1 if kept < len(sched.spec_token_ids) else 0
+                self._spec_accept[rid] = (SPEC_ACCEPT_DECAY * accepted + kept,
+                                          SPEC_ACCEPT_DECAY * trials + kept + rejected)
                 if kept:
                     self._spec_backoff.pop(rid, None)
                 else:
@@ -382,6 +409,7 @@ class Scheduler:
         self._prompt_logprobs_sent.pop(request.request_id, None)
         self._prompt_logprobs_seen.pop(request.request_id, None)
         self._spec_backoff.pop(request.request_id, None)
+        self._spec_accept.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
 
     # ---- stats -----------------------------------------------------------------------------------

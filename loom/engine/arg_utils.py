@@ -9,6 +9,16 @@ from loom.config import PREEMPTION_MODES, QUANTIZATION_METHODS, SUPPORTED_DTYPES
 from loom.spec.proposer import SPECULATIVE_METHODS
 
 
+def _optional_int(text: str) -> int | None:
+    """An int flag that also takes 'none' (the option off)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every EngineArgs option to `parser` (used by generate, chat, serve and bench)."""
     defaults = EngineArgs()
@@ -58,6 +68,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="ngram: shortest suffix that may match, in tokens (default: %(default)s)")
     g.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
                    help="ngram: longest suffix, tried first, in tokens (default: %(default)s)")
+    g.add_argument("--speculative-disable-by-batch-size", type=_optional_int,
+                   default=defaults.speculative_disable_by_batch_size,
+                   help="no drafts in a step while at least this many requests run, where verify rows cost "
+                        "about as much as decode rows; 'none' = never off (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else the number of cores)")
     return parser

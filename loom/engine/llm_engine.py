@@ -71,11 +71,13 @@ class LLMEngine:
             num_host_blocks=self.runner.num_host_blocks, sliding_window=arch.sliding_window,
             proposer=make_proposer(spec) if spec is not None else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         )
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per request and step (prompt lookup "
-                        "n = %d..%d)", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                        spec.prompt_lookup_max)
+                        "n = %d..%d), off while %s requests run", spec.method, spec.num_speculative_tokens,
+                        spec.prompt_lookup_min, spec.prompt_lookup_max,
+                        "never" if spec.disable_by_batch_size is None else f">= {spec.disable_by_batch_size}")
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         logger.info(

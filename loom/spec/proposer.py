@@ -28,6 +28,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # k: most draft tokens per request and step
     prompt_lookup_min: int = 2  # ngram: shortest suffix (tokens) that may match
     prompt_lookup_max: int = 4  # ngram: longest suffix tried first
+    # no drafts in a step whose running batch has at least this many requests (vLLM's option of the same
+    # name); None = never off. Past ~2 requests a step's M > 1 tiles are compute-bound and a verify row
+    # costs about as much as a decode row (benchmarks/NOTES.md, "When to speculate")
+    disable_by_batch_size: int | None = 3
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -36,6 +40,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1 or None, got {self.disable_by_batch_size}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
                              f"got {self.prompt_lookup_max}")

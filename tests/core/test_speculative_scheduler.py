@@ -152,3 +152,67 @@ def test_requests_whose_drafts_all_fail_back_off() -> None:
     assert sched.spec_stats.num_drafts == 8
     assert sched.spec_stats.num_accepted_tokens == 0
     assert not sched._spec_backoff  # cleaned up at finish
+
+
+def test_no_drafts_while_the_batch_is_at_the_disable_limit() -> None:
+    """spec_disable_by_batch_size = 2: steps with two running requests carry no drafts; once one has
+    finished, the other drafts again. The tokens are the same either way."""
+    prompts = {tuple(range(0, 6)): 4, tuple(range(50, 56)): 24}
+    truth = {p: reference_output(list(p), n) for p, n in prompts.items()}
+    sched = _with_proposer(make_scheduler(num_blocks=40, block_size=4), OracleProposer(truth, 1000), 4)
+    sched.spec_disable_by_batch_size = 2
+    for i, (p, n) in enumerate(prompts.items()):
+        sched.add_request(make_request(f"r{i}", list(p), n))
+    runner = SpecFakeRunner(4)
+    tokens: dict[str, list[int]] = {"r0": [], "r1": []}
+    drafted_alone = 0
+    while sched.has_unfinished_requests():
+        running = len(sched.running)
+        out = sched.schedule()
+        drafts = sum(len(r.spec_token_ids) for r in out.scheduled)
+        if running >= 2:
+            assert drafts == 0
+        elif running == 1:
+            drafted_alone += drafts
+        for core_out in sched.update_from_output(out, runner.execute(out)):
+            tokens[core_out.request_id].extend(core_out.new_token_ids)
+        sched.check_invariants()
+    assert [tokens["r0"], tokens["r1"]] == list(truth.values())
+    assert drafted_alone > 0
+    assert sched.num_free_blocks == 40
+
+
+def test_k_follows_the_running_acceptance() -> None:
+    """A request whose drafts keep being rejected after the first one is drafted fewer tokens (k set by its
+    per-token acceptance a: floor(a / (1 - a)) + 1); one whose drafts are all kept keeps the full k."""
+
+    class FirstOnly:
+        """The true next token, then wrong ones: every pass keeps exactly one draft."""
+
+        name = "first-only"
+
+        def __init__(self, truth):
+            self.truth = truth
+            self.sizes: list[int] = []
+
+        def propose(self, token_ids, max_tokens):
+            for prompt, full in self.truth.items():
+                if tuple(token_ids[: len(prompt)]) == prompt:
+                    i = len(token_ids) - len(prompt)
+                    drafts = full[i : i + 1] + [(t + 1) % 997 for t in full[i + 1 : i + max_tokens]]
+                    self.sizes.append(len(drafts))
+                    return drafts
+            return []
+
+    prompt = tuple(range(9))
+    truth = {prompt: reference_output(list(prompt), 40)}
+    for proposer, expect_small in ((FirstOnly(truth), True), (OracleProposer(truth, 1000), False)):
+        sched = _with_proposer(make_scheduler(num_blocks=40, block_size=4), proposer, 6)
+        sched.add_request(make_request("a", list(prompt), 40))
+        result = run_until_done(sched, SpecFakeRunner(4))
+        assert result.tokens["a"] == truth[prompt]
+        if expect_small:  # a = 1/2 per token -> k = 2 after a few passes
+            assert proposer.sizes[0] == 6 and set(proposer.sizes[3:-2]) <= {2}, proposer.sizes
+        else:
+            assert sched.spec_stats.num_accepted_tokens == sched.spec_stats.num_draft_tokens
+            assert result.steps <= 10  # 40 tokens at up to 7 per verify pass: k stayed at 6

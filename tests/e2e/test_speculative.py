@@ -54,7 +54,7 @@ def plain() -> LLM:
 
 @pytest.fixture(scope="module")
 def ngram() -> LLM:
-    return LLM(speculative_method="ngram", num_speculative_tokens=5)
+    return LLM(speculative_method="ngram", num_speculative_tokens=5, speculative_disable_by_batch_size=None)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -71,7 +71,7 @@ def test_ngram_greedy_equals_plain_greedy(plain: LLM, ngram: LLM, batched: bool)
 
 
 def test_garbage_drafts_still_give_the_exact_output(plain: LLM) -> None:
-    llm = LLM(speculative_method="ngram", num_speculative_tokens=3)
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=None)
     llm.engine.scheduler.proposer = _Garbage()
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == _tokens(plain.generate(PROMPTS, GREEDY))
     stats = llm.engine.scheduler.spec_stats
@@ -86,8 +86,9 @@ def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(
     prompts = [base[: 5 + i] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     expected = _tokens(plain.generate(prompts, params))
-    tight = LLM(speculative_method="ngram", num_speculative_tokens=4, block_size=4, num_kv_blocks=16,
-                max_num_batched_tokens=9, max_num_seqs=6, enable_prefix_caching=prefix_caching)
+    tight = LLM(speculative_method="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=None,
+                block_size=4, num_kv_blocks=16, max_num_batched_tokens=9, max_num_seqs=6,
+                enable_prefix_caching=prefix_caching)
     assert run_engine_checked(tight.engine, prompts, params) == expected
     assert tight.engine.get_stats().num_preemptions > 0
     assert tight.engine.scheduler.spec_stats.num_accepted_tokens > 0

@@ -48,5 +48,23 @@ def test_engine_args_check_the_speculative_options_even_when_off() -> None:
         EngineArgs(num_speculative_tokens=99)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         EngineArgs(prompt_lookup_min=9, prompt_lookup_max=1)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        EngineArgs(speculative_disable_by_batch_size=0)
     assert EngineArgs().speculative_config() is None
     assert EngineArgs(speculative_method="ngram").speculative_config() == SpeculativeConfig()
+    assert EngineArgs(speculative_method="ngram", speculative_disable_by_batch_size=None).speculative_config() \
+        == SpeculativeConfig(disable_by_batch_size=None)
+
+
+def test_disable_by_batch_size_flag_takes_an_int_or_none() -> None:
+    import argparse
+
+    from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    for text, want in (("5", 5), ("none", None), ("None", None)):
+        args = engine_args_from_namespace(parser.parse_args(["--speculative-disable-by-batch-size", text]))
+        assert args.speculative_disable_by_batch_size == want
+    assert engine_args_from_namespace(parser.parse_args([])).speculative_disable_by_batch_size == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-disable-by-batch-size", "many"])
