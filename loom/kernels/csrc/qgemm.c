@@ -66,7 +66,7 @@
 
 #include <math.h> /* NAN */
 
-#define MROWS 4 /* rows of x per pass over a weight row */
+#define MROWS 4 /* rows of x per pass over the weight rows */
 #define MROWS_Q4_16 6 /* the same for q4g32 with int16 codes (rows16_q4: six accumulators fit the registers) */
 
 enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8_16 = 2 }; /* q4g32; q8g with groups >= 32; q8g with groups of 16 */
@@ -339,11 +339,12 @@ ALWAYS_INLINE int min_term(const uint16_t *mn, const float *gs, int64_t ng, cons
 }
 #endif
 
-/* Register tiles. One call of rows_q8 / rows_16 computes up to four (weight row, x row) products, "slots":
+/* Register tiles. One call of rows_q8 / rows_16 computes up to four (six: q4g32 int16) (weight row, x row)
+ * products, "slots":
  * at M == 1 the slots are NR = 4 consecutive weight rows against the one x row (the call's fixed costs,
  * scale set-up, mins and horizontal sums, shared by four rows), read one row after the other so that
- * memory is still read in order; at M > 1 one weight row against mc <= MROWS rows of x (each weight block
- * unpacked once for the mc). Every slot has its own even-block and odd-block accumulators as named
+ * memory is still read in order; at M > 1 one weight row against mc <= MROWS (MROWS_Q4_16) rows of x
+ * (each weight block unpacked once for the mc). Every slot has its own even-block and odd-block accumulators as named
  * variables (arrays of them are kept in memory by GCC, stored at every FMA, since the scale loads might
  * alias them), the mins' term goes into the odd one, then one fixed reduction tree: the arithmetic of a
  * (weight row, x row) pair is the same in every tile, so results depend neither on M, nor on N's
