@@ -75,9 +75,10 @@ class LLMEngine:
         )
         if spec is not None:
             logger.info("speculative decoding: %s, up to %d draft tokens per request and step (prompt lookup "
-                        "n = %d..%d), off while %s requests run", spec.method, spec.num_speculative_tokens,
-                        spec.prompt_lookup_min, spec.prompt_lookup_max,
-                        "never" if spec.disable_by_batch_size is None else f">= {spec.disable_by_batch_size}")
+                        "n = %d..%d), %s", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max,
+                        "at every batch size" if spec.disable_by_batch_size is None
+                        else f"off while >= {spec.disable_by_batch_size} requests run")
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         logger.info(
