@@ -283,10 +283,31 @@ def _warn_if_cores_are_busy(threads: int) -> None:
     except OSError:
         return
     cores = os.cpu_count() or 1
+    # the 1-minute average lags: just after a benchmark ends it is still high on idle cores, so where the
+    # kernel reports them, the tasks runnable right now must agree
+    others = _other_runnable_tasks()
+    if others is not None and others < 0.5 * cores:
+        return
     if threads > 1 and load > 0.75 * cores:
         logger.warning("the CPU is busy (load %.1f on %d cores) and %d OpenMP threads spin-wait by default: "
                        "sharing cores can slow decoding 10-100x; use fewer --num-threads or set "
                        "OMP_WAIT_POLICY=passive (docs/serving.md, 'Shared cores')", load, cores, threads)
+
+
+def _other_runnable_tasks(samples: int = 5, interval_s: float = 0.01) -> float | None:
+    """Mean number of runnable tasks other than this one over `samples` reads of /proc/loadavg's fourth
+    field ("running/total", Linux), `interval_s` apart; None where it cannot be read."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                running = int(f.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        counts.append(max(running - 1, 0))  # the reading process is running
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return sum(counts) / len(counts)
 
 
 def _resolve_max_model_len(requested: int | None, model_max: int) -> int:

@@ -7,8 +7,10 @@ import logging
 from loom.engine import llm_engine
 
 
-def _warnings(monkeypatch, caplog, load: float, threads: int = 2, policy: str | None = None) -> list[str]:
+def _warnings(monkeypatch, caplog, load: float, threads: int = 2, policy: str | None = None,
+              runnable: float | None = 2.0) -> list[str]:
     monkeypatch.setattr(llm_engine.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(llm_engine, "_other_runnable_tasks", lambda: runnable)
     monkeypatch.setattr(llm_engine.os, "cpu_count", lambda: 2)
     if policy is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -29,3 +31,20 @@ def test_no_warning_when_idle_single_threaded_or_passive(monkeypatch, caplog) ->
     assert _warnings(monkeypatch, caplog, load=0.3) == []
     assert _warnings(monkeypatch, caplog, load=1.9, threads=1) == []
     assert _warnings(monkeypatch, caplog, load=1.9, policy="PASSIVE") == []
+
+
+def test_a_stale_load_average_on_idle_cores_is_not_warned_about(monkeypatch, caplog) -> None:
+    """Just after a benchmark the 1-minute load is still high while nothing runs: no warning. Where the
+    runnable count cannot be read (None), the load average alone decides."""
+    assert _warnings(monkeypatch, caplog, load=1.9, runnable=0.2) == []
+    assert len(_warnings(monkeypatch, caplog, load=1.9, runnable=None)) == 1
+    assert len(_warnings(monkeypatch, caplog, load=1.9, runnable=1.0)) == 1
+
+
+def test_the_runnable_count_reads_proc_loadavg() -> None:
+    others = llm_engine._other_runnable_tasks(samples=2, interval_s=0.0)
+    if not __import__("os").path.exists("/proc/loadavg"):
+        assert others is None
+    else:
+        assert others is not None and others >= 0.0
+
