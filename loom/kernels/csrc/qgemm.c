@@ -608,22 +608,17 @@ ALWAYS_INLINE void rows16_q4(const int nr, const int mc, const uint8_t *w, int64
             const __m256 S = pair_weight_scales(sc + j, pair);
             const int16_t *x = xc + 64 * p;
             const float *X = xv + 8 * p;
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x)), _mm256_mul_ps(S, _mm256_loadu_ps(X)), a0);
-            if (mc > 1)
-                a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + xstride)),
-                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 8 * np)), a1);
-            if (mc > 2)
-                a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 2 * xstride)),
-                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 16 * np)), a2);
-            if (mc > 3)
-                a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 3 * xstride)),
-                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 24 * np)), a3);
-            if (mc > 4)
-                a4 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 4 * xstride)),
-                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 32 * np)), a4);
-            if (mc > 5)
-                a5 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + 5 * xstride)),
-                                     _mm256_mul_ps(S, _mm256_loadu_ps(X + 40 * np)), a5);
+/* the pair against x row I into accumulator A: A + float(idot) * (S * X_I) */
+#define X_PAIR(I, A)                                                                                             \
+    A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + (I) * xstride)),                                     \
+                        _mm256_mul_ps(S, _mm256_loadu_ps(X + (I) * 8 * np)), A)
+            X_PAIR(0, a0);
+            if (mc > 1) X_PAIR(1, a1);
+            if (mc > 2) X_PAIR(2, a2);
+            if (mc > 3) X_PAIR(3, a3);
+            if (mc > 4) X_PAIR(4, a4);
+            if (mc > 5) X_PAIR(5, a5);
+#undef X_PAIR
         }
         acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
     }
