@@ -258,7 +258,8 @@ class Scheduler:
                     request.max_tokens - len(request.output_token_ids) - 1)
         if limit <= 0:
             return []
-        return self.proposer.propose(request.token_ids_slice(0, request.num_tokens), limit)[:limit]
+        return self.proposer.propose(request.request_id, request.token_ids_slice(0, request.num_tokens),
+                                     limit)[:limit]
 
     def _draft_limit(self, request_id: str) -> int:
         """k for this request: with per-token acceptance a, the kept run of drafts is geometric with mean
@@ -410,6 +411,8 @@ class Scheduler:
         self._prompt_logprobs_seen.pop(request.request_id, None)
         self._spec_backoff.pop(request.request_id, None)
         self._spec_accept.pop(request.request_id, None)
+        if self.proposer is not None:
+            self.proposer.request_finished(request.request_id, request.output_token_ids)
         self._finished_req_ids.append(request.request_id)
 
     # ---- stats -----------------------------------------------------------------------------------

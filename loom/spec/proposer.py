@@ -48,13 +48,25 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
-    """Drafts tokens for one request at a time. Pure: the same tokens give the same drafts."""
+    """Drafts tokens for one request at a time.
+
+    A request's token_ids only ever grow between calls (rejected drafts are never part of them, and a
+    preempted request keeps its tokens), so a proposer may keep per-request state keyed by request_id and
+    ingest only the tokens it has not seen. The scheduler calls `request_finished` once per request, on
+    every way it ends (stopped, length, aborted), so that state is freed and may feed a cache of earlier
+    outputs. Drafts never decide what is emitted (loom/spec/verify.py): state that goes stale costs
+    acceptance, never a wrong token.
+    """
 
     name: str
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """token_ids: the request's prompt then output tokens (>= 1); max_tokens >= 0 -> at most max_tokens
         draft tokens to follow token_ids (possibly none)."""
+        ...
+
+    def request_finished(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        """The request ended with these generated tokens; forget its state (unknown ids are ignored)."""
         ...
 
 
@@ -72,7 +84,7 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         total = len(token_ids)
         if max_tokens <= 0 or total <= self.min_n:
             return []
@@ -86,6 +98,9 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the token after the most recent match
                 return tokens[start : start + max_tokens].tolist()
         return []
+
+    def request_finished(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        pass  # stateless: every call searches the tokens it is given
 
 
 PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {

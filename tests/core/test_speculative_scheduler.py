@@ -38,8 +38,12 @@ class OracleProposer:
         self.prompts = prompts
         self.wrong_every = wrong_every
         self.calls = 0
+        self.finished: list[str] = []
 
-    def propose(self, token_ids, max_tokens):
+    def request_finished(self, request_id, output_token_ids):
+        self.finished.append(request_id)
+
+    def propose(self, request_id, token_ids, max_tokens):
         for prompt, full in self.prompts.items():
             if tuple(token_ids[: len(prompt)]) == prompt:
                 drafts = full[len(token_ids) - len(prompt) : len(token_ids) - len(prompt) + max_tokens]
@@ -72,6 +76,7 @@ def test_drafts_never_change_the_tokens(wrong_every: int, prefix_caching: bool) 
     for i, p in enumerate(prompts):
         assert result.tokens[f"r{i}"] == truth[p], i
     assert sched.num_free_blocks == 40
+    assert sorted(proposer.finished) == sorted(f"r{i}" for i in range(len(prompts)))  # each end reaches it once
     stats = sched.spec_stats
     assert stats.num_draft_tokens > 0
     if wrong_every == 1000:
@@ -132,7 +137,10 @@ class WrongProposer:
     def __init__(self, truth: dict[tuple[int, ...], list[int]]) -> None:
         self.truth = truth
 
-    def propose(self, token_ids, max_tokens):
+    def request_finished(self, request_id, output_token_ids):
+        pass
+
+    def propose(self, request_id, token_ids, max_tokens):
         for prompt, full in self.truth.items():
             if tuple(token_ids[: len(prompt)]) == prompt:
                 i = len(token_ids) - len(prompt)
@@ -195,7 +203,10 @@ def test_k_follows_the_running_acceptance() -> None:
             self.truth = truth
             self.sizes: list[int] = []
 
-        def propose(self, token_ids, max_tokens):
+        def request_finished(self, request_id, output_token_ids):
+            pass
+
+        def propose(self, request_id, token_ids, max_tokens):
             for prompt, full in self.truth.items():
                 if tuple(token_ids[: len(prompt)]) == prompt:
                     i = len(token_ids) - len(prompt)
@@ -216,3 +227,21 @@ def test_k_follows_the_running_acceptance() -> None:
         else:
             assert sched.spec_stats.num_accepted_tokens == sched.spec_stats.num_draft_tokens
             assert result.steps <= 10  # 40 tokens at up to 7 per verify pass: k stayed at 6
+
+
+def test_an_aborted_request_reaches_the_proposer_once() -> None:
+    from loom.request import RequestStatus
+
+    prompt = list(range(6))
+    truth = {tuple(prompt): reference_output(prompt, 12)}
+    proposer = OracleProposer(truth, 1000)
+    sched = _with_proposer(make_scheduler(num_blocks=20, block_size=4), proposer, 4)
+    sched.add_request(make_request("a", prompt, 12))
+    runner = SpecFakeRunner(4)
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # unknown by now: ignored
+    assert proposer.finished == ["a"]
+    assert sched.num_free_blocks == 20

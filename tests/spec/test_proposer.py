@@ -12,23 +12,23 @@ def test_ngram_proposes_what_followed_the_most_recent_match() -> None:
     #         0  1  2  3  4  5  6  7  8  9 10
     tokens = [5, 6, 7, 8, 9, 1, 5, 6, 7, 4, 5, 6, 7]
     # the suffix [5, 6, 7] occurs at 0 (then 8 9 1) and at 6 (then 4 5 6): the most recent wins
-    assert p.propose(tokens, 3) == [4, 5, 6]
-    assert p.propose(tokens, 1) == [4]
-    assert p.propose(tokens, 0) == []
+    assert p.propose("r", tokens, 3) == [4, 5, 6]
+    assert p.propose("r", tokens, 1) == [4]
+    assert p.propose("r", tokens, 0) == []
 
 
 def test_ngram_falls_back_to_shorter_suffixes_and_gives_up() -> None:
     p = NgramProposer(min_n=1, max_n=3)
-    assert p.propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # [2, 3] matches at 1
-    assert p.propose([1, 2, 3, 4, 5, 3], 2) == [4, 5]  # only [3] matches
-    assert NgramProposer(2, 3).propose([1, 2, 3, 4, 5, 3], 2) == []  # [3] is shorter than min_n
-    assert p.propose([7], 4) == []
-    assert p.propose([], 4) == []
+    assert p.propose("r", [1, 2, 3, 9, 2, 3], 2) == [9, 2]  # [2, 3] matches at 1
+    assert p.propose("r", [1, 2, 3, 4, 5, 3], 2) == [4, 5]  # only [3] matches
+    assert NgramProposer(2, 3).propose("r", [1, 2, 3, 4, 5, 3], 2) == []  # [3] is shorter than min_n
+    assert p.propose("r", [7], 4) == []
+    assert p.propose("r", [], 4) == []
 
 
 def test_ngram_continuation_stops_at_the_end_of_the_tokens() -> None:
     p = NgramProposer(min_n=2, max_n=2)
-    assert p.propose([3, 3, 3, 3], 5) == [3]  # the match at 1..2 is followed by the last token only
+    assert p.propose("r", [3, 3, 3, 3], 5) == [3]  # the match at 1..2 is followed by the last token only
 
 
 def test_config_validation_names_the_option() -> None:
@@ -38,7 +38,7 @@ def test_config_validation_names_the_option() -> None:
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
-    assert make_proposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=5)).propose([1, 2, 1], 2) == [2, 1]
+    assert make_proposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=5)).propose("r", [1, 2, 1], 2) == [2, 1]
 
 
 def test_engine_args_check_the_speculative_options_even_when_off() -> None:
