@@ -196,7 +196,6 @@ class LLMEngine:
                 continue
             self.output_processor.abort_request(request_id)
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            self.runner.remove_requests(child_ids)
             del self._children[request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -221,8 +220,6 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:  # stop strings matched on text
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
-        finished_children = [o.request_id for o in core_outputs if o.finish_reason is not None]
-        self.runner.remove_requests(finished_children + processed.reqs_to_abort)
         for out in processed.request_outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)

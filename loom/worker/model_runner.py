@@ -58,7 +58,7 @@ class _StepInputs:
 
 
 class ModelRunner:
-    """Owns the model, the paged KV tensors and the per-request generators."""
+    """Owns the model, the paged KV tensors and the generator of unseeded samples."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> None:
         self.device = device
@@ -85,17 +85,10 @@ class ModelRunner:
             self.arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
         )
         self.host_kv_cache = HostKVCache(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
-        self.default_generator = torch.Generator(device=device).manual_seed(model_config.seed)
-        self.generators: dict[str, torch.Generator] = {}
-
-    def remove_requests(self, request_ids: list[str]) -> None:
-        """Drop per-request state (seeded generators) of finished requests."""
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+        self.default_generator = torch.Generator().manual_seed(model_config.seed)  # unseeded rows' uniforms
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.remove_requests(scheduler_output.finished_req_ids)
         self._copy_host_blocks(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -161,10 +154,6 @@ class ModelRunner:
                 lp_indices.extend(base + (p - start) for p in range(start, end))
                 lp_targets.extend(req.prompt_token_ids[p + 1] for p in range(start, end))
                 lp_owners.append((req.request_id, first, end - start, req.sampling_params.prompt_logprobs))
-            if req.is_new and req.sampling_params.seed is not None and req.request_id not in self.generators:
-                self.generators[req.request_id] = torch.Generator(device=self.device).manual_seed(
-                    req.sampling_params.seed
-                )
         max_blocks = max(len(t) for t in attn_tables)
         block_tables = torch.zeros((len(attn_tables), max_blocks), dtype=torch.int32)
         for i, table in enumerate(attn_tables):
@@ -207,16 +196,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         sampling_inputs = []
         for r in inputs.sample_reqs:
-            generator = self.generators.get(r.request_id)
             # a verify pass samples after the last token and after each draft, each row with the output
-            # it would follow (penalties, min_tokens), from the request's generator in position order
+            # it would follow (penalties, min_tokens, and a seeded request's uniform for that position)
             for j in range(len(r.spec_token_ids) + 1):
                 sampling_inputs.append(SamplingInput(
                     params=r.sampling_params,
                     prompt_token_ids=r.prompt_token_ids,
                     output_token_ids=r.output_token_ids + r.spec_token_ids[:j] if j else r.output_token_ids,
                     eos_token_ids=self.eos_token_ids,
-                    generator=generator,
                 ))
         result = sample(logits, sampling_inputs, self.default_generator)
         token_ids = result.sampled_token_ids.tolist()

@@ -22,8 +22,7 @@ def make_input(
     **params: object,
 ) -> SamplingInput:
     sp = SamplingParams(**params)  # type: ignore[arg-type]
-    generator = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-    return SamplingInput(sp, list(prompt or []), list(output or []), eos, generator)
+    return SamplingInput(sp, list(prompt or []), list(output or []), eos)
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -171,11 +170,45 @@ def test_seeded_rows_independent_of_batch() -> None:
         assert out[:2] + out[3:] == [int(t) for t in alone]
 
 
-def test_seeded_generator_advances_between_steps() -> None:
+def test_seeded_draws_depend_on_seed_and_position_only() -> None:
     logits = torch.zeros((1, 1000))
-    inp = make_input(seed=5)
-    draws = [sample(logits, [inp], gen()).sampled_token_ids.item() for _ in range(5)]
-    assert len(set(draws)) > 1
+    by_position = [sample(logits, [make_input(seed=5, output=[1] * n)], gen(n)).sampled_token_ids.item()
+                   for n in range(6)]
+    assert len(set(by_position)) > 1  # each output position draws anew
+    again = [sample(logits, [make_input(seed=5, output=[2] * n)], gen(99)).sampled_token_ids.item()
+             for n in range(6)]
+    assert again == by_position  # not the engine generator, not the tokens: the seed and the position
+    assert [sample(logits, [make_input(seed=6, output=[1] * n)], gen()).sampled_token_ids.item()
+            for n in range(6)] != by_position
+
+
+def test_position_uniform_is_uniform_and_decorrelated() -> None:
+    from loom.sample.sampler import position_uniform
+
+    values = [position_uniform(seed, pos) for seed in range(-50, 50) for pos in range(200)]
+    assert all(0.0 <= u < 1.0 for u in values)
+    n = len(values)
+    mean = sum(values) / n
+    assert abs(mean - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    deciles = [0] * 10
+    for u in values:
+        deciles[int(u * 10)] += 1
+    assert all(abs(c - n / 10) < 5 * math.sqrt(n * 0.09) for c in deciles), deciles
+    # neighbouring positions and neighbouring seeds are not correlated
+    pairs = [(position_uniform(7, p), position_uniform(7, p + 1)) for p in range(5000)]
+    pairs += [(position_uniform(s, 3), position_uniform(s + 1, 3)) for s in range(5000)]
+    cov = sum((a - 0.5) * (b - 0.5) for a, b in pairs) / len(pairs)
+    assert abs(cov / (1 / 12)) < 0.05
+
+
+def test_inverse_transform_never_draws_a_zero_probability_token() -> None:
+    from loom.sample.sampler import inverse_transform_sample
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    for u in (0.0, 1e-300, 0.25, 0.5, 0.999999, 1.0 - 2.0 ** -53):
+        got = inverse_transform_sample(probs, torch.tensor([u, u], dtype=torch.float64)).tolist()
+        assert got[0] in (1, 3) and got[1] == 2, (u, got)
+    assert inverse_transform_sample(probs, torch.tensor([0.49, 0.5], dtype=torch.float64))[0].item() == 1
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
