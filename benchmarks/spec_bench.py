@@ -110,7 +110,7 @@ def compare(a_path: str, b_path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--speculative-method", default="none", choices=["none", "ngram"])
+    ap.add_argument("--speculative-method", default="none", choices=["none", "ngram", "suffix"])
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)

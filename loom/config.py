@@ -101,12 +101,15 @@ class EngineArgs:
     prompt_lookup_min: int = 2  # ngram: shortest suffix that may match (tokens)
     prompt_lookup_max: int = 4  # ngram: longest suffix, tried first (tokens)
     speculative_disable_by_batch_size: int | None = 3  # no drafts while >= this many requests run; None = never
+    suffix_decoding_max_tree_depth: int = 24  # suffix: longest substring the suffix trees count (tokens)
+    suffix_decoding_max_cached_requests: int = 128  # suffix: earlier outputs in the global tree; 0 = none
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts <= factor * match length + offset
+    suffix_decoding_max_spec_offset: float = 0.0
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop drafting below this estimated probability
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
-        SpeculativeConfig("ngram" if self.speculative_method is None else self.speculative_method,
-                          self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
-                          self.speculative_disable_by_batch_size)
+        self._speculative_config("ngram" if self.speculative_method is None else self.speculative_method)
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:
@@ -134,8 +137,18 @@ class EngineArgs:
         """The speculative decoding settings, or None when speculation is off."""
         if self.speculative_method is None:
             return None
-        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_min,
-                                 self.prompt_lookup_max, self.speculative_disable_by_batch_size)
+        return self._speculative_config(self.speculative_method)
+
+    def _speculative_config(self, method: str) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            method=method, num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+            disable_by_batch_size=self.speculative_disable_by_batch_size,
+            suffix_max_tree_depth=self.suffix_decoding_max_tree_depth,
+            suffix_max_cached_requests=self.suffix_decoding_max_cached_requests,
+            suffix_max_spec_factor=self.suffix_decoding_max_spec_factor,
+            suffix_max_spec_offset=self.suffix_decoding_max_spec_offset,
+            suffix_min_token_prob=self.suffix_decoding_min_token_prob)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -60,14 +60,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="bound on the waiting queue; when full, new requests are refused (HTTP 503)")
     g.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
-                   help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the prompt "
-                        "and output, verified exactly by the model; docs/speculative.md); default: off")
+                   help="speculative decoding, verified exactly by the model (docs/speculative.md): ngram = "
+                        "prompt lookup (drafts copied from earlier in the prompt and output); suffix = "
+                        "SuffixDecoding (suffix trees over the request and earlier outputs); default: off")
     g.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                    help="most draft tokens per request and step (default: %(default)s)")
     g.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
                    help="ngram: shortest suffix that may match, in tokens (default: %(default)s)")
     g.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
                    help="ngram: longest suffix, tried first, in tokens (default: %(default)s)")
+    g.add_argument("--suffix-decoding-max-tree-depth", type=int, default=defaults.suffix_decoding_max_tree_depth,
+                   help="suffix: longest substring the suffix trees count, match plus drafts, in tokens "
+                        "(default: %(default)s)")
+    g.add_argument("--suffix-decoding-max-cached-requests", type=int,
+                   default=defaults.suffix_decoding_max_cached_requests,
+                   help="suffix: finished requests whose outputs the global tree holds; 0 = per-request trees "
+                        "only (default: %(default)s)")
+    g.add_argument("--suffix-decoding-max-spec-factor", type=float, default=defaults.suffix_decoding_max_spec_factor,
+                   help="suffix: at most factor x match length (+ offset) drafts (default: %(default)s)")
+    g.add_argument("--suffix-decoding-max-spec-offset", type=float, default=defaults.suffix_decoding_max_spec_offset,
+                   help="suffix: see --suffix-decoding-max-spec-factor (default: %(default)s)")
+    g.add_argument("--suffix-decoding-min-token-prob", type=float, default=defaults.suffix_decoding_min_token_prob,
+                   help="suffix: stop drafting once the run's estimated probability falls below this "
+                        "(default: %(default)s)")
     g.add_argument("--speculative-disable-by-batch-size", type=_optional_int,
                    default=defaults.speculative_disable_by_batch_size,
                    help="no drafts in a step while at least this many requests run, where verify rows cost "

@@ -74,9 +74,12 @@ class LLMEngine:
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         )
         if spec is not None:
-            logger.info("speculative decoding: %s, up to %d draft tokens per request and step (prompt lookup "
-                        "n = %d..%d), %s", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                        spec.prompt_lookup_max,
+            options = (f"prompt lookup n = {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+                       if spec.method == "ngram" else
+                       f"tree depth {spec.suffix_max_tree_depth}, {spec.suffix_max_cached_requests} cached "
+                       f"outputs, min token prob {spec.suffix_min_token_prob}")
+            logger.info("speculative decoding: %s, up to %d draft tokens per request and step (%s), %s",
+                        spec.method, spec.num_speculative_tokens, options,
                         "at every batch size" if spec.disable_by_batch_size is None
                         else f"off while >= {spec.disable_by_batch_size} requests run")
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,12 @@ class SpeculativeConfig:
     # name); None = never off. Past ~2 requests a step's M > 1 tiles are compute-bound and a verify row
     # costs about as much as a decode row (benchmarks/NOTES.md, "When to speculate")
     disable_by_batch_size: int | None = 3
+    # suffix (vLLM's suffix_decoding_* options; loom/spec/suffix.py)
+    suffix_max_tree_depth: int = 24  # longest substring the suffix trees count (match plus drafts), tokens
+    suffix_max_cached_requests: int = 128  # earlier outputs in the global tree; 0 = per-request trees only
+    suffix_max_spec_factor: float = 1.0  # drafts <= factor * match length + offset
+    suffix_max_spec_offset: float = 0.0
+    suffix_min_token_prob: float = 0.1  # stop drafting once the estimated probability of the run drops below
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -45,6 +51,17 @@ class SpeculativeConfig:
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
                              f"got {self.prompt_lookup_max}")
+        if self.suffix_max_tree_depth < 2:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be >= 2, got {self.suffix_max_tree_depth}")
+        if self.suffix_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be >= 0, "
+                             f"got {self.suffix_max_cached_requests}")
+        if not self.suffix_max_spec_factor > 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_max_spec_factor}")
+        if not self.suffix_max_spec_offset >= 0:
+            raise ValueError(f"suffix_decoding_max_spec_offset must be >= 0, got {self.suffix_max_spec_offset}")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
 
 
 class Proposer(Protocol):
@@ -103,8 +120,16 @@ class NgramProposer:
         pass  # stateless: every call searches the tokens it is given
 
 
+def _suffix(c: SpeculativeConfig) -> Proposer:
+    from loom.spec.suffix import SuffixProposer
+
+    return SuffixProposer(c.suffix_max_tree_depth, c.suffix_max_cached_requests, c.suffix_max_spec_factor,
+                          c.suffix_max_spec_offset, c.suffix_min_token_prob)
+
+
 PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
     "ngram": lambda c: NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max),
+    "suffix": _suffix,
 }
 
 

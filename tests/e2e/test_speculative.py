@@ -43,8 +43,11 @@ class _Garbage:
     def __init__(self) -> None:
         self.rng = random.Random(0)
 
-    def propose(self, token_ids, max_tokens):
+    def propose(self, request_id, token_ids, max_tokens):
         return [self.rng.randrange(49152) for _ in range(max_tokens)]
+
+    def request_finished(self, request_id, output_token_ids):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +55,21 @@ def plain() -> LLM:
     return LLM()
 
 
-@pytest.fixture(scope="module")
-def ngram() -> LLM:
-    return LLM(speculative_method="ngram", num_speculative_tokens=5, speculative_disable_by_batch_size=None)
+@pytest.fixture(scope="module", params=["ngram", "suffix"])
+def spec(request: pytest.FixtureRequest) -> LLM:
+    """An engine drafting with each registered proposer, at every batch size."""
+    return LLM(speculative_method=request.param, num_speculative_tokens=5, speculative_disable_by_batch_size=None)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-def test_ngram_greedy_equals_plain_greedy(plain: LLM, ngram: LLM, batched: bool) -> None:
+def test_speculative_greedy_equals_plain_greedy(plain: LLM, spec: LLM, batched: bool) -> None:
     if batched:
-        expected, got = _tokens(plain.generate(PROMPTS, GREEDY)), _tokens(ngram.generate(PROMPTS, GREEDY))
+        expected, got = _tokens(plain.generate(PROMPTS, GREEDY)), _tokens(spec.generate(PROMPTS, GREEDY))
     else:
         expected = [_tokens(plain.generate([p], GREEDY))[0] for p in PROMPTS]
-        got = [_tokens(ngram.generate([p], GREEDY))[0] for p in PROMPTS]
+        got = [_tokens(spec.generate([p], GREEDY))[0] for p in PROMPTS]
     assert got == expected
-    stats = ngram.engine.scheduler.spec_stats
+    stats = spec.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0  # drafts were really verified and kept
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # ... and some rejected
 
@@ -78,15 +82,16 @@ def test_garbage_drafts_still_give_the_exact_output(plain: LLM) -> None:
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.1
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(
-    plain: LLM, hf_tokenizer, prefix_caching: bool
+    plain: LLM, hf_tokenizer, prefix_caching: bool, method: str
 ) -> None:
     base = hf_tokenizer.encode("one two three four one two three four one two three four one two")
     prompts = [base[: 5 + i] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     expected = _tokens(plain.generate(prompts, params))
-    tight = LLM(speculative_method="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=None,
+    tight = LLM(speculative_method=method, num_speculative_tokens=4, speculative_disable_by_batch_size=None,
                 block_size=4, num_kv_blocks=16, max_num_batched_tokens=9, max_num_seqs=6,
                 enable_prefix_caching=prefix_caching)
     assert run_engine_checked(tight.engine, prompts, params) == expected
@@ -94,31 +99,33 @@ def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(
     assert tight.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
-def test_stops_and_lengths_inside_a_drafted_run(plain: LLM, ngram: LLM) -> None:
+def test_stops_and_lengths_inside_a_drafted_run(plain: LLM, spec: LLM) -> None:
     prompt = PROMPTS[2]
     free = _tokens(plain.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)))[0]
     for max_tokens in (1, 2, 7, 13):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        assert _tokens(ngram.generate([prompt], params))[0] == free[:max_tokens]
+        assert _tokens(spec.generate([prompt], params))[0] == free[:max_tokens]
     stop_at = free[9]  # a token the drafts run through
     params = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop_at])
-    got = ngram.generate([prompt], params)[0].outputs[0]
+    got = spec.generate([prompt], params)[0].outputs[0]
     assert got.token_ids == free[: free.index(stop_at) + 1]
     assert got.finish_reason == "stop"
 
 
-def test_seeded_sampling_with_speculation_repeats_by_seed(ngram: LLM) -> None:
+def test_seeded_sampling_is_the_same_with_speculation_on_and_off(plain: LLM, spec: LLM) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
-    first = _tokens(ngram.generate(PROMPTS[:3], params))
-    assert first == _tokens(ngram.generate(PROMPTS[:3], params))
-    assert first != _tokens(ngram.generate(PROMPTS[:3], SamplingParams(
+    first = _tokens(spec.generate(PROMPTS[:3], params))
+    assert first == _tokens(plain.generate(PROMPTS[:3], params))  # a seed's noise is per position
+    assert first == _tokens(spec.generate(PROMPTS[:3], params))  # the suffix cache has grown: same output
+    assert first != _tokens(spec.generate(PROMPTS[:3], SamplingParams(
         temperature=0.8, top_p=0.95, seed=6, max_tokens=30, ignore_eos=True)))
+    assert spec.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
-def test_logprobs_of_kept_drafts_equal_plain_decoding(plain: LLM, ngram: LLM) -> None:
+def test_logprobs_of_kept_drafts_equal_plain_decoding(plain: LLM, spec: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     a = plain.generate([PROMPTS[0]], params)[0].outputs[0]
-    b = ngram.generate([PROMPTS[0]], params)[0].outputs[0]
+    b = spec.generate([PROMPTS[0]], params)[0].outputs[0]
     assert a.token_ids == b.token_ids
     assert len(b.logprobs) == len(b.token_ids)
     for la, lb in zip(a.logprobs, b.logprobs, strict=True):
@@ -127,12 +134,12 @@ def test_logprobs_of_kept_drafts_equal_plain_decoding(plain: LLM, ngram: LLM) ->
             assert abs(la[t].logprob - lb[t].logprob) < 1e-4
 
 
-def test_bench_prints_acceptance(ngram: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_prints_acceptance(spec: LLM, capsys: pytest.CaptureFixture[str]) -> None:
     from loom.bench.cli_run import _print_spec_stats
 
-    ngram.generate([PROMPTS[0]], GREEDY)
-    _print_spec_stats(ngram)
+    spec.generate([PROMPTS[0]], GREEDY)
+    _print_spec_stats(spec)
     line = capsys.readouterr().out
-    stats = ngram.engine.get_stats()
+    stats = spec.engine.get_stats()
     assert f"{stats.spec_num_accepted_tokens} of {stats.spec_num_draft_tokens} draft tokens kept" in line
     assert "tokens per verify pass" in line
