@@ -32,7 +32,7 @@ from loom.core.sched_output import (
 )
 from loom.core.stop import check_stop
 from loom.request import Request, RequestStatus
-from loom.spec.proposer import Proposer
+from loom.spec.proposer import DraftRequest, Proposer
 
 
 class QueueFullError(RuntimeError):
@@ -170,15 +170,15 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         i = 0
-        limit = self.spec_disable_by_batch_size
-        speculate = self.proposer is not None and (limit is None or len(self.running) < limit)
+        proposed = self._propose_all(budget)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = self._propose(request, budget) if num_new == 1 and speculate else []
+            # drafts within what is left of the budget (the proposer was asked before the budget was spent)
+            drafts = proposed.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
             if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)) is None:
                 drafts = []  # speculation never preempts anyone: decode the one token as usual
             if not drafts and not self._allocate_or_preempt(request, num_new, preempted):
@@ -245,21 +245,35 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request: at most k, within the step's budget, the request's max_tokens
-        (the bonus token included) and max_model_len (every draft position gets a KV slot)."""
-        if self.proposer is None:
-            return []
+    def _propose_all(self, budget: int) -> dict[str, list[int]]:
+        """request_id -> drafts, for every running request that decodes one token this step, from one
+        proposer call. Nothing while speculation is off (no proposer, or a batch of at least
+        spec_disable_by_batch_size requests)."""
+        limit = self.spec_disable_by_batch_size
+        if self.proposer is None or (limit is not None and len(self.running) >= limit):
+            return {}
+        asks = []
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue  # prefilling: no drafts
+            n = self._num_drafts(request, budget)
+            if n > 0:
+                asks.append(DraftRequest(request.request_id, request.token_ids_slice(0, request.num_tokens), n))
+        if not asks:
+            return {}
+        drafts = self.proposer.propose_batch(asks)
+        return {ask.request_id: d[: ask.max_tokens] for ask, d in zip(asks, drafts, strict=True) if d}
+
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """Most drafts for a decoding request: k from its acceptance, within the step's budget, the request's
+        max_tokens (the bonus token included) and max_model_len (every draft position gets a KV slot); 0
+        while it backs off. Counts one back-off step."""
         wait = self._spec_backoff.get(request.request_id)
         if wait is not None and wait[0] > 0:
             self._spec_backoff[request.request_id] = (wait[0] - 1, wait[1])
-            return []
-        limit = min(self._draft_limit(request.request_id), budget - 1, self.max_model_len - request.num_tokens,
-                    request.max_tokens - len(request.output_token_ids) - 1)
-        if limit <= 0:
-            return []
-        return self.proposer.propose(request.request_id, request.token_ids_slice(0, request.num_tokens),
-                                     limit)[:limit]
+            return 0
+        return min(self._draft_limit(request.request_id), budget - 1, self.max_model_len - request.num_tokens,
+                   request.max_tokens - len(request.output_token_ids) - 1)
 
     def _draft_limit(self, request_id: str) -> int:
         """k for this request: with per-token acceptance a, the kept run of drafts is geometric with mean

@@ -11,6 +11,15 @@ exactness guarantee.
   this package does not, so the scheduler can use it).
 """
 
-from loom.spec.proposer import PROPOSERS, NgramProposer, Proposer, SpeculativeConfig, make_proposer
+from loom.spec.proposer import (
+    PROPOSERS,
+    DraftRequest,
+    NgramProposer,
+    PerRequestProposer,
+    Proposer,
+    SpeculativeConfig,
+    make_proposer,
+)
 
-__all__ = ["PROPOSERS", "NgramProposer", "Proposer", "SpeculativeConfig", "make_proposer"]
+__all__ = ["PROPOSERS", "DraftRequest", "NgramProposer", "PerRequestProposer", "Proposer", "SpeculativeConfig",
+           "make_proposer"]

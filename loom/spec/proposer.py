@@ -64,8 +64,17 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
 
 
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One request to draft for in a step."""
+
+    request_id: str
+    token_ids: Sequence[int]  # the request's prompt then output tokens (>= 1)
+    max_tokens: int  # >= 1: most drafts wanted
+
+
 class Proposer(Protocol):
-    """Drafts tokens for one request at a time.
+    """Drafts tokens for the decoding requests of a step, all at once (`propose_batch`), or for one.
 
     A request's token_ids only ever grow between calls (rejected drafts are never part of them, and a
     preempted request keeps its tokens), so a proposer may keep per-request state keyed by request_id and
@@ -82,12 +91,27 @@ class Proposer(Protocol):
         draft tokens to follow token_ids (possibly none)."""
         ...
 
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """The drafts of each request, in order: what `propose` gives for each (a proposer that runs a model
+        runs it once for the batch)."""
+        ...
+
     def request_finished(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         """The request ended with these generated tokens; forget its state (unknown ids are ignored)."""
         ...
 
 
-class NgramProposer:
+class PerRequestProposer:
+    """Base of the proposers that draft for one request at a time: a batch is a loop."""
+
+    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [self.propose(r.request_id, r.token_ids, r.max_tokens) for r in requests]
+
+
+class NgramProposer(PerRequestProposer):
     """Prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's `ngram` method): find the most recent
     earlier occurrence of the request's last n tokens, for n from prompt_lookup_max down to
     prompt_lookup_min, and propose the tokens that followed it. Pays off where the output copies its

@@ -21,6 +21,8 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 
+from loom.spec.proposer import PerRequestProposer
+
 _TOKEN_BITS = 32  # a child is keyed by (node << 32) | token: token ids are below 2**32
 
 
@@ -144,7 +146,7 @@ class _RequestTree:
         self.num_tokens = 0  # tokens of the request added so far
 
 
-class SuffixProposer:
+class SuffixProposer(PerRequestProposer):
     """SuffixDecoding's proposer over a per-request and a global suffix tree (module docstring).
 
     State: one tree per request it drafted for (freed by `request_finished`) and the global tree, kept as

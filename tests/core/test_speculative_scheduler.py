@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from loom.spec import PerRequestProposer
 from loom.spec.verify import accept_sampled
 from tests.core.conftest import FakeRunner, make_request, make_scheduler, mix, reference_output, run_until_done, sample_from
 
@@ -29,7 +30,7 @@ class SpecFakeRunner(FakeRunner):
         return out
 
 
-class OracleProposer:
+class OracleProposer(PerRequestProposer):
     """Proposes the true continuation, with every `wrong_every`-th draft replaced by a wrong token."""
 
     name = "oracle"
@@ -129,7 +130,7 @@ def test_speculation_never_preempts_more_than_plain_decoding() -> None:
     assert preemptions[1] <= preemptions[0]
 
 
-class WrongProposer:
+class WrongProposer(PerRequestProposer):
     """Always proposes drafts the target rejects (the true next token plus one)."""
 
     name = "wrong"
@@ -194,7 +195,7 @@ def test_k_follows_the_running_acceptance() -> None:
     """A request whose drafts keep being rejected after the first one is drafted fewer tokens (k set by its
     per-token acceptance a: floor(a / (1 - a)) + 1); one whose drafts are all kept keeps the full k."""
 
-    class FirstOnly:
+    class FirstOnly(PerRequestProposer):
         """The true next token, then wrong ones: every pass keeps exactly one draft."""
 
         name = "first-only"

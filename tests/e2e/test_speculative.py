@@ -8,6 +8,7 @@ import random
 import pytest
 
 from loom import LLM, SamplingParams
+from loom.spec import PerRequestProposer
 from tests.helpers import run_engine_checked
 
 CODE = """def binary_search(items, target):
@@ -35,7 +36,7 @@ def _tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-class _Garbage:
+class _Garbage(PerRequestProposer):
     """A proposer that guesses random tokens."""
 
     name = "garbage"
