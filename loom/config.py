@@ -106,10 +106,11 @@ class EngineArgs:
     suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts <= factor * match length + offset
     suffix_decoding_max_spec_offset: float = 0.0
     suffix_decoding_min_token_prob: float = 0.1  # suffix: stop drafting below this estimated probability
+    speculative_model: str | None = None  # draft_model: the draft's GGUF file or Hugging Face directory
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
-        self._speculative_config("ngram" if self.speculative_method is None else self.speculative_method)
+        self._speculative_config(self.speculative_method or ("draft_model" if self.speculative_model else "ngram"))
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:
@@ -148,7 +149,8 @@ class EngineArgs:
             suffix_max_cached_requests=self.suffix_decoding_max_cached_requests,
             suffix_max_spec_factor=self.suffix_decoding_max_spec_factor,
             suffix_max_spec_offset=self.suffix_decoding_max_spec_offset,
-            suffix_min_token_prob=self.suffix_decoding_min_token_prob)
+            suffix_min_token_prob=self.suffix_decoding_min_token_prob,
+            model=self.speculative_model)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -62,7 +62,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding, verified exactly by the model (docs/speculative.md): ngram = "
                         "prompt lookup (drafts copied from earlier in the prompt and output); suffix = "
-                        "SuffixDecoding (suffix trees over the request and earlier outputs); default: off")
+                        "SuffixDecoding (suffix trees over the request and earlier outputs); draft_model = a "
+                        "smaller model with the same tokenizer (--speculative-model); default: off")
+    g.add_argument("--speculative-model", default=None,
+                   help="draft_model: the draft's GGUF file or Hugging Face directory; it runs at the target's "
+                        "--dtype and --quantization with a KV cache of its own of --kv-cache-memory-gb")
     g.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                    help="most draft tokens per request and step (default: %(default)s)")
     g.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,

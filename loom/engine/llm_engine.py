@@ -19,7 +19,7 @@ from loom.outputs import RequestOutput
 from loom.request import Request, RequestStatus
 from loom.sample.penalties import check_params_against_vocab
 from loom.sampling_params import SamplingParams
-from loom.spec.proposer import make_proposer
+from loom.spec.proposer import ProposerContext, make_proposer
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -69,15 +69,21 @@ class LLMEngine:
         self.scheduler = Scheduler(
             args.scheduler_config(self.max_model_len), cache_config, self.num_kv_blocks,
             num_host_blocks=self.runner.num_host_blocks, sliding_window=arch.sliding_window,
-            proposer=make_proposer(spec) if spec is not None else None,
+            proposer=make_proposer(spec, ProposerContext(
+                dtype=model_config.dtype, quantization=model_config.quantization, seed=model_config.seed,
+                block_size=cache_config.block_size, kv_cache_memory_bytes=cache_config.kv_cache_memory_bytes,
+                device=device, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                tokenizer=self.tokenizer)) if spec is not None else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         )
         if spec is not None:
-            options = (f"prompt lookup n = {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
-                       if spec.method == "ngram" else
-                       f"tree depth {spec.suffix_max_tree_depth}, {spec.suffix_max_cached_requests} cached "
-                       f"outputs, min token prob {spec.suffix_min_token_prob}")
+            options = {
+                "ngram": f"prompt lookup n = {spec.prompt_lookup_min}..{spec.prompt_lookup_max}",
+                "suffix": f"tree depth {spec.suffix_max_tree_depth}, {spec.suffix_max_cached_requests} cached "
+                          f"outputs, min token prob {spec.suffix_min_token_prob}",
+                "draft_model": f"draft {spec.model}",
+            }[spec.method]
             logger.info("speculative decoding: %s, up to %d draft tokens per request and step (%s), %s",
                         spec.method, spec.num_speculative_tokens, options,
                         "at every batch size" if spec.disable_by_batch_size is None

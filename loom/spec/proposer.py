@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +38,8 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float = 1.0  # drafts <= factor * match length + offset
     suffix_max_spec_offset: float = 0.0
     suffix_min_token_prob: float = 0.1  # stop drafting once the estimated probability of the run drops below
+    # draft_model: the draft's GGUF file or Hugging Face directory (vLLM's speculative_config "model")
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -51,6 +53,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
                              f"got {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_method 'draft_model' needs speculative_model (the draft's path)")
+        if self.model is not None and self.method != "draft_model":
+            raise ValueError(f"speculative_model is only used by speculative_method 'draft_model', "
+                             f"got method {self.method!r}")
         if self.suffix_max_tree_depth < 2:
             raise ValueError(f"suffix_decoding_max_tree_depth must be >= 2, got {self.suffix_max_tree_depth}")
         if self.suffix_max_cached_requests < 0:
@@ -144,26 +151,65 @@ class NgramProposer(PerRequestProposer):
         pass  # stateless: every call searches the tokens it is given
 
 
-def _suffix(c: SpeculativeConfig) -> Proposer:
+@dataclass(frozen=True, slots=True)
+class ProposerContext:
+    """What the engine knows that a proposer running a model of its own needs."""
+
+    dtype: str  # the target's --dtype (the draft runs at the same one)
+    quantization: str | None  # the target's --quantization
+    seed: int
+    block_size: int  # tokens per KV block
+    kv_cache_memory_bytes: int  # the draft's KV budget
+    device: Any  # torch.device of the target
+    max_model_len: int  # the target's, tokens
+    vocab_size: int  # the target's
+    tokenizer: Any  # the target's (the draft must tokenize the same way)
+
+
+def _draft_model(c: SpeculativeConfig, ctx: ProposerContext | None) -> Proposer:
+    from loom.config import CacheConfig, ModelConfig
+    from loom.spec.draft_model import DraftModelProposer
+    from loom.worker.model_runner import ModelRunner
+
+    if ctx is None:
+        raise ValueError("speculative_method 'draft_model' needs the engine's context (ProposerContext)")
+    runner = ModelRunner(
+        ModelConfig(model=c.model, dtype=ctx.dtype, max_model_len=None, seed=ctx.seed, quantization=ctx.quantization),
+        CacheConfig(block_size=ctx.block_size, kv_cache_memory_bytes=ctx.kv_cache_memory_bytes,
+                    enable_prefix_caching=False),
+        ctx.device)
+    if runner.arch.vocab_size != ctx.vocab_size:
+        raise ValueError(f"speculative_model {c.model!r} has a vocabulary of {runner.arch.vocab_size} tokens, the "
+                         f"target {ctx.vocab_size}: the draft must share the target's tokenizer")
+    probe = "def f(x):\n    return x  # The quick brown fox, 42 times: ünïcödé."
+    if runner.tokenizer is None or list(runner.tokenizer.encode(probe)) != list(ctx.tokenizer.encode(probe)):
+        raise ValueError(f"speculative_model {c.model!r} tokenizes text differently from the target: the draft "
+                         "must share the target's tokenizer")
+    return DraftModelProposer(runner, ctx.max_model_len)
+
+
+def _suffix(c: SpeculativeConfig, ctx: ProposerContext | None = None) -> Proposer:
     from loom.spec.suffix import SuffixProposer
 
     return SuffixProposer(c.suffix_max_tree_depth, c.suffix_max_cached_requests, c.suffix_max_spec_factor,
                           c.suffix_max_spec_offset, c.suffix_min_token_prob)
 
 
-PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
-    "ngram": lambda c: NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max),
+PROPOSERS: dict[str, Callable[[SpeculativeConfig, ProposerContext | None], Proposer]] = {
+    "ngram": lambda c, ctx=None: NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max),
     "suffix": _suffix,
+    "draft_model": _draft_model,
 }
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The registered proposer of config.method.
+def make_proposer(config: SpeculativeConfig, context: ProposerContext | None = None) -> Proposer:
+    """The registered proposer of config.method; context is needed by the ones that run a model.
 
     Raises:
-        ValueError: no proposer is registered under config.method.
+        ValueError: no proposer is registered under config.method, or it cannot be built (the draft model
+            does not load or does not share the target's tokenizer).
     """
     factory = PROPOSERS.get(config.method)
     if factory is None:
         raise ValueError(f"speculative_method must be one of {sorted(PROPOSERS)}, got {config.method!r}")
-    return factory(config)
+    return factory(config, context)
