@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Build the llama.cpp peer binaries (llama-bench, llama-batched-bench, llama-server) from the
+# Build the llama.cpp peer binaries (llama-bench, llama-batched-bench, llama-server, llama-speculative-simple) from the
 # source distribution of llama-cpp-python, which vendors a pinned llama.cpp tree.
 #
 # Usage:  nice -n 19 bash benchmarks/install_peers.sh [-j N]
 # Env:    LLAMA_CPP_PYTHON_VERSION (pin, default below), PIP (pip executable), PEERS_BUILD_DIR.
-# Output: benchmarks/peers/build/bin/{llama-bench,llama-batched-bench,llama-server}
+# Output: benchmarks/peers/build/bin/{llama-bench,llama-batched-bench,llama-server,llama-speculative-simple}
 # Never run from tests: it takes minutes on two cores.
 set -euo pipefail
 
@@ -48,10 +48,10 @@ cmake -S "$SRC_DIR" -B "$BUILD_DIR/cmake" \
   -DLLAMA_BUILD_SERVER=ON \
   -DBUILD_SHARED_LIBS=OFF
 cmake --build "$BUILD_DIR/cmake" --config Release -j "$JOBS" \
-  --target llama-bench llama-batched-bench llama-server
+  --target llama-bench llama-batched-bench llama-server llama-speculative-simple
 
 mkdir -p "$BUILD_DIR/bin"
-for exe in llama-bench llama-batched-bench llama-server; do
+for exe in llama-bench llama-batched-bench llama-server llama-speculative-simple; do
   # llama.cpp's CMakeLists sends every executable to <build>/bin
   cp "$BUILD_DIR/cmake/bin/$exe" "$BUILD_DIR/bin/$exe"
   test -x "$BUILD_DIR/bin/$exe" || { echo "missing $BUILD_DIR/bin/$exe" >&2; exit 1; }

@@ -63,8 +63,12 @@ def run(args: argparse.Namespace) -> None:
     from loom import LLM, SamplingParams
 
     kwargs = {"num_threads": args.threads}
+    if args.model:
+        kwargs["model"] = args.model
     if args.speculative_method != "none":
         kwargs.update(speculative_method=args.speculative_method, num_speculative_tokens=args.k)
+    if args.speculative_model:
+        kwargs["speculative_model"] = args.speculative_model
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     if args.prompts == "mtbench":
@@ -73,7 +77,11 @@ def run(args: argparse.Namespace) -> None:
     else:
         texts = prompts(args.num_prompts)
     convs = [[{"role": "user", "content": p}] for p in texts]
-    llm.chat(convs[:1], params)  # warm-up (kernel builds, first-call costs)
+    if args.print_prompts:
+        for conv in convs:
+            print(json.dumps(llm.engine.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)))
+        return
+    llm.chat([[{"role": "user", "content": "Say hi."}]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     rows = []
     for conv in convs:
         t0 = time.perf_counter()
@@ -110,7 +118,11 @@ def compare(a_path: str, b_path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--speculative-method", default="none", choices=["none", "ngram", "suffix"])
+    ap.add_argument("--speculative-method", default="none", choices=["none", "ngram", "suffix", "draft_model"])
+    ap.add_argument("--model", help="target model (default: the bundled SmolLM2)")
+    ap.add_argument("--speculative-model", help="draft model, for --speculative-method draft_model")
+    ap.add_argument("--print-prompts", action="store_true",
+                    help="print each prompt with the target's chat template applied (for llama.cpp), as JSON lines")
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)

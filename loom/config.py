@@ -107,6 +107,7 @@ class EngineArgs:
     suffix_decoding_max_spec_offset: float = 0.0
     suffix_decoding_min_token_prob: float = 0.1  # suffix: stop drafting below this estimated probability
     speculative_model: str | None = None  # draft_model: the draft's GGUF file or Hugging Face directory
+    speculative_quantization: str | None = None  # draft_model: the draft's --quantization; None = the target's
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
@@ -150,7 +151,7 @@ class EngineArgs:
             suffix_max_spec_factor=self.suffix_decoding_max_spec_factor,
             suffix_max_spec_offset=self.suffix_decoding_max_spec_offset,
             suffix_min_token_prob=self.suffix_decoding_min_token_prob,
-            model=self.speculative_model)
+            model=self.speculative_model, quantization=self.speculative_quantization)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -67,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-model", default=None,
                    help="draft_model: the draft's GGUF file or Hugging Face directory; it runs at the target's "
                         "--dtype and --quantization with a KV cache of its own of --kv-cache-memory-gb")
+    g.add_argument("--speculative-quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="draft_model: the draft's weight quantization (default: the target's --quantization); "
+                        "a coarser draft reads fewer bytes per draft token and can only cost acceptance")
     g.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                    help="most draft tokens per request and step (default: %(default)s)")
     g.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,

@@ -40,6 +40,9 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1  # stop drafting once the estimated probability of the run drops below
     # draft_model: the draft's GGUF file or Hugging Face directory (vLLM's speculative_config "model")
     model: str | None = None
+    # draft_model: the draft's weight quantization method (vLLM's speculative_config "quantization");
+    # None = the target's. A draft's error costs acceptance, never a wrong token.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -55,6 +58,9 @@ class SpeculativeConfig:
                              f"got {self.prompt_lookup_max}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_method 'draft_model' needs speculative_model (the draft's path)")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError(f"speculative_quantization is only used by speculative_method 'draft_model', "
+                             f"got method {self.method!r}")
         if self.model is not None and self.method != "draft_model":
             raise ValueError(f"speculative_model is only used by speculative_method 'draft_model', "
                              f"got method {self.method!r}")
@@ -174,7 +180,8 @@ def _draft_model(c: SpeculativeConfig, ctx: ProposerContext | None) -> Proposer:
     if ctx is None:
         raise ValueError("speculative_method 'draft_model' needs the engine's context (ProposerContext)")
     runner = ModelRunner(
-        ModelConfig(model=c.model, dtype=ctx.dtype, max_model_len=None, seed=ctx.seed, quantization=ctx.quantization),
+        ModelConfig(model=c.model, dtype=ctx.dtype, max_model_len=None, seed=ctx.seed,
+                    quantization=c.quantization if c.quantization is not None else ctx.quantization),
         CacheConfig(block_size=ctx.block_size, kv_cache_memory_bytes=ctx.kv_cache_memory_bytes,
                     enable_prefix_caching=False),
         ctx.device)

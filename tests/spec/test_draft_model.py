@@ -125,6 +125,8 @@ def test_bad_draft_settings_are_refused(tiny_dirs: dict[str, Path]) -> None:
         LLM(model=str(tiny_dirs["target"]), speculative_method="draft_model")
     with pytest.raises(ValueError, match="only used by speculative_method 'draft_model'"):
         LLM(model=str(tiny_dirs["target"]), speculative_method="ngram", speculative_model=str(tiny_dirs["other"]))
+    with pytest.raises(ValueError, match="speculative_quantization is only used"):
+        LLM(model=str(tiny_dirs["target"]), speculative_method="suffix", speculative_quantization="w8a16")
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(model=str(tiny_dirs["target"]), dtype="float32", speculative_method="draft_model",
             speculative_model=str(tiny_dirs["bad_vocab"]))
@@ -140,3 +142,18 @@ def test_the_bundled_model_drafting_for_itself_keeps_its_greedy_output(hf_tokeni
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0  # the same weights agree
+
+
+def test_the_draft_can_be_quantized_apart_from_the_target(tiny_dirs: dict[str, Path]) -> None:
+    llm = LLM(model=str(tiny_dirs["target"]), dtype="float32", speculative_method="draft_model",
+              speculative_model=str(tiny_dirs["target"]), speculative_quantization="w4a16",
+              speculative_disable_by_batch_size=None)
+    draft_qkv = llm.engine.scheduler.proposer.runner.model.model.layers[0].self_attn.qkv_proj
+    target_qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    from loom.quant.methods import PackedLinearMethod
+
+    assert isinstance(draft_qkv.quant_method, PackedLinearMethod) and draft_qkv.quant_method.scheme.name == "w4a16"
+    assert not isinstance(target_qkv.quant_method, PackedLinearMethod)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model=str(tiny_dirs["target"]), dtype="float32")
+    assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == plain.generate([PROMPT], params)[0].outputs[0].token_ids
