@@ -1,0 +1,88 @@
+"""Speculative decoding on and off in one process, alternated prompt by prompt, so the machine's drift (+-20%
+within minutes on the shared 2-core machines) hits both halves alike; per-prompt ratios and their median.
+
+    .venv/bin/python benchmarks/spec_ab.py --speculative-method suffix --prompts mtbench --mtbench-file question.jsonl
+    .venv/bin/python benchmarks/spec_ab.py --model 1.5b.gguf --speculative-method draft_model \\
+        --speculative-model 0.5b.gguf --k 3 --num-prompts 3 --max-tokens 96
+
+Prompts as in benchmarks/spec_bench.py (code-edit prompts, or MT-bench first turns). Both engines run with
+prefix caching off, so no prompt is served from an earlier one's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    from spec_bench import prompts
+
+    from loom import LLM, SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="target model (default: the bundled SmolLM2)")
+    ap.add_argument("--speculative-method", required=True, choices=["ngram", "suffix", "draft_model"])
+    ap.add_argument("--speculative-model")
+    ap.add_argument("--speculative-quantization")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--prompts", default="code", choices=["code", "mtbench"])
+    ap.add_argument("--mtbench-file")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    common = {"num_threads": args.threads, "enable_prefix_caching": False}
+    if args.model:
+        common["model"] = args.model
+    spec = dict(speculative_method=args.speculative_method, num_speculative_tokens=args.k)
+    if args.speculative_model:
+        spec["speculative_model"] = args.speculative_model
+    if args.speculative_quantization:
+        spec["speculative_quantization"] = args.speculative_quantization
+    engines = {"off": LLM(**common), "on": LLM(**common, **spec)}
+    if args.prompts == "mtbench":
+        with open(args.mtbench_file) as f:
+            texts = [json.loads(line)["turns"][0] for line in f if line.strip()][: args.num_prompts]
+    else:
+        texts = prompts(args.num_prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    for llm in engines.values():  # warm-up: kernel builds and first-call costs
+        llm.chat([[{"role": "user", "content": "Say hi."}]], SamplingParams(temperature=0.0, max_tokens=8))
+    totals = {"off": [0, 0.0], "on": [0, 0.0]}
+    decode_ratios, same = [], 0
+    for i, text in enumerate(texts):
+        conv = [[{"role": "user", "content": text}]]
+        row = {}
+        for name in (("off", "on") if i % 2 == 0 else ("on", "off")):  # alternate which goes first
+            t0 = time.perf_counter()
+            out = engines[name].chat(conv, params)[0]
+            dt = time.perf_counter() - t0
+            ids = out.outputs[0].token_ids
+            ttft = out.metrics.first_token_time - out.metrics.arrival_time
+            row[name] = (ids, (len(ids) - 1) / max(dt - ttft, 1e-9))
+            totals[name][0] += len(ids)
+            totals[name][1] += dt
+        same += row["on"][0] == row["off"][0]
+        decode_ratios.append(row["on"][1] / row["off"][1])
+        print(f"{i}: decode {row['off'][1]:.1f} -> {row['on'][1]:.1f} tok/s ({decode_ratios[-1]:.2f}x)", flush=True)
+    stats = engines["on"].engine.get_stats()
+    off, on = (totals[n][0] / totals[n][1] for n in ("off", "on"))
+    print(f"{args.speculative_method} k={args.k} on {args.prompts} ({len(texts)} prompts): output tok/s {off:.1f} -> "
+          f"{on:.1f} = {on / off:.3f}x; per-prompt decode median {statistics.median(decode_ratios):.3f}x "
+          f"(min {min(decode_ratios):.2f}, max {max(decode_ratios):.2f}); identical outputs {same}/{len(texts)}")
+    if stats.spec_num_draft_tokens:
+        print(f"  acceptance {stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens:.1%}, tokens per verify "
+              f"pass {1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts:.2f}, "
+              f"{stats.spec_num_drafts} passes with drafts")
+
+
+if __name__ == "__main__":
+    main()
