@@ -3,8 +3,9 @@
 
 The draft has its own model runner and its own paged KV cache. Per request it remembers the tokens whose
 K/V its cache holds; each step it keeps the longest prefix of them the request still has (accepted drafts
-stay, rejected ones are dropped: rollback is a truncation), feeds the rest (a whole prompt the first time,
-then the kept drafts and the target's token), and decodes k - 1 more. So it stays in step with the target
+stay, rejected ones are dropped: rollback is a truncation), feeds the rest (a prompt the first time, in
+chunks of at most `max_catch_up_tokens` per step; then the kept drafts and the target's token), and decodes
+k - 1 more. So it stays in step with the target
 through acceptance, rollback, preemption (the request's tokens do not change) and the target's prefix hits
 (the draft computes its own K/V). All of a step's requests draft together: one catch-up pass, then one
 decode pass per further draft position.
@@ -39,12 +40,19 @@ class DraftModelProposer:
     Blocks: a request holds the blocks for its tokens plus the drafts; when the pool runs dry, the least
     recently drafted requests outside the current step lose their draft state (recomputed when they draft
     again), and a request that still does not fit gets no drafts this step.
+
+    Catch-up is chunked like the target's prefill: a step feeds at most `max_catch_up_tokens` tokens in all,
+    so a long prompt reaches the draft's cache over several steps (drafting starts once it has) instead of
+    stalling every request of one step behind a long unchunked draft pass.
     """
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, max_model_len: int) -> None:
+    def __init__(self, runner: ModelRunner, max_model_len: int, max_catch_up_tokens: int = 512) -> None:
+        if max_catch_up_tokens < 1:
+            raise ValueError(f"max_catch_up_tokens must be >= 1, got {max_catch_up_tokens}")
         self.runner = runner
+        self.max_catch_up_tokens = max_catch_up_tokens
         self.block_size = runner.block_size
         self.max_model_len = min(max_model_len, runner.arch.max_position_embeddings)
         self._free: list[int] = list(range(runner.num_blocks - 1, -1, -1))  # a stack of free block ids
@@ -62,9 +70,11 @@ class DraftModelProposer:
         drafts: list[list[int]] = [[] for _ in requests]
         batch_ids = {r.request_id for r in requests}
         active: list[tuple[int, DraftRequest, _DraftState, int]] = []  # (index, request, state, num drafts)
+        partial: list[tuple[DraftRequest, _DraftState, list[int]]] = []  # catch-ups that stop short of the end
+        budget = self.max_catch_up_tokens
         for i, r in enumerate(requests):
             n = min(r.max_tokens, self.max_model_len - len(r.token_ids))
-            if n <= 0 or not r.token_ids:
+            if n <= 0 or not r.token_ids or budget <= 0:
                 continue
             state = self._states.pop(r.request_id, None) or _DraftState()
             self._states[r.request_id] = state  # now the most recently drafted
@@ -75,22 +85,35 @@ class DraftModelProposer:
             while keep < limit and state.tokens[keep] == r.token_ids[keep]:
                 keep += 1
             del state.tokens[keep:]
-            if self._reserve(state, len(r.token_ids) + n - 1, batch_ids):
-                active.append((i, r, state, n))
-        if not active:
+            missing = len(r.token_ids) - keep
+            if not self._reserve(state, len(r.token_ids) + n - 1, batch_ids):
+                continue
+            if missing > budget:  # a long catch-up: part of it now, drafts in a later step
+                partial.append((r, state, list(r.token_ids[keep : keep + budget])))
+                budget = 0
+                continue
+            budget -= missing
+            active.append((i, r, state, n))
+        if not active and not partial:
             return drafts
 
-        # catch-up: every token the draft cache lacks, sampling after the last
+        # catch-up: the tokens each cache lacks, sampling after the last where that is the request's last
         step = [ScheduledRequest(
             request_id=r.request_id, token_ids=list(r.token_ids[len(s.tokens):]), start_position=len(s.tokens),
             block_table=s.blocks, sample=True, sampling_params=_GREEDY, prompt_token_ids=[], output_token_ids=[],
             is_new=False) for _, r, s, _ in active]
+        step += [ScheduledRequest(
+            request_id=r.request_id, token_ids=chunk, start_position=len(s.tokens), block_table=s.blocks,
+            sample=False, sampling_params=_GREEDY, prompt_token_ids=[], output_token_ids=[], is_new=False)
+            for r, s, chunk in partial]
         out = self._run(step)
+        for _, s, chunk in partial:
+            s.tokens.extend(chunk)
         for i, r, s, _ in active:
             s.tokens = list(r.token_ids)
             drafts[i].append(out[r.request_id][0])
         # then one decode pass per further draft position, for the requests that want that many
-        for j in range(1, max(n for *_, n in active)):
+        for j in range(1, max((n for *_, n in active), default=0)):
             rows = [(i, r, s) for i, r, s, n in active if n > j]
             step = [ScheduledRequest(
                 request_id=r.request_id, token_ids=[drafts[i][-1]], start_position=len(s.tokens),

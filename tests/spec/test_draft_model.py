@@ -76,6 +76,19 @@ def test_batched_drafting_equals_one_at_a_time(tiny_dirs: dict[str, Path]) -> No
     assert [len(d) for d in got] == [4, 2, 3]
 
 
+def test_a_long_catch_up_is_spread_over_steps(tiny_dirs: dict[str, Path]) -> None:
+    proposer = DraftModelProposer(_runner(tiny_dirs["other"]), max_model_len=512, max_catch_up_tokens=4)
+    expected = _greedy(tiny_dirs["other"], PROMPT, 3)
+    assert proposer.propose("a", PROMPT, 3) == []  # 4 of 9 tokens cached
+    assert proposer.propose("a", PROMPT, 3) == []  # 8 of 9
+    assert proposer.propose("a", PROMPT, 3) == expected  # the last token, then drafts
+    assert proposer.num_forward_passes == 2 + 3
+    # the budget is per step, shared: b's first chunk fits beside a's one-token catch-up
+    got = proposer.propose_batch([DraftRequest("a", PROMPT + expected, 2), DraftRequest("b", PROMPT, 2)])
+    assert got[0] == _greedy(tiny_dirs["other"], PROMPT + expected, 2) and got[1] == []
+    assert proposer._states["b"].tokens == PROMPT[:3]
+
+
 def test_a_dry_pool_evicts_the_least_recent_and_never_a_request_of_this_step(tiny_dirs: dict[str, Path]) -> None:
     proposer = DraftModelProposer(_runner(tiny_dirs["other"], num_blocks=6, block_size=4), max_model_len=512)
     asks = [DraftRequest(rid, PROMPT[:8], 4) for rid in "abc"]  # each needs ceil((8 + 3) / 4) = 3 blocks
