@@ -7,6 +7,7 @@ verified position, never a wrong token (loom/spec/verify.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -61,6 +62,8 @@ class SpeculativeConfig:
         if self.quantization is not None and self.method != "draft_model":
             raise ValueError(f"speculative_quantization is only used by speculative_method 'draft_model', "
                              f"got method {self.method!r}")
+        if self.model is not None and not os.path.exists(self.model):
+            raise ValueError(f"speculative_model path {self.model!r} does not exist")
         if self.model is not None and self.method != "draft_model":
             raise ValueError(f"speculative_model is only used by speculative_method 'draft_model', "
                              f"got method {self.method!r}")
@@ -179,12 +182,15 @@ def _draft_model(c: SpeculativeConfig, ctx: ProposerContext | None) -> Proposer:
 
     if ctx is None:
         raise ValueError("speculative_method 'draft_model' needs the engine's context (ProposerContext)")
-    runner = ModelRunner(
-        ModelConfig(model=c.model, dtype=ctx.dtype, max_model_len=None, seed=ctx.seed,
-                    quantization=c.quantization if c.quantization is not None else ctx.quantization),
-        CacheConfig(block_size=ctx.block_size, kv_cache_memory_bytes=ctx.kv_cache_memory_bytes,
-                    enable_prefix_caching=False),
-        ctx.device)
+    try:
+        runner = ModelRunner(
+            ModelConfig(model=c.model, dtype=ctx.dtype, max_model_len=None, seed=ctx.seed,
+                        quantization=c.quantization if c.quantization is not None else ctx.quantization),
+            CacheConfig(block_size=ctx.block_size, kv_cache_memory_bytes=ctx.kv_cache_memory_bytes,
+                        enable_prefix_caching=False),
+            ctx.device)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative_model (the draft): {e}") from e
     if runner.arch.vocab_size != ctx.vocab_size:
         raise ValueError(f"speculative_model {c.model!r} has a vocabulary of {runner.arch.vocab_size} tokens, the "
                          f"target {ctx.vocab_size}: the draft must share the target's tokenizer")
