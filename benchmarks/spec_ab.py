@@ -12,7 +12,6 @@ prefix caching off, so no prompt is served from an earlier one's cache.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> None:
-    from spec_bench import prompts
+    from spec_bench import load_texts
 
     from loom import LLM, SamplingParams
 
@@ -48,11 +47,7 @@ def main() -> None:
     if args.speculative_quantization:
         spec["speculative_quantization"] = args.speculative_quantization
     engines = {"off": LLM(**common), "on": LLM(**common, **spec)}
-    if args.prompts == "mtbench":
-        with open(args.mtbench_file) as f:
-            texts = [json.loads(line)["turns"][0] for line in f if line.strip()][: args.num_prompts]
-    else:
-        texts = prompts(args.num_prompts)
+    texts = load_texts(args.prompts, args.mtbench_file, args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for llm in engines.values():  # warm-up: kernel builds and first-call costs
         llm.chat([[{"role": "user", "content": "Say hi."}]], SamplingParams(temperature=0.0, max_tokens=8))

@@ -59,6 +59,14 @@ def prompts(count: int = 20) -> list[str]:
             for i, src in enumerate(sources[:count])]
 
 
+def load_texts(kind: str, mtbench_file: str | None, count: int) -> list[str]:
+    """The first `count` user turns: code-edit prompts (kind "code") or MT-bench first turns ("mtbench")."""
+    if kind == "mtbench":
+        with open(mtbench_file) as f:
+            return [json.loads(line)["turns"][0] for line in f if line.strip()][:count]
+    return prompts(count)
+
+
 def run(args: argparse.Namespace) -> None:
     from loom import LLM, SamplingParams
 
@@ -71,11 +79,7 @@ def run(args: argparse.Namespace) -> None:
         kwargs["speculative_model"] = args.speculative_model
     llm = LLM(**kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    if args.prompts == "mtbench":
-        with open(args.mtbench_file) as f:
-            texts = [json.loads(line)["turns"][0] for line in f if line.strip()][: args.num_prompts]
-    else:
-        texts = prompts(args.num_prompts)
+    texts = load_texts(args.prompts, args.mtbench_file, args.num_prompts)
     convs = [[{"role": "user", "content": p}] for p in texts]
     if args.print_prompts:
         for conv in convs:

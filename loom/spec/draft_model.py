@@ -34,6 +34,13 @@ class _DraftState:
     blocks: list[int] = field(default_factory=list)  # the draft cache's blocks for them, in position order
 
 
+def _row(request_id: str, state: _DraftState, token_ids: list[int], sample: bool) -> ScheduledRequest:
+    """The draft runner's row for `token_ids` following the tokens `state` caches, greedy."""
+    return ScheduledRequest(request_id=request_id, token_ids=token_ids, start_position=len(state.tokens),
+                            block_table=state.blocks, sample=sample, sampling_params=_GREEDY, prompt_token_ids=[],
+                            output_token_ids=[], is_new=False)
+
+
 class DraftModelProposer:
     """Drafts with `runner`'s model (the draft), whose KV pool it manages.
 
@@ -98,14 +105,8 @@ class DraftModelProposer:
             return drafts
 
         # catch-up: the tokens each cache lacks, sampling after the last where that is the request's last
-        step = [ScheduledRequest(
-            request_id=r.request_id, token_ids=list(r.token_ids[len(s.tokens):]), start_position=len(s.tokens),
-            block_table=s.blocks, sample=True, sampling_params=_GREEDY, prompt_token_ids=[], output_token_ids=[],
-            is_new=False) for _, r, s, _ in active]
-        step += [ScheduledRequest(
-            request_id=r.request_id, token_ids=chunk, start_position=len(s.tokens), block_table=s.blocks,
-            sample=False, sampling_params=_GREEDY, prompt_token_ids=[], output_token_ids=[], is_new=False)
-            for r, s, chunk in partial]
+        step = [_row(r.request_id, s, list(r.token_ids[len(s.tokens):]), sample=True) for _, r, s, _ in active]
+        step += [_row(r.request_id, s, chunk, sample=False) for r, s, chunk in partial]
         out = self._run(step)
         for _, s, chunk in partial:
             s.tokens.extend(chunk)
@@ -115,11 +116,7 @@ class DraftModelProposer:
         # then one decode pass per further draft position, for the requests that want that many
         for j in range(1, max((n for *_, n in active), default=0)):
             rows = [(i, r, s) for i, r, s, n in active if n > j]
-            step = [ScheduledRequest(
-                request_id=r.request_id, token_ids=[drafts[i][-1]], start_position=len(s.tokens),
-                block_table=s.blocks, sample=True, sampling_params=_GREEDY, prompt_token_ids=[],
-                output_token_ids=[], is_new=False) for i, r, s in rows]
-            out = self._run(step)
+            out = self._run([_row(r.request_id, s, [drafts[i][-1]], sample=True) for i, r, s in rows])
             for i, r, s in rows:
                 s.tokens.append(drafts[i][-1])
                 drafts[i].append(out[r.request_id][0])

@@ -17,6 +17,21 @@ import numpy as np
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
+def check_suffix_options(max_tree_depth: int, max_cached_requests: int, max_spec_factor: float,
+                         max_spec_offset: float, min_token_prob: float) -> None:
+    """Raises ValueError naming the first suffix_decoding_* option out of range."""
+    if max_tree_depth < 2:
+        raise ValueError(f"suffix_decoding_max_tree_depth must be >= 2, got {max_tree_depth}")
+    if max_cached_requests < 0:
+        raise ValueError(f"suffix_decoding_max_cached_requests must be >= 0, got {max_cached_requests}")
+    if not max_spec_factor > 0:
+        raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got {max_spec_factor}")
+    if not max_spec_offset >= 0:
+        raise ValueError(f"suffix_decoding_max_spec_offset must be >= 0, got {max_spec_offset}")
+    if not 0.0 <= min_token_prob <= 1.0:
+        raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {min_token_prob}")
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """`--speculative-method`, `--num-speculative-tokens` and each method's options.
@@ -67,17 +82,8 @@ class SpeculativeConfig:
         if self.model is not None and self.method != "draft_model":
             raise ValueError(f"speculative_model is only used by speculative_method 'draft_model', "
                              f"got method {self.method!r}")
-        if self.suffix_max_tree_depth < 2:
-            raise ValueError(f"suffix_decoding_max_tree_depth must be >= 2, got {self.suffix_max_tree_depth}")
-        if self.suffix_max_cached_requests < 0:
-            raise ValueError("suffix_decoding_max_cached_requests must be >= 0, "
-                             f"got {self.suffix_max_cached_requests}")
-        if not self.suffix_max_spec_factor > 0:
-            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_max_spec_factor}")
-        if not self.suffix_max_spec_offset >= 0:
-            raise ValueError(f"suffix_decoding_max_spec_offset must be >= 0, got {self.suffix_max_spec_offset}")
-        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
-            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
+        check_suffix_options(self.suffix_max_tree_depth, self.suffix_max_cached_requests,
+                             self.suffix_max_spec_factor, self.suffix_max_spec_offset, self.suffix_min_token_prob)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 
-from loom.spec.proposer import PerRequestProposer
+from loom.spec.proposer import PerRequestProposer, check_suffix_options
 
 _TOKEN_BITS = 32  # a child is keyed by (node << 32) | token: token ids are below 2**32
 
@@ -161,14 +161,7 @@ class SuffixProposer(PerRequestProposer):
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 128, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1) -> None:
-        if max_tree_depth < 2:
-            raise ValueError(f"suffix_decoding_max_tree_depth must be >= 2, got {max_tree_depth}")
-        if max_cached_requests < 0:
-            raise ValueError(f"suffix_decoding_max_cached_requests must be >= 0, got {max_cached_requests}")
-        if max_spec_factor <= 0:
-            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got {max_spec_factor}")
-        if not 0.0 <= min_token_prob <= 1.0:
-            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {min_token_prob}")
+        check_suffix_options(max_tree_depth, max_cached_requests, max_spec_factor, max_spec_offset, min_token_prob)
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
