@@ -106,6 +106,7 @@ class EngineArgs:
     suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts <= factor * match length + offset
     suffix_decoding_max_spec_offset: float = 0.0
     suffix_decoding_min_token_prob: float = 0.1  # suffix: stop drafting below this estimated probability
+    speculative_tree_width: int = 1  # ngram/suffix: most candidate branches per greedy request and step
     speculative_model: str | None = None  # draft_model: the draft's GGUF file or Hugging Face directory
     speculative_quantization: str | None = None  # draft_model: the draft's --quantization; None = the target's
 
@@ -151,7 +152,8 @@ class EngineArgs:
             suffix_max_spec_factor=self.suffix_decoding_max_spec_factor,
             suffix_max_spec_offset=self.suffix_decoding_max_spec_offset,
             suffix_min_token_prob=self.suffix_decoding_min_token_prob,
-            model=self.speculative_model, quantization=self.speculative_quantization)
+            model=self.speculative_model, quantization=self.speculative_quantization,
+            tree_width=self.speculative_tree_width)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

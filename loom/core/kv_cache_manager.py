@@ -81,6 +81,8 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found (device or host tier), cumulative
         self.num_blocks_recomputed = 0  # computed blocks dropped by preemptions (not swapped), cumulative
+        # blocks lent for one step (the private tails of tree-candidate branches), never hashed
+        self._scratch: list[KVBlock] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -288,6 +290,20 @@ class KVCacheManager:
         offloaded, restored = (self.host.num_blocks_offloaded, self.host.num_blocks_restored) if self.host else (0, 0)
         return OffloadCounters(offloaded, restored, self.num_blocks_recomputed)
 
+    def allocate_scratch(self, num_blocks: int) -> list[int] | None:
+        """Ids of num_blocks fresh blocks lent until `free_scratch` (the end of the step), or None when the pool
+        has fewer free blocks. They are never hashed, so the prefix cache never holds their contents."""
+        if num_blocks > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.get_new_blocks(num_blocks)
+        self._scratch.extend(blocks)
+        return [b.block_id for b in blocks]
+
+    def free_scratch(self) -> None:
+        """Return every block `allocate_scratch` lent."""
+        self.block_pool.free_blocks(reversed(self._scratch))
+        self._scratch = []
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """Block ids of the request in position order (its block_table); [] when it holds none.
 
@@ -307,6 +323,8 @@ class KVCacheManager:
             assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice"
             for block_id in ids:
                 holders[block_id] += 1
+        for block in self._scratch:
+            holders[block.block_id] += 1
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"

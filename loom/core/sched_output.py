@@ -21,6 +21,11 @@ class ScheduledRequest:
     # draft tokens (speculative decoding): token_ids = [last token] + spec_token_ids; the runner verifies them
     # and samples at every position (sample is True)
     spec_token_ids: list[int] = field(default_factory=list)
+    # tree candidates: the other branches, each (its draft tokens, its block table). A branch's rows are
+    # [last token] + its tokens at positions start_position ..; its table is the request's up to the block
+    # holding start_position and scratch blocks from there (the runner copies that block's earlier rows in
+    # first). Only for greedy requests; the runner keeps the branch with the longest accepted run.
+    spec_branches: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -53,6 +58,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]  # request_id -> tokens sampled this step (one, or more with speculation)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token, when asked
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # prompt positions computed this step
+    # tree candidates: request_id -> the branch its tokens were kept from (0 = spec_token_ids; absent = 0)
+    spec_branch: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -55,9 +55,14 @@ class SpecDecodeStats:
         self.num_draft_tokens = 0  # tokens proposed
         self.num_accepted_tokens = 0  # drafts the target kept
         self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens  # kept drafts at position 0, 1, ...
+        self.num_branches = 0  # candidate branches verified (tree candidates: one or more per verify pass)
+        self.num_branch_wins = 0  # verify passes whose kept run came from a branch other than branch 0
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, num_branches: int = 1, branch: int = 0) -> None:
+        """num_drafts: tokens of the branch kept from (drafts of the others count in num_branches only)."""
         self.num_drafts += 1
+        self.num_branches += num_branches
+        self.num_branch_wins += branch > 0
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
@@ -87,6 +92,7 @@ class Scheduler:
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
         spec_disable_by_batch_size: int | None = None,
+        spec_tree_width: int = 1,
     ) -> None:
         """Args:
         num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
@@ -95,6 +101,7 @@ class Scheduler:
         proposer: drafts tokens for decoding requests (speculative decoding, loom/spec); None = off.
         num_speculative_tokens: most drafts per request and step (k).
         spec_disable_by_batch_size: no drafts in a step while at least this many requests run; None = never.
+        spec_tree_width: most candidate branches per greedy request and step (tree candidates); 1 = one chain.
         """
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -118,6 +125,7 @@ class Scheduler:
         # drafting again; a kept draft resets it
         self._spec_backoff: dict[str, tuple[int, int]] = {}
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self.spec_tree_width = spec_tree_width
         # request_id -> decayed (accepted drafts, trials): a verify pass that kept j of d drafts is j
         # acceptances and, when j < d, one rejection; their ratio estimates the per-token acceptance a
         # that sets the request's k (see _draft_limit)
@@ -177,14 +185,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            # drafts within what is left of the budget (the proposer was asked before the budget was spent)
-            drafts = proposed.get(request.request_id, [])[: budget - 1] if num_new == 1 else []
-            if drafts and self.kv_cache_manager.allocate_slots(request, 1 + len(drafts)) is None:
-                drafts = []  # speculation never preempts anyone: decode the one token as usual
+            branches = proposed.get(request.request_id, []) if num_new == 1 else []
+            drafts, extra = self._fit_branches(request, branches, budget)
             if not drafts and not self._allocate_or_preempt(request, num_new, preempted):
                 break  # it preempted itself; it was the last running request
-            scheduled.append(self._schedule_one(request, num_new, is_new=False, drafts=drafts))
-            budget -= num_new + len(drafts)
+            scheduled.append(self._schedule_one(request, num_new, is_new=False, drafts=drafts, branches=extra))
+            budget -= num_new + len(drafts) + sum(len(tokens) + 1 for tokens, _ in extra)
             i += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
@@ -200,6 +206,38 @@ class Scheduler:
         )
         self._finished_req_ids = []
         return out
+
+    def _fit_branches(self, request: Request, branches: list[list[int]],
+                      budget: int) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+        """Fit a decoding request's candidate branches into what is left of the step's budget (the proposer
+        was asked before the budget was spent) and the free blocks: branch 0's drafts, and the extra branches
+        with their block tables. Branch 0 is verified in the request's own blocks (allocated for the longest
+        branch, so that any branch's kept run can be moved there); each extra branch gets the request's full
+        blocks before its first position and scratch blocks from there (the runner copies the partial
+        block's earlier rows in). Speculation never preempts anyone: ([], []) when nothing fits."""
+        if not branches or budget < 2:
+            return [], []
+        left = budget - 1 - len(branches[0][: budget - 1])
+        fitted = [branches[0][: budget - 1]]
+        for tokens in branches[1:]:
+            if left < 2:
+                break
+            fitted.append(tokens[: left - 1])
+            left -= len(fitted[-1]) + 1
+        longest = max(len(t) for t in fitted)
+        if self.kv_cache_manager.allocate_slots(request, 1 + longest) is None:
+            return [], []
+        bs = self.cache_config.block_size
+        start = request.num_computed_tokens  # the position of the last token, the root of every branch
+        table = self.kv_cache_manager.get_block_ids(request.request_id)
+        extra: list[tuple[list[int], list[int]]] = []
+        for tokens in fitted[1:]:
+            first_block, last_block = start // bs, (start + len(tokens)) // bs
+            scratch = self.kv_cache_manager.allocate_scratch(last_block - first_block + 1)
+            if scratch is None:
+                break
+            extra.append((tokens, table[:first_block] + scratch))
+        return fitted[0], extra
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         """Allocate for `request`, preempting from the back of running until it fits.
@@ -245,24 +283,35 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _propose_all(self, budget: int) -> dict[str, list[int]]:
-        """request_id -> drafts, for every running request that decodes one token this step, from one
-        proposer call. Nothing while speculation is off (no proposer, or a batch of at least
+    def _propose_all(self, budget: int) -> dict[str, list[list[int]]]:
+        """request_id -> candidate draft runs (branch 0 first; one branch unless tree candidates are on and the
+        request is greedy), for every running request that decodes one token this step, from one proposer
+        call. Nothing while speculation is off (no proposer, or a batch of at least
         spec_disable_by_batch_size requests)."""
         limit = self.spec_disable_by_batch_size
         if self.proposer is None or (limit is not None and len(self.running) >= limit):
             return {}
-        asks = []
+        asks, wide = [], []
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue  # prefilling: no drafts
             n = self._num_drafts(request, budget)
             if n > 0:
-                asks.append(DraftRequest(request.request_id, request.token_ids_slice(0, request.num_tokens), n))
-        if not asks:
-            return {}
-        drafts = self.proposer.propose_batch(asks)
-        return {ask.request_id: d[: ask.max_tokens] for ask, d in zip(asks, drafts, strict=True) if d}
+                ask = DraftRequest(request.request_id, request.token_ids_slice(0, request.num_tokens), n)
+                # several branches are verified exactly only for greedy requests (the longest kept run
+                # of any branch is the greedy output); a sampled one gets one branch
+                (wide if self.spec_tree_width > 1 and request.sampling_params.greedy else asks).append(ask)
+        out: dict[str, list[list[int]]] = {}
+        if asks:
+            for ask, d in zip(asks, self.proposer.propose_batch(asks), strict=True):
+                if d:
+                    out[ask.request_id] = [d[: ask.max_tokens]]
+        if wide:
+            for ask, branches in zip(wide, self.proposer.propose_branches(wide, self.spec_tree_width), strict=True):
+                kept = [b[: ask.max_tokens] for b in branches[: self.spec_tree_width] if b]
+                if kept:
+                    out[ask.request_id] = kept
+        return out
 
     def _num_drafts(self, request: Request, budget: int) -> int:
         """Most drafts for a decoding request: k from its acceptance, within the step's budget, the request's
@@ -288,8 +337,8 @@ class Scheduler:
             return k
         return max(1, min(k, int(a / (1.0 - a)) + 1))
 
-    def _schedule_one(self, request: Request, num_new: int, is_new: bool,
-                      drafts: list[int] | None = None) -> ScheduledRequest:
+    def _schedule_one(self, request: Request, num_new: int, is_new: bool, drafts: list[int] | None = None,
+                      branches: list[tuple[list[int], list[int]]] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         # The drafts' K/V are computed too; update_from_output moves num_computed_tokens back to the
@@ -307,6 +356,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             is_new=is_new,
             spec_token_ids=drafts or [],
+            spec_branches=branches or [],
         )
 
     # ---- update ----------------------------------------------------------------------------------
@@ -321,6 +371,7 @@ class Scheduler:
         Returns:
             One EngineCoreOutput per request with news (new tokens, prompt logprobs, or finished).
         """
+        self.kv_cache_manager.free_scratch()  # the extra branches' blocks, lent for the step just run
         outputs: list[EngineCoreOutput] = []
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)
@@ -353,9 +404,11 @@ class Scheduler:
                 request.num_computed_tokens = request.num_tokens - 1
                 request.spec_token_ids = []
                 kept = len(sampled) - 1
-                self.spec_stats.record(len(sched.spec_token_ids), kept)
+                branch = runner_output.spec_branch.get(rid, 0)
+                drafted = len(sched.spec_token_ids if branch == 0 else sched.spec_branches[branch - 1][0])
+                self.spec_stats.record(drafted, kept, 1 + len(sched.spec_branches), branch)
                 accepted, trials = self._spec_accept.get(rid, (0.0, 0.0))
-                rejected = 1 if kept < len(sched.spec_token_ids) else 0
+                rejected = 1 if kept < drafted else 0
                 self._spec_accept[rid] = (SPEC_ACCEPT_DECAY * accepted + kept,
                                           SPEC_ACCEPT_DECAY * trials + kept + rejected)
                 if kept:

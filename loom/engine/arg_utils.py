@@ -72,6 +72,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "a coarser draft reads fewer bytes per draft token and can only cost acceptance")
     g.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                    help="most draft tokens per request and step (default: %(default)s)")
+    g.add_argument("--speculative-tree-width", type=int, default=defaults.speculative_tree_width,
+                   help="ngram, suffix: tree candidates, the most draft branches (different first drafts) "
+                        "verified per greedy request and step; each extra branch costs its own verify rows "
+                        "(default: %(default)s = one chain)")
     g.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
                    help="ngram: shortest suffix that may match, in tokens (default: %(default)s)")
     g.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,

@@ -76,6 +76,7 @@ class LLMEngine:
                 tokenizer=self.tokenizer)) if spec is not None else None,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
+            spec_tree_width=spec.tree_width if spec is not None else 1,
         )
         if spec is not None:
             options = {

@@ -73,6 +73,10 @@ class DraftModelProposer:
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         return self.propose_batch([DraftRequest(request_id, token_ids, max_tokens)])[0]
 
+    def propose_branches(self, requests: Sequence[DraftRequest], max_branches: int) -> list[list[list[int]]]:
+        """One branch per request: the draft's greedy run (SpeculativeConfig refuses a tree width > 1)."""
+        return [[d] if d else [] for d in self.propose_batch(requests)]
+
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
         batch_ids = {r.request_id for r in requests}

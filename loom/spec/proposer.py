@@ -54,6 +54,9 @@ class SpeculativeConfig:
     suffix_max_spec_factor: float = 1.0  # drafts <= factor * match length + offset
     suffix_max_spec_offset: float = 0.0
     suffix_min_token_prob: float = 0.1  # stop drafting once the estimated probability of the run drops below
+    # tree candidates: most candidate continuations verified per greedy request and step (1 = one chain of
+    # drafts). Each extra branch costs its own verify rows (loom/spec/verify.py, "Tree candidates").
+    tree_width: int = 1
     # draft_model: the draft's GGUF file or Hugging Face directory (vLLM's speculative_config "model")
     model: str | None = None
     # draft_model: the draft's weight quantization method (vLLM's speculative_config "quantization");
@@ -65,6 +68,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.tree_width <= 8:
+            raise ValueError(f"speculative_tree_width must be in [1, 8], got {self.tree_width}")
+        if self.tree_width > 1 and self.method == "draft_model":
+            raise ValueError("speculative_tree_width > 1 needs speculative_method 'ngram' or 'suffix' (the draft "
+                             "model proposes one chain)")
         if self.prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
@@ -118,6 +126,11 @@ class Proposer(Protocol):
         runs it once for the batch)."""
         ...
 
+    def propose_branches(self, requests: Sequence[DraftRequest], max_branches: int) -> list[list[list[int]]]:
+        """Tree candidates: up to max_branches (>= 1) different non-empty draft runs per request, the best
+        first (branch 0 is what `propose_batch` gives); [] for a request with no draft."""
+        ...
+
     def request_finished(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         """The request ended with these generated tokens; forget its state (unknown ids are ignored)."""
         ...
@@ -131,6 +144,16 @@ class PerRequestProposer:
 
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         return [self.propose(r.request_id, r.token_ids, r.max_tokens) for r in requests]
+
+    def propose_candidates(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                           max_branches: int) -> list[list[int]]:
+        """Up to max_branches different draft runs for one request, the best first; a proposer without
+        alternatives gives its one run."""
+        drafts = self.propose(request_id, token_ids, max_tokens)
+        return [drafts] if drafts else []
+
+    def propose_branches(self, requests: Sequence[DraftRequest], max_branches: int) -> list[list[list[int]]]:
+        return [self.propose_candidates(r.request_id, r.token_ids, r.max_tokens, max_branches) for r in requests]
 
 
 class NgramProposer(PerRequestProposer):

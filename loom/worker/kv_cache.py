@@ -52,3 +52,17 @@ def allocate_kv_caches(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     shape = (2, num_blocks, block_size, arch.num_kv_heads, kv_row_width(arch.head_dim, dtype))
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+
+
+def copy_kv_slots(kv_caches: list[torch.Tensor], src_slots: list[int], dst_slots: list[int]) -> None:
+    """Copy the K and V rows of every layer from slots src_slots[i] to dst_slots[i] (slot = block id *
+    block_size + offset; scale bytes of int8/fp8 rows travel with them). Sources must not be destinations."""
+    if not src_slots:
+        return
+    assert len(src_slots) == len(dst_slots) and not set(src_slots) & set(dst_slots)
+    device = kv_caches[0].device
+    src = torch.tensor(src_slots, dtype=torch.int64, device=device)
+    dst = torch.tensor(dst_slots, dtype=torch.int64, device=device)
+    for cache in kv_caches:
+        flat = cache.view(2, cache.shape[1] * cache.shape[2], *cache.shape[3:])
+        flat[:, dst] = flat[:, src]

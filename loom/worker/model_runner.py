@@ -14,7 +14,12 @@ from loom.model.loader import load_model
 from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
 from loom.spec.verify import accept_sampled
 from loom.attention.kv_quant import resolve_kv_cache_dtype
-from loom.worker.kv_cache import allocate_kv_caches, kv_cache_bytes_per_token, num_blocks_for_budget
+from loom.worker.kv_cache import (
+    allocate_kv_caches,
+    copy_kv_slots,
+    kv_cache_bytes_per_token,
+    num_blocks_for_budget,
+)
 from loom.worker.kv_offload import HostKVCache, num_host_blocks_for_budget
 
 logger = logging.getLogger(__name__)
@@ -90,6 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._copy_host_blocks(scheduler_output)
+        self._copy_branch_context(scheduler_output.scheduled)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output.scheduled)
@@ -108,6 +114,20 @@ class ModelRunner:
             return
         self.host_kv_cache.offload(self.kv_caches, scheduler_output.blocks_to_offload)
         self.host_kv_cache.restore(self.kv_caches, scheduler_output.blocks_to_restore)
+
+    def _copy_branch_context(self, scheduled: list[ScheduledRequest]) -> None:
+        """Tree candidates: copy the rows before each extra branch's root, in the block that holds the root,
+        from the request's block into the branch's scratch block (earlier blocks are shared)."""
+        bs = self.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        for req in scheduled:
+            start = req.start_position
+            first = start // bs
+            for _, table in req.spec_branches:
+                src.extend(req.block_table[first] * bs + o for o in range(start % bs))
+                dst.extend(table[first] * bs + o for o in range(start % bs))
+        copy_kv_slots(self.kv_caches, src, dst)
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> _StepInputs:
         input_ids: list[int] = []
@@ -140,6 +160,19 @@ class ModelRunner:
                     attn_tables.append(table)
                 sample_indices.extend(range(base, base + n))
                 sample_reqs.append(req)
+                # tree candidates: each other branch, rows [last token] + its drafts in its own blocks
+                for tokens, branch_table in req.spec_branches:
+                    b0 = len(input_ids)
+                    nb = len(tokens) + 1
+                    input_ids.append(req.token_ids[0])
+                    input_ids.extend(tokens)
+                    positions.extend(range(start, start + nb))
+                    slot_mapping.extend(branch_table[p // bs] * bs + p % bs for p in range(start, start + nb))
+                    for j in range(nb):
+                        query_start_loc.append(b0 + j + 1)
+                        seq_lens.append(start + j + 1)
+                        attn_tables.append(branch_table)
+                    sample_indices.extend(range(b0, b0 + nb))
             else:
                 query_start_loc.append(base + n)
                 seq_lens.append(start + n)
@@ -196,26 +229,51 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         sampling_inputs = []
         for r in inputs.sample_reqs:
-            # a verify pass samples after the last token and after each draft, each row with the output
-            # it would follow (penalties, min_tokens, and a seeded request's uniform for that position)
-            for j in range(len(r.spec_token_ids) + 1):
-                sampling_inputs.append(SamplingInput(
-                    params=r.sampling_params,
-                    prompt_token_ids=r.prompt_token_ids,
-                    output_token_ids=r.output_token_ids + r.spec_token_ids[:j] if j else r.output_token_ids,
-                    eos_token_ids=self.eos_token_ids,
-                ))
+            # a verify pass samples after the last token and after each draft of each branch, each row with
+            # the output it would follow (penalties, min_tokens, and a seeded request's uniform for that
+            # position)
+            for drafts in _branches(r):
+                for j in range(len(drafts) + 1):
+                    sampling_inputs.append(SamplingInput(
+                        params=r.sampling_params,
+                        prompt_token_ids=r.prompt_token_ids,
+                        output_token_ids=r.output_token_ids + drafts[:j] if j else r.output_token_ids,
+                        eos_token_ids=self.eos_token_ids,
+                    ))
         result = sample(logits, sampling_inputs, self.default_generator)
         token_ids = result.sampled_token_ids.tolist()
         row = 0
         for req in inputs.sample_reqs:
-            n = len(req.spec_token_ids) + 1
-            kept = accept_sampled(req.spec_token_ids, token_ids[row : row + n]) if n > 1 else token_ids[row : row + 1]
+            best: tuple[list[int], int, int] | None = None  # (kept tokens, first row, branch)
+            for branch, drafts in enumerate(_branches(req)):
+                n = len(drafts) + 1
+                kept = accept_sampled(drafts, token_ids[row : row + n]) if n > 1 else token_ids[row : row + 1]
+                if best is None or len(kept) > len(best[0]):
+                    best = (kept, row, branch)
+                row += n
+            assert best is not None
+            kept, first, branch = best
+            if branch > 0:
+                self._keep_branch(req, branch, len(kept) - 1)
+                output.spec_branch[req.request_id] = branch
             output.sampled_token_ids[req.request_id] = kept
-            lps = result.logprobs[row : row + len(kept)]
+            lps = result.logprobs[first : first + len(kept)]
             if lps[0] is not None:
                 output.logprobs[req.request_id] = lps
-            row += n
+
+    def _keep_branch(self, req: ScheduledRequest, branch: int, num_kept: int) -> None:
+        """Move the K/V of an extra branch's kept drafts into the request's own blocks (the root's row is
+        there already: branch 0 computed the same row)."""
+        bs = self.block_size
+        table = req.spec_branches[branch - 1][1]
+        positions = range(req.start_position + 1, req.start_position + 1 + num_kept)
+        copy_kv_slots(self.kv_caches, [table[p // bs] * bs + p % bs for p in positions],
+                      [req.block_table[p // bs] * bs + p % bs for p in positions])
+
+
+def _branches(req: ScheduledRequest) -> list[list[int]]:
+    """The draft runs a request verifies this step, branch 0 first."""
+    return [req.spec_token_ids] + [tokens for tokens, _ in req.spec_branches]
 
 
 def _trim(lp: TokenLogprobs, keep: int) -> TokenLogprobs:

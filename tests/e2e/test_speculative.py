@@ -83,6 +83,56 @@ def test_garbage_drafts_still_give_the_exact_output(plain: LLM) -> None:
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.1
 
 
+class _Branchy(PerRequestProposer):
+    """Tree candidates with a known answer: branch 0 wrong from its first draft, branch 1 the true greedy
+    continuation spoiled at a random draft (or not), branch 2 a random-length prefix of the truth."""
+
+    name = "branchy"
+
+    def __init__(self, truths: list[list[int]]) -> None:
+        self.truths = truths
+        self.rng = random.Random(1)
+
+    def propose(self, request_id, token_ids, max_tokens):
+        return self.propose_candidates(request_id, token_ids, max_tokens, 1)[0]
+
+    def propose_candidates(self, request_id, token_ids, max_tokens, max_branches):
+        truth = next(t for t in self.truths if t[: len(token_ids)] == list(token_ids))
+        true = truth[len(token_ids) : len(token_ids) + max_tokens]
+        if not true:
+            return []
+        spoiled = list(true)
+        at = self.rng.randrange(len(true) + 1)
+        if at < len(true):
+            spoiled[at] = (spoiled[at] + 7) % 49152
+        wrong = [(t + 1) % 49152 for t in true]
+        branches = [wrong, spoiled, true[: self.rng.randrange(1, len(true) + 1)]]
+        return [b for i, b in enumerate(branches) if i == 0 or b[0] != wrong[0]][:max_branches]
+
+    def request_finished(self, request_id, output_token_ids):
+        pass
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_tree_candidates_keep_the_exact_output_and_free_their_blocks(
+    plain: LLM, hf_tokenizer, prefix_caching: bool
+) -> None:
+    """The longest kept run of any branch is emitted and its K/V moved into the request's blocks: the rest
+    of the output, computed over those moved rows, equals plain greedy decoding; scratch blocks are all
+    returned, also under preemption and chunked prefill (block_size 4: branches span several blocks)."""
+    prompts = [hf_tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = _tokens(plain.generate(prompts, params))
+    tree = LLM(speculative_method="ngram", num_speculative_tokens=5, speculative_disable_by_batch_size=None,
+               speculative_tree_width=3, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24, max_num_seqs=4,
+               enable_prefix_caching=prefix_caching)
+    tree.engine.scheduler.proposer = _Branchy([p + e for p, e in zip(prompts, expected, strict=True)])
+    assert run_engine_checked(tree.engine, prompts, params) == expected
+    stats = tree.engine.scheduler.spec_stats
+    assert stats.num_branch_wins > 0 and stats.num_branches > stats.num_drafts
+    assert stats.num_accepted_tokens > stats.num_branch_wins  # kept runs longer than one token were moved
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loom.spec import NgramProposer, SpeculativeConfig, make_proposer
+from loom.spec.proposer import DraftRequest
 
 
 def test_ngram_proposes_what_followed_the_most_recent_match() -> None:
@@ -38,6 +39,11 @@ def test_config_validation_names_the_option() -> None:
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=2)
+    for width in (0, 9):
+        with pytest.raises(ValueError, match="speculative_tree_width"):
+            SpeculativeConfig(tree_width=width)
+    with pytest.raises(ValueError, match="speculative_tree_width"):
+        SpeculativeConfig(method="draft_model", model=__file__, tree_width=2)
     assert make_proposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=5)).propose("r", [1, 2, 1], 2) == [2, 1]
 
 
