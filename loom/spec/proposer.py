@@ -171,19 +171,35 @@ class NgramProposer(PerRequestProposer):
         self.max_n = max_n
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        candidates = self.propose_candidates(request_id, token_ids, max_tokens, 1)
+        return candidates[0] if candidates else []
+
+    def propose_candidates(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                           max_branches: int) -> list[list[int]]:
+        """Branch 0 follows the most recent occurrence of the longest matching suffix; the others follow
+        earlier occurrences (longest suffix first, most recent first) whose next token differs from every
+        branch taken so far, so that no two branches share a first draft."""
         total = len(token_ids)
         if max_tokens <= 0 or total <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
+        branches: list[list[int]] = []
+        firsts: set[int] = set()
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
             suffix = tokens[total - n :]
             # windows starting at 0 .. total - n - 1: every occurrence that ends before the suffix itself
             windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # the token after the most recent match
-                return tokens[start : start + max_tokens].tolist()
-        return []
+            for hit in hits[::-1]:  # most recent first
+                start = int(hit) + n  # the token after the match
+                first = int(tokens[start])
+                if first in firsts:
+                    continue
+                firsts.add(first)
+                branches.append(tokens[start : start + max_tokens].tolist())
+                if len(branches) == max_branches:
+                    return branches
+        return branches
 
     def request_finished(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         pass  # stateless: every call searches the tokens it is given

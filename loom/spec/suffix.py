@@ -177,6 +177,14 @@ class SuffixProposer(PerRequestProposer):
         return sum(count[0] for _, count in self._generations)
 
     def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        candidates = self.propose_candidates(request_id, token_ids, max_tokens, 1)
+        return candidates[0] if candidates else []
+
+    def propose_candidates(self, request_id: str, token_ids: Sequence[int], max_tokens: int,
+                           max_branches: int) -> list[list[int]]:
+        """The drafts of every source (the per-request tree and each generation of the global one, at the
+        match length and at the roomy shorter one), best scored first; a draft whose first token an
+        earlier one already has is skipped, so branches differ from their first draft on."""
         if max_tokens <= 0 or not token_ids:
             return []
         state = self._requests.get(request_id)
@@ -187,12 +195,12 @@ class SuffixProposer(PerRequestProposer):
             state.active = tree.append(state.active, token)
         state.num_tokens = len(token_ids)
 
+        found: list[tuple[list[int], float]] = []
         # the per-request tree: the longest suffix that occurred before with a continuation (the suffix
         # itself, at the end, never continues)
-        best: tuple[list[int], float] = ([], 0.0)
         for length in range(len(state.active), 0, -1):
             if tree.continues(state.active[length - 1]):
-                best = self._best_draft(tree, length, lambda n: state.active[n - 1], max_tokens, best)
+                self._drafts(tree, length, lambda n: state.active[n - 1], max_tokens, found)
                 break
         for cache, _ in self._generations:
             length = cache.longest_suffix(token_ids)
@@ -200,14 +208,20 @@ class SuffixProposer(PerRequestProposer):
             while length > 0 and not cache.continues(cache.find(tail[len(tail) - length :])):
                 length -= 1
             if length > 0:
-                best = self._best_draft(cache, length, lambda n, c=cache, t=tail: c.find(t[len(t) - n :]),
-                                        max_tokens, best)
-        return best[0]
+                self._drafts(cache, length, lambda n, c=cache, t=tail: c.find(t[len(t) - n :]), max_tokens, found)
+        found.sort(key=lambda d: -d[1])  # stable: of equal scores the first found leads
+        branches: list[list[int]] = []
+        for tokens, score in found:
+            if score > 0 and all(tokens[0] != b[0] for b in branches):
+                branches.append(tokens)
+                if len(branches) == max_branches:
+                    break
+        return branches
 
-    def _best_draft(self, tree: SuffixTree, length: int, node_of, max_tokens: int,
-                    best: tuple[list[int], float]) -> tuple[list[int], float]:
-        """The better of `best` and the drafts from the suffix of `length` tokens and, if the tree's depth
-        leaves that one too little room below it, from the longest shorter suffix that leaves room."""
+    def _drafts(self, tree: SuffixTree, length: int, node_of, max_tokens: int,
+                found: list[tuple[list[int], float]]) -> None:
+        """Append to `found` the drafts from the suffix of `length` tokens and, if the tree's depth leaves
+        that one too little room below it, from the longest shorter suffix that leaves room."""
         lengths = [length]
         roomy = self.max_tree_depth - max_tokens
         if 0 < roomy < length:
@@ -217,10 +231,7 @@ class SuffixProposer(PerRequestProposer):
             if node < 0:
                 continue
             limit = min(max_tokens, int(self.max_spec_factor * n + self.max_spec_offset))
-            drafted = tree.draft(node, limit, self.min_token_prob)
-            if drafted[1] > best[1]:
-                best = drafted
-        return best
+            found.append(tree.draft(node, limit, self.min_token_prob))
 
     def request_finished(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         self._requests.pop(request_id, None)

@@ -133,6 +133,19 @@ def test_tree_candidates_keep_the_exact_output_and_free_their_blocks(
     assert stats.num_accepted_tokens > stats.num_branch_wins  # kept runs longer than one token were moved
 
 
+def test_tree_candidates_of_the_real_proposers(plain: LLM) -> None:
+    """ngram and suffix with three branches: greedy output unchanged; a sampled request gets one branch, so
+    its seeded output is the same as with speculation off."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
+    for method in ("ngram", "suffix"):
+        llm = LLM(speculative_method=method, num_speculative_tokens=5, speculative_disable_by_batch_size=None,
+                  speculative_tree_width=3)
+        for _ in range(2):  # suffix: the second time, the global tree of earlier outputs gives other drafts
+            assert _tokens(llm.generate(PROMPTS, GREEDY)) == _tokens(plain.generate(PROMPTS, GREEDY))
+        assert llm.engine.scheduler.spec_stats.num_branches > llm.engine.scheduler.spec_stats.num_drafts
+        assert _tokens(llm.generate(PROMPTS[:3], seeded)) == _tokens(plain.generate(PROMPTS[:3], seeded))
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(

@@ -32,6 +32,20 @@ def test_ngram_continuation_stops_at_the_end_of_the_tokens() -> None:
     assert p.propose("r", [3, 3, 3, 3], 5) == [3]  # the match at 1..2 is followed by the last token only
 
 
+def test_ngram_branches_follow_other_matches_with_other_first_drafts() -> None:
+    p = NgramProposer(min_n=1, max_n=3)
+    #         0  1  2  3  4  5  6  7  8  9 10 11 12 13 14
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 8, 2, 5, 6, 7, 4, 6, 7]
+    # [6, 7] matches at 1, 6 and 11 (then 8 9, 8 2, 4 6): most recent first, a repeated first draft
+    # skipped; then the shorter suffix [7] adds nothing new (its matches are followed by 8, 8, 4 too)
+    assert p.propose_candidates("r", tokens, 2, 3) == [[4, 6], [8, 2]]
+    assert p.propose_candidates("r", tokens, 2, 1) == [p.propose("r", tokens, 2)] == [[4, 6]]
+    assert p.propose_branches([DraftRequest("r", tokens, 2)], 2) == [[[4, 6], [8, 2]]]
+    assert p.propose_candidates("r", [1, 2, 3], 2, 3) == []
+    # branches from a shorter suffix: [9, 7] matches nowhere, [7] at 1 (then 3) and at 3 (then 9)
+    assert NgramProposer(1, 2).propose_candidates("r", [1, 7, 3, 7, 9, 7], 1, 4) == [[9], [3]]
+
+
 def test_config_validation_names_the_option() -> None:
     with pytest.raises(ValueError, match="speculative_method"):
         SpeculativeConfig(method="eagle")

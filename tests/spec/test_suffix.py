@@ -131,6 +131,17 @@ def test_the_better_scored_tree_wins() -> None:
     assert p2.propose("r", [5, 6, 1, 2, 3, 9, 8, 5, 6, 1, 2, 3], 3) == [9, 8, 5]  # longer local match
 
 
+def test_branches_are_the_other_trees_drafts_best_first() -> None:
+    p = SuffixProposer(max_tree_depth=12, max_cached_requests=8)
+    p.request_finished("o", [5, 6, 1, 2, 3, 4, 7, 8, 10])
+    tokens = [1, 2, 3, 9, 5, 6, 1, 2, 3]
+    # the global tree's draft scores higher (branch 0, what propose gives), the request's own is branch 1
+    assert p.propose_candidates("r", tokens, 4, 3) == [[4, 7, 8, 10], [9, 5, 6]]
+    assert p.propose_candidates("r", tokens, 4, 1) == [p.propose("r", tokens, 4)]
+    p.request_finished("o2", [1, 2, 3, 4, 0])  # another draft starting with 4: not a branch of its own
+    assert [b[0] for b in p.propose_candidates("r", tokens, 4, 3)] == [4, 9]
+
+
 def test_options_are_checked_and_reach_the_proposer() -> None:
     for bad, name in ((dict(suffix_max_tree_depth=1), "max_tree_depth"),
                       (dict(suffix_max_cached_requests=-1), "max_cached_requests"),
