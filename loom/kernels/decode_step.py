@@ -1,8 +1,8 @@
 """ctypes binding of csrc/decode_step.c: a whole decode step of a packed Llama-family model in one C call.
 
-`DecodeStep.prepare(model)` checks that the model's layers are what the C step runs (every projection one
-packed weight with float activations, the fused ops and paged decode kernels of the same library, the
-cpu_paged backend) and records the weight pointers once; `run(...)` serves a pure decode step (every token a
+`DecodeStep.prepare(model)` checks that the model's layers are what the C step runs (every projection
+packed with float activations, shards of different layouts as a chain of parts; the fused ops and paged
+decode kernels of the same library; the cpu_paged backend) and records the weight pointers once; `run(...)` serves a pure decode step (every token a
 request's single new token) of at most `max_rows` requests over model-dtype KV caches, and returns None for
 anything else, so the per-layer path stays the fallback. Same kernels in the same order as the per-layer path
 (loom/model/llama.py), so its hidden states equal that path's bit for bit (tests/kernels/test_decode_step.py).
@@ -21,9 +21,12 @@ _DTYPE_FLAGS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class _Packed(ctypes.Structure):
-    _fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("group", ctypes.c_int64),
-                ("is_q8", ctypes.c_int64)]
+    pass
+
+
+_Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                    ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                    ("group", ctypes.c_int64), ("is_q8", ctypes.c_int64), ("next", ctypes.POINTER(_Packed))]
 
 
 class _Layer(ctypes.Structure):
@@ -68,10 +71,11 @@ class ModelDecodeStep:
                           attn.head_dim, layer0.mlp.down_proj.input_size, 0, layer0.input_layernorm.eps,
                           attn.attn.scale, self.sliding_window or 0, _DTYPE_FLAGS[self.dtype], _torch_lanes(), 1)
         self.layers = (_Layer * len(model.layers))()
+        self._parts: list[_Packed] = []  # the chained parts of mixed-layout projections (kept alive here)
         for entry, layer in zip(self.layers, model.layers, strict=True):
             a, m = layer.self_attn, layer.mlp
             for name, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj), ("down", m.down_proj)):
-                setattr(entry, name, _packed(lin))
+                setattr(entry, name, self._chain(lin))
             entry.norm1 = layer.input_layernorm.weight.data_ptr()
             entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()
         self.final_norm = model.norm.weight
@@ -116,6 +120,14 @@ class ModelDecodeStep:
             raise MemoryError("loom_decode_step could not allocate its scratch memory")
         return out.clone()  # the scratch is reused by the next step
 
+    def _chain(self, layer: Any) -> _Packed:
+        """The packed weight of one projection; shards of different layouts as a chain of parts."""
+        parts = [_packed(p, b) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+        for part, following in zip(parts, parts[1:], strict=False):
+            part.next = ctypes.pointer(following)
+        self._parts.extend(parts[1:])
+        return parts[0]
+
     def _alloc(self, batch: int) -> list[torch.Tensor]:
         d = self.dims
         widths = [d.hidden, d.hidden, d.hidden, (d.heads + 2 * d.kv_heads) * d.head_dim, d.heads * d.head_dim,
@@ -123,17 +135,15 @@ class ModelDecodeStep:
         return [torch.empty(batch, w, dtype=self.dtype) for w in widths]
 
 
-def _packed(layer: Any) -> _Packed:
-    p = layer.packed[0]
-    bias = layer.packed_bias[0]
+def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
     n, k = p.shape
     return _Packed(p.qweight.data_ptr(), p.scales.data_ptr(), 0 if p.mins is None else p.mins.data_ptr(),
                    0 if bias is None else bias.data_ptr(), n, k, p.group_size, int(p.layout == "q8g"))
 
 
 def supports_model(model: torch.nn.Module) -> bool:
-    """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (one per
-    projection) with float activations, loom's fused ops, cpu_paged attention, float32 or bfloat16."""
+    """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
+    different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or bfloat16."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import PackedLinearMethod
 
@@ -149,6 +159,6 @@ def supports_model(model: torch.nn.Module) -> bool:
         for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
             method = getattr(lin, "quant_method", None)
             if not isinstance(method, PackedLinearMethod) or method.scheme.activations != "float" \
-                    or lin.dense_weight is not None or len(lin.packed) != 1:
+                    or lin.dense_weight is not None:
                 return False
     return True

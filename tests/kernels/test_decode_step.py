@@ -85,3 +85,51 @@ def test_decode_step_declines_what_it_does_not_serve(packed_model) -> None:
 def test_the_oracle_path_never_takes_the_decode_step() -> None:
     loaded = load_model(None, torch.float32, CPU, quantization="none")
     assert loaded.model.model.decode_step is None
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_mixed_layout_shards_run_as_a_chain_of_parts(batch: int) -> None:
+    """A projection whose shards have different layouts (GGUF files that store v as Q6_K and q, k as Q4_K:
+    Qwen2.5-Coder-1.5B) is a chain of parts in the C step, each writing its own output columns; the step
+    still equals the per-layer path (which concatenates the parts' outputs) bit for bit, at M = 1 (written in
+    place) and M > 1 (computed apart, then copied)."""
+    from loom.kernels.decode_step import ModelDecodeStep
+    from loom.quant.layout import PackedWeight
+    from loom.quant.methods import quantize_for_scheme
+
+    loaded = load_model(None, torch.float32, CPU, quantization="gguf")
+    model, arch = loaded.model, loaded.arch
+    inner = model.model
+    if inner.decode_step is None:
+        pytest.skip("the decode step does not build here (no compiler)")
+    qkv = inner.layers[0].self_attn.qkv_proj
+    (whole,) = qkv.packed
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+
+    def rows(lo: int, hi: int) -> PackedWeight:
+        return PackedWeight(whole.layout, whole.qweight[lo:hi].contiguous(), whole.scales[lo:hi].contiguous(),
+                            whole.mins[lo:hi].contiguous(), whole.group_size)
+
+    dense_k = qkv.quant_method.kernels.dequantize(rows(q_rows, q_rows + kv_rows), torch.float32)
+    qkv.packed = [rows(0, q_rows), quantize_for_scheme("w8a16", dense_k), rows(q_rows + kv_rows, q_rows + 2 * kv_rows)]
+    assert {p.layout for p in qkv.packed} == {"q4g32", "q8g"}
+    qkv.packed_bias = [None, None, None]
+    inner.prepare_decode_step()
+    step = inner.decode_step
+    assert step is not None  # mixed layouts no longer send the model to the per-layer path
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17][:batch]
+    with torch.inference_mode():
+        caches, tables = _prefill(model, arch, prompts)
+        lens = [len(p) + 1 for p in prompts]
+        meta = build_attention_metadata([1] * batch, lens, tables, 16, CPU)
+        ids, pos = torch.tensor([42, 43, 44][:batch]), torch.tensor([n - 1 for n in lens])
+        saved = [c.clone() for c in caches]
+        inner.decode_step = None
+        per_layer = model(ids, pos, caches, meta)
+        per_layer_caches = [c.clone() for c in caches]
+        for c, s in zip(caches, saved):
+            c.copy_(s)
+        inner.decode_step = step
+        one_call = model(ids, pos, caches, meta)
+    assert torch.equal(one_call, per_layer)
+    assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))

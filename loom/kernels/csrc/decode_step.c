@@ -20,6 +20,7 @@
  * caller's (reused every step). Returns 0, or -1 when a kernel failed to allocate scratch (out undefined).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* kernels of the other sources compiled into this library (qgemm.c, fused_ops.c, paged_decode.c) */
@@ -39,13 +40,16 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
                        int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
                        int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16);
 
-/* A packed weight [N, K] (loom/quant/layout.py): q4g32 (is_q8 = 0) or q8g with `group`. */
-typedef struct {
+/* A packed weight [N, K] (loom/quant/layout.py): q4g32 (is_q8 = 0) or q8g with `group`. A projection whose
+ * shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a chain of parts,
+ * each giving the next output columns. */
+typedef struct LoomPacked {
     const void *qweight;
     const uint16_t *scales; /* float16 bits [N, K / group] */
     const uint16_t *mins;   /* float16 bits [N, K / group] or NULL */
     const float *bias;      /* float32 [N] or NULL */
     int64_t n, k, group, is_q8;
+    const struct LoomPacked *next; /* the part for the following output columns, or NULL */
 } LoomPacked;
 
 typedef struct {
@@ -61,12 +65,38 @@ typedef struct {
     int is_bf16, torch_lanes, num_threads;
 } LoomDims;
 
-static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
+static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
     if (w->is_q8)
         return loom_gemm_q8g_f(x, ldx, bf16, M, w->k, (const int8_t *)w->qweight, w->scales, w->mins, w->group,
                                w->bias, y, w->n, bf16, threads);
     return loom_gemm_q4g32_f(x, ldx, bf16, M, w->k, (const uint8_t *)w->qweight, w->scales, w->mins, w->bias, y,
                              w->n, bf16, threads);
+}
+
+/* y [M, N of all parts] = x W^T, part after part (the same kernel calls as the per-layer path's, whose
+ * outputs it concatenates). At M > 1 a part's rows are not contiguous in y: computed apart, then copied. */
+static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
+    if (!w->next) return gemm_part(w, x, ldx, M, y, bf16, threads);
+    const size_t es = bf16 ? 2 : 4;
+    int64_t total = 0, widest = 0;
+    for (const LoomPacked *p = w; p; p = p->next) {
+        total += p->n;
+        widest = p->n > widest ? p->n : widest;
+    }
+    char *tmp = M > 1 ? (char *)malloc((size_t)(M * widest) * es) : NULL;
+    if (M > 1 && !tmp) return -1;
+    int64_t off = 0;
+    for (const LoomPacked *p = w; p; p = p->next) {
+        if (gemm_part(p, x, ldx, M, M > 1 ? (void *)tmp : (void *)((char *)y + (size_t)off * es), bf16, threads)) {
+            free(tmp);
+            return -1;
+        }
+        for (int64_t m = 0; M > 1 && m < M; ++m)
+            memcpy((char *)y + (size_t)(m * total + off) * es, tmp + (size_t)(m * p->n) * es, (size_t)p->n * es);
+        off += p->n;
+    }
+    free(tmp);
+    return 0;
 }
 
 /*
