@@ -137,10 +137,12 @@ class EngineArgs:
         )
 
     def speculative_config(self) -> SpeculativeConfig | None:
-        """The speculative decoding settings, or None when speculation is off."""
-        if self.speculative_method is None:
+        """The speculative decoding settings, or None when speculation is off. A speculative_model without a
+        method means draft_model (as vLLM infers the method from its speculative config's model)."""
+        method = self.speculative_method or ("draft_model" if self.speculative_model else None)
+        if method is None:
             return None
-        return self._speculative_config(self.speculative_method)
+        return self._speculative_config(method)
 
     def _speculative_config(self, method: str) -> SpeculativeConfig:
         return SpeculativeConfig(

@@ -65,7 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "SuffixDecoding (suffix trees over the request and earlier outputs); draft_model = a "
                         "smaller model with the same tokenizer (--speculative-model); default: off")
     g.add_argument("--speculative-model", default=None,
-                   help="draft_model: the draft's GGUF file or Hugging Face directory; it runs at the target's "
+                   help="draft_model (implied when --speculative-method is not given): the draft's GGUF file or "
+                        "Hugging Face directory; it runs at the target's "
                         "--dtype and --quantization with a KV cache of its own of --kv-cache-memory-gb")
     g.add_argument("--speculative-quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="draft_model: the draft's weight quantization (default: the target's --quantization); "

@@ -42,6 +42,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0  # cumulative draft tokens proposed
     spec_num_accepted_tokens: int = 0  # cumulative draft tokens kept
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # cumulative kept drafts at position 0, 1, ...
+    spec_num_branches: int = 0  # cumulative candidate branches verified (tree candidates; one per chain)
+    spec_num_branch_wins: int = 0  # cumulative verify passes kept from a branch other than the first
 
 
 class LLMEngine:
@@ -258,6 +260,8 @@ class LLMEngine:
             spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=tuple(s.spec_stats.num_accepted_tokens_per_pos),
+            spec_num_branches=s.spec_stats.num_branches,
+            spec_num_branch_wins=s.spec_stats.num_branch_wins,
         )
 
 

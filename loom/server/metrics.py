@@ -72,7 +72,13 @@ class ServerMetrics:
         self._spec_per_pos = Counter("loom:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens kept, by position in the draft.", ["model_name", "position"],
                                      registry=r)
-        self._last_spec = (0, 0, 0)
+        # tree candidates (loom's own names; equal to spec_decode_num_drafts / zero without them)
+        self.spec_branches = Counter("loom:spec_decode_num_branches", "Candidate draft branches verified.", labels,
+                                     registry=r).labels(model_name)
+        self.spec_branch_wins = Counter("loom:spec_decode_num_branch_wins",
+                                        "Verify passes whose kept tokens came from a branch other than the first.",
+                                        labels, registry=r).labels(model_name)
+        self._last_spec = (0, 0, 0, 0, 0)
         self._last_spec_pos: list[int] = []
         self._seen: dict[str, float | None] = {}  # request_id -> last_token_time seen (engine thread only)
         self._last_queries = 0  # cumulative engine counters at the previous step
@@ -110,6 +116,8 @@ class ServerMetrics:
             _advance(self.spec_drafts, getattr(stats, "spec_num_drafts", 0), self._last_spec[0]),
             _advance(self.spec_draft_tokens, getattr(stats, "spec_num_draft_tokens", 0), self._last_spec[1]),
             _advance(self.spec_accepted, getattr(stats, "spec_num_accepted_tokens", 0), self._last_spec[2]),
+            _advance(self.spec_branches, getattr(stats, "spec_num_branches", 0), self._last_spec[3]),
+            _advance(self.spec_branch_wins, getattr(stats, "spec_num_branch_wins", 0), self._last_spec[4]),
         )
         per_pos = list(getattr(stats, "spec_num_accepted_tokens_per_pos", ()))
         self._last_spec_pos += [0] * (len(per_pos) - len(self._last_spec_pos))

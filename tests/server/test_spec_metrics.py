@@ -17,7 +17,8 @@ def _value(text: str, name: str, extra: str = "") -> float:
 def _stats(drafts: int, tokens: int, accepted: int, per_pos: tuple[int, ...]) -> SimpleNamespace:
     return SimpleNamespace(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
                            prefix_cache_hits=0, spec_num_drafts=drafts, spec_num_draft_tokens=tokens,
-                           spec_num_accepted_tokens=accepted, spec_num_accepted_tokens_per_pos=per_pos)
+                           spec_num_accepted_tokens=accepted, spec_num_accepted_tokens_per_pos=per_pos,
+                           spec_num_branches=2 * drafts, spec_num_branch_wins=drafts - 1)
 
 
 def test_spec_counters_follow_the_engine_totals() -> None:
@@ -28,6 +29,8 @@ def test_spec_counters_follow_the_engine_totals() -> None:
         assert _value(text, "spec_decode_num_drafts_total") == drafts
         assert _value(text, "spec_decode_num_draft_tokens_total") == tokens
         assert _value(text, "spec_decode_num_accepted_tokens_total") == accepted
+        assert _value(text, "spec_decode_num_branches_total") == 2 * drafts  # tree candidates
+        assert _value(text, "spec_decode_num_branch_wins_total") == drafts - 1
         for pos, count in enumerate(per_pos):
             got = _value(text, "spec_decode_num_accepted_tokens_per_pos_total", f',position="{pos}"')
             assert got == count

@@ -64,6 +64,10 @@ def test_config_validation_names_the_option() -> None:
 def test_engine_args_check_the_speculative_options_even_when_off() -> None:
     from loom.config import EngineArgs
 
+    # a draft model alone turns draft-model speculation on (it used to be ignored: no speculation at all)
+    assert EngineArgs(speculative_model=__file__).speculative_config().method == "draft_model"
+    assert EngineArgs().speculative_config() is None
+
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineArgs(num_speculative_tokens=99)
     with pytest.raises(ValueError, match="prompt_lookup_max"):
