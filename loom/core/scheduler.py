@@ -361,6 +361,11 @@ class Scheduler:
 
     # ---- update ----------------------------------------------------------------------------------
 
+    def release_step_blocks(self) -> None:
+        """Return the blocks lent for the last scheduled step only (tree candidates' scratch blocks): called by
+        update_from_output, and by the engine when the step failed and no update follows."""
+        self.kv_cache_manager.free_scratch()
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
@@ -371,7 +376,7 @@ class Scheduler:
         Returns:
             One EngineCoreOutput per request with news (new tokens, prompt logprobs, or finished).
         """
-        self.kv_cache_manager.free_scratch()  # the extra branches' blocks, lent for the step just run
+        self.release_step_blocks()
         outputs: list[EngineCoreOutput] = []
         for sched in scheduler_output.scheduled:
             request = self.requests.get(sched.request_id)

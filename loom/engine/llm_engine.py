@@ -239,6 +239,7 @@ class LLMEngine:
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         ids = [r.request_id for r in scheduler_output.scheduled]
+        self.scheduler.release_step_blocks()  # what the step borrowed (update_from_output would have)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         return self._process([EngineCoreOutput(request_id=i, new_token_ids=[], finish_reason="error") for i in ids])
 

@@ -133,6 +133,31 @@ def test_tree_candidates_keep_the_exact_output_and_free_their_blocks(
     assert stats.num_accepted_tokens > stats.num_branch_wins  # kept runs longer than one token were moved
 
 
+def test_a_failed_step_returns_the_branches_scratch_blocks(plain: LLM, hf_tokenizer) -> None:
+    prompt = hf_tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = _tokens(plain.generate([prompt], params))[0]
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=None,
+              speculative_tree_width=3, block_size=4)
+    engine = llm.engine
+    engine.scheduler.proposer = _Branchy([prompt + expected])
+    runner_execute = engine.runner.execute_model
+
+    def fail_with_branches(scheduler_output):
+        if any(r.spec_branches for r in scheduler_output.scheduled):
+            raise RuntimeError("injected forward failure")
+        return runner_execute(scheduler_output)
+
+    engine.runner.execute_model = fail_with_branches
+    engine.add_request("0", prompt, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.outputs[0].finish_reason for o in finished] == ["error"]
+    engine.scheduler.check_invariants()
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks  # the scratch blocks came back
+
+
 def test_tree_candidates_of_the_real_proposers(plain: LLM) -> None:
     """ngram and suffix with three branches: greedy output unchanged; a sampled request gets one branch, so
     its seeded output is the same as with speculation off."""
