@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 
 from loom.bench.cli import register as register_bench
@@ -108,6 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags_of(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> its long option, over every subcommand (e.g. speculative_model -> --speculative-model)."""
+    flags: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags.update(_flags_of(sub))
+        elif "_" in action.dest:
+            long = [o for o in action.option_strings if o.startswith("--")]
+            if long:
+                flags.setdefault(action.dest, long[0])
+    return flags
+
+
+def _name_flags(message: str, flags: dict[str, str]) -> str:
+    """The engine's errors name its fields (speculative_model); on the command line, name the flags instead.
+    Only multi-word names are replaced, as whole identifiers: one-word ones (model, seed) read as prose."""
+    return re.sub(r"(?<![\w'-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w'])",
+                  lambda m: flags.get(m.group(1), m.group(1)), message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -115,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except ValueError as exc:
-        parser.exit(2, f"loom: error: {exc}\n")
+        parser.exit(2, f"loom: error: {_name_flags(str(exc), _flags_of(parser))}\n")
 
 
 if __name__ == "__main__":

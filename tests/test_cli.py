@@ -32,12 +32,25 @@ def test_chat_is_multi_turn() -> None:
     assert replies[1] != alone.stdout.strip()
 
 
-@pytest.mark.parametrize("args, name", [(["--top-p", "2"], "top_p"), (["--temperature", "-1"], "temperature"),
-                                        (["--block-size", "0"], "block_size")])
+@pytest.mark.parametrize("args, name", [(["--top-p", "2"], "--top-p"), (["--temperature", "-1"], "temperature"),
+                                        (["--block-size", "0"], "--block-size"),
+                                        (["--speculative-tree-width", "0"], "--speculative-tree-width")])
 def test_bad_options_fail_fast_naming_the_option(args: list[str], name: str) -> None:
     result = _loom("generate", "hi", *args, timeout=120)
     assert result.returncode == 2
     assert name in result.stderr and "Traceback" not in result.stderr
+
+
+def test_errors_name_the_flags_not_the_fields() -> None:
+    from loom.cli import _flags_of, _name_flags
+
+    flags = _flags_of(build_parser())
+    assert _name_flags("speculative_method 'draft_model' needs speculative_model", flags) == \
+        "--speculative-method 'draft_model' needs --speculative-model"
+    assert _name_flags("prompt does not fit max_model_len=8", flags) == "prompt does not fit --max-model-len=8"
+    # one-word names, quoted values and names that are no flag stay as they are
+    assert _name_flags("the draft model's seed; 'draft_model'; no_such_field", flags) == \
+        "the draft model's seed; 'draft_model'; no_such_field"
 
 
 def test_every_option_has_help() -> None:
