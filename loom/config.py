@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 from loom.spec.proposer import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+# EngineArgs fields that only matter while speculation is on
+_SPECULATIVE_OPTIONS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                        "speculative_disable_by_batch_size", "suffix_decoding_max_tree_depth",
+                        "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
+                        "suffix_decoding_max_spec_offset", "suffix_decoding_min_token_prob",
+                        "speculative_tree_width", "speculative_quantization")
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache storage; "auto" = the model dtype. int8: asymmetric codes with a float16 scale + min per 32
@@ -113,6 +124,11 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
         self._speculative_config(self.speculative_method or ("draft_model" if self.speculative_model else "ngram"))
+        if self.speculative_config() is None:
+            defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+            unused = [name for name in _SPECULATIVE_OPTIONS if getattr(self, name) != defaults[name]]
+            if unused:
+                logger.warning("%s: no effect without speculative_method (speculation is off)", ", ".join(unused))
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:

@@ -87,6 +87,8 @@ class LLMEngine:
                           f"outputs, min token prob {spec.suffix_min_token_prob}",
                 "draft_model": f"draft {spec.model}",
             }[spec.method]
+            if spec.tree_width > 1:
+                options += f", tree candidates: up to {spec.tree_width} branches per greedy request"
             logger.info("speculative decoding: %s, up to %d draft tokens per request and step (%s), %s",
                         spec.method, spec.num_speculative_tokens, options,
                         "at every batch size" if spec.disable_by_batch_size is None

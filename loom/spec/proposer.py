@@ -76,7 +76,8 @@ class SpeculativeConfig:
         if self.prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError(f"speculative_disable_by_batch_size must be >= 1 or None, got {self.disable_by_batch_size}")
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1 or None ('none' on the command line), "
+                             f"got {self.disable_by_batch_size}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
                              f"got {self.prompt_lookup_max}")

@@ -19,7 +19,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(get_kernel("gemv_bf16") is None or get_kernel("paged_decode_bf16") is None,
-                       reason="loom CPU kernels do not build here"),
+                       reason="loom's bfloat16 CPU kernels (AVX512-BF16) do not build or run here"),
 ]
 
 

@@ -80,6 +80,19 @@ def test_engine_args_check_the_speculative_options_even_when_off() -> None:
         == SpeculativeConfig(disable_by_batch_size=None)
 
 
+def test_speculative_options_without_a_method_are_reported(caplog: pytest.LogCaptureFixture) -> None:
+    from loom.config import EngineArgs
+
+    with caplog.at_level("WARNING", logger="loom.config"):
+        EngineArgs(speculative_tree_width=2, num_speculative_tokens=6)
+    assert "speculative_tree_width" in caplog.text and "num_speculative_tokens" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="loom.config"):
+        EngineArgs(speculative_method="ngram", speculative_tree_width=2)
+        EngineArgs()
+    assert caplog.text == ""
+
+
 def test_disable_by_batch_size_flag_takes_an_int_or_none() -> None:
     import argparse
 
