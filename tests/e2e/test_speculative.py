@@ -113,19 +113,17 @@ class _Branchy(PerRequestProposer):
         pass
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
-def test_tree_candidates_keep_the_exact_output_and_free_their_blocks(
-    plain: LLM, hf_tokenizer, prefix_caching: bool
-) -> None:
+def test_tree_candidates_keep_the_exact_output_and_free_their_blocks(plain: LLM, hf_tokenizer) -> None:
     """The longest kept run of any branch is emitted and its K/V moved into the request's blocks: the rest
     of the output, computed over those moved rows, equals plain greedy decoding; scratch blocks are all
-    returned, also under preemption and chunked prefill (block_size 4: branches span several blocks)."""
+    returned, also under preemption and chunked prefill (block_size 4: branches span several blocks), with
+    prefix caching on (blocks the moved rows complete are cached with the right contents)."""
     prompts = [hf_tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = _tokens(plain.generate(prompts, params))
     tree = LLM(speculative_method="ngram", num_speculative_tokens=5, speculative_disable_by_batch_size=None,
                speculative_tree_width=3, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24, max_num_seqs=4,
-               enable_prefix_caching=prefix_caching)
+               enable_prefix_caching=True)
     tree.engine.scheduler.proposer = _Branchy([p + e for p, e in zip(prompts, expected, strict=True)])
     assert run_engine_checked(tree.engine, prompts, params) == expected
     stats = tree.engine.scheduler.spec_stats
@@ -162,13 +160,14 @@ def test_tree_candidates_of_the_real_proposers(plain: LLM) -> None:
     """ngram and suffix with three branches: greedy output unchanged; a sampled request gets one branch, so
     its seeded output is the same as with speculation off."""
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
-    for method in ("ngram", "suffix"):
+    expected, expected_seeded = _tokens(plain.generate(PROMPTS, GREEDY)), _tokens(plain.generate(PROMPTS[:3], seeded))
+    for method, rounds in (("ngram", 1), ("suffix", 2)):
         llm = LLM(speculative_method=method, num_speculative_tokens=5, speculative_disable_by_batch_size=None,
                   speculative_tree_width=3)
-        for _ in range(2):  # suffix: the second time, the global tree of earlier outputs gives other drafts
-            assert _tokens(llm.generate(PROMPTS, GREEDY)) == _tokens(plain.generate(PROMPTS, GREEDY))
+        for _ in range(rounds):  # suffix: the second time, the global tree of earlier outputs gives other drafts
+            assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
         assert llm.engine.scheduler.spec_stats.num_branches > llm.engine.scheduler.spec_stats.num_drafts
-        assert _tokens(llm.generate(PROMPTS[:3], seeded)) == _tokens(plain.generate(PROMPTS[:3], seeded))
+        assert _tokens(llm.generate(PROMPTS[:3], seeded)) == expected_seeded
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
