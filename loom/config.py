@@ -123,8 +123,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
-        self._speculative_config(self.speculative_method or ("draft_model" if self.speculative_model else "ngram"))
-        if self.speculative_config() is None:
+        method = self._method()
+        self._speculative_config(method or "ngram")
+        if method is None:
             defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
             unused = [name for name in _SPECULATIVE_OPTIONS if getattr(self, name) != defaults[name]]
             if unused:
@@ -155,10 +156,11 @@ class EngineArgs:
     def speculative_config(self) -> SpeculativeConfig | None:
         """The speculative decoding settings, or None when speculation is off. A speculative_model without a
         method means draft_model (as vLLM infers the method from its speculative config's model)."""
-        method = self.speculative_method or ("draft_model" if self.speculative_model else None)
-        if method is None:
-            return None
-        return self._speculative_config(method)
+        method = self._method()
+        return None if method is None else self._speculative_config(method)
+
+    def _method(self) -> str | None:
+        return self.speculative_method or ("draft_model" if self.speculative_model else None)
 
     def _speculative_config(self, method: str) -> SpeculativeConfig:
         return SpeculativeConfig(

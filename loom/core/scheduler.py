@@ -217,8 +217,8 @@ class Scheduler:
         block's earlier rows in). Speculation never preempts anyone: ([], []) when nothing fits."""
         if not branches or budget < 2:
             return [], []
-        left = budget - 1 - len(branches[0][: budget - 1])
         fitted = [branches[0][: budget - 1]]
+        left = budget - 1 - len(fitted[0])
         for tokens in branches[1:]:
             if left < 2:
                 break

@@ -2,10 +2,11 @@
 
 `DecodeStep.prepare(model)` checks that the model's layers are what the C step runs (every projection
 packed with float activations, shards of different layouts as a chain of parts; the fused ops and paged
-decode kernels of the same library; the cpu_paged backend) and records the weight pointers once; `run(...)` serves a pure decode step (every token a
-request's single new token) of at most `max_rows` requests over model-dtype KV caches, and returns None for
-anything else, so the per-layer path stays the fallback. Same kernels in the same order as the per-layer path
-(loom/model/llama.py), so its hidden states equal that path's bit for bit (tests/kernels/test_decode_step.py).
+decode kernels of the same library; the cpu_paged backend) and records the weight pointers once; `run(...)`
+serves a pure decode step (every token a request's single new token) of at most `max_rows` requests over
+model-dtype KV caches, and returns None for anything else, so the per-layer path stays the fallback. Same
+kernels in the same order as the per-layer path (loom/model/llama.py), so its hidden states equal that path's
+bit for bit (tests/kernels/test_decode_step.py).
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
-    different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or bfloat16."""
+    different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or
+    bfloat16."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import PackedLinearMethod
 

@@ -142,37 +142,37 @@ class ModelRunner:
         lp_owners: list[tuple[str, int, int, int]] = []
         bs = self.block_size
         attn_tables: list[list[int]] = []  # block table of each attention row group below
+
+        def add_tokens(ids: list[int], start: int, table: list[int]) -> int:
+            """Append tokens at positions start.. with their slots in `table`; returns the first's row."""
+            first = len(input_ids)
+            input_ids.extend(ids)
+            positions.extend(range(start, start + len(ids)))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(ids)))
+            return first
+
+        def add_verify_rows(first: int, count: int, start: int, table: list[int]) -> None:
+            """Rows first.. as decode rows of their own (row j sees positions <= start + j), all sampled."""
+            for j in range(count):
+                query_start_loc.append(first + j + 1)
+                seq_lens.append(start + j + 1)
+                attn_tables.append(table)
+            sample_indices.extend(range(first, first + count))
+
         for req in scheduled:
-            base = len(input_ids)
             start = req.start_position
             n = len(req.token_ids)
-            input_ids.extend(req.token_ids)
-            positions.extend(range(start, start + n))
             table = req.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            base = add_tokens(req.token_ids, start, table)
             if req.spec_token_ids:
-                # Verifying drafts: each query token is a decode row of its own (key j sees positions
-                # <= start + j), so the batched decode path, and the one-call C step, compute it exactly
-                # as they would compute that token decoded alone.
-                for j in range(n):
-                    query_start_loc.append(base + j + 1)
-                    seq_lens.append(start + j + 1)
-                    attn_tables.append(table)
-                sample_indices.extend(range(base, base + n))
+                # Verifying drafts: each query token is a decode row of its own, so the batched decode path,
+                # and the one-call C step, compute it exactly as they would compute that token decoded alone.
+                add_verify_rows(base, n, start, table)
                 sample_reqs.append(req)
                 # tree candidates: each other branch, rows [last token] + its drafts in its own blocks
                 for tokens, branch_table in req.spec_branches:
-                    b0 = len(input_ids)
-                    nb = len(tokens) + 1
-                    input_ids.append(req.token_ids[0])
-                    input_ids.extend(tokens)
-                    positions.extend(range(start, start + nb))
-                    slot_mapping.extend(branch_table[p // bs] * bs + p % bs for p in range(start, start + nb))
-                    for j in range(nb):
-                        query_start_loc.append(b0 + j + 1)
-                        seq_lens.append(start + j + 1)
-                        attn_tables.append(branch_table)
-                    sample_indices.extend(range(b0, b0 + nb))
+                    ids = [req.token_ids[0], *tokens]
+                    add_verify_rows(add_tokens(ids, start, branch_table), len(ids), start, branch_table)
             else:
                 query_start_loc.append(base + n)
                 seq_lens.append(start + n)

@@ -31,19 +31,15 @@ def _prefill(model, arch, prompts, block_size=16):
     return caches, tables
 
 
-@pytest.mark.parametrize("isa", kernel_isas("decode_step"))
-def test_decode_step_equals_the_per_layer_path(packed_model, isa: str) -> None:
-    from loom.kernels.decode_step import ModelDecodeStep
-
-    model, arch = packed_model.model, packed_model.arch
+def _both_paths(model, arch, step, prompts):
+    """One decode step after `prompts`, by the per-layer path and then by `step` from the same caches:
+    (per-layer hidden, its caches, one-call hidden, its caches). The model's own decode step is restored."""
     inner = model.model
-    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17]
     with torch.inference_mode():
         caches, tables = _prefill(model, arch, prompts)
         lens = [len(p) + 1 for p in prompts]
-        meta = build_attention_metadata([1, 1, 1], lens, tables, 16, CPU)
-        ids, pos = torch.tensor([42, 43, 44]), torch.tensor([n - 1 for n in lens])
+        meta = build_attention_metadata([1] * len(prompts), lens, tables, 16, CPU)
+        ids, pos = torch.tensor([42, 43, 44][: len(prompts)]), torch.tensor([n - 1 for n in lens])
         saved = [c.clone() for c in caches]
         inner.decode_step = None
         per_layer = model(ids, pos, caches, meta)
@@ -55,6 +51,18 @@ def test_decode_step_equals_the_per_layer_path(packed_model, isa: str) -> None:
             one_call = model(ids, pos, caches, meta)
         finally:
             inner.prepare_decode_step()
+    return per_layer, per_layer_caches, one_call, caches
+
+
+@pytest.mark.parametrize("isa", kernel_isas("decode_step"))
+def test_decode_step_equals_the_per_layer_path(packed_model, isa: str) -> None:
+    from loom.kernels.decode_step import ModelDecodeStep
+
+    model, arch = packed_model.model, packed_model.arch
+    inner = model.model
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    per_layer, per_layer_caches, one_call, caches = _both_paths(
+        model, arch, step, [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17])
     if isa == kernel_isas("decode_step")[0]:  # the per-layer path runs the best ISA's kernels too
         assert torch.equal(one_call, per_layer)
         assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
@@ -117,19 +125,7 @@ def test_mixed_layout_shards_run_as_a_chain_of_parts(batch: int) -> None:
     inner.prepare_decode_step()
     step = inner.decode_step
     assert step is not None  # mixed layouts no longer send the model to the per-layer path
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17][:batch]
-    with torch.inference_mode():
-        caches, tables = _prefill(model, arch, prompts)
-        lens = [len(p) + 1 for p in prompts]
-        meta = build_attention_metadata([1] * batch, lens, tables, 16, CPU)
-        ids, pos = torch.tensor([42, 43, 44][:batch]), torch.tensor([n - 1 for n in lens])
-        saved = [c.clone() for c in caches]
-        inner.decode_step = None
-        per_layer = model(ids, pos, caches, meta)
-        per_layer_caches = [c.clone() for c in caches]
-        for c, s in zip(caches, saved):
-            c.copy_(s)
-        inner.decode_step = step
-        one_call = model(ids, pos, caches, meta)
+    per_layer, per_layer_caches, one_call, caches = _both_paths(
+        model, arch, step, [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17][:batch])
     assert torch.equal(one_call, per_layer)
     assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
