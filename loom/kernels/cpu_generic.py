@@ -130,7 +130,7 @@ class FusedOps:
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         self._norm = lib.loom_add_rmsnorm
-        self._norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
+        self._norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int]
         self._norm.restype = None
         self._silu = lib.loom_silu_mul
         self._silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_int64]
@@ -166,7 +166,7 @@ class FusedOps:
         total = torch.empty(m, h, dtype=dtype) if residual is not None else None
         if m and h:
             self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                       out.data_ptr(), None if total is None else total.data_ptr(), m, h, eps, flag, self._lanes)
+                       out.data_ptr(), None if total is None else total.data_ptr(), m, h, eps, flag)
         return out, total
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:

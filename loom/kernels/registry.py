@@ -155,21 +155,24 @@ def _spec(name: str) -> KernelSpec:
 
 def fused_kernels_for(dtype: torch.dtype, device: torch.device | str, float32_kernels: bool) -> Any:
     """loom's fused elementwise ops (add+RMSNorm, SiLU*up, rotary) for a model of `dtype` on `device`, or None:
-    bfloat16 on AVX512-BF16 (fused_bf16), else the AVX2 / portable build (fused_ops, bfloat16 or float32);
-    float32 only with `float32_kernels` (off on the oracle path, quantization "none", which keeps torch's ops)."""
+    the AVX2 / portable build (fused_ops, bfloat16 or float32), which the one-call decode step also runs, so
+    the per-layer path (prefill, verify rows) rounds exactly like it; float32 only with `float32_kernels` (off
+    on the oracle path, quantization "none", which keeps torch's ops)."""
     if torch.device(device).type != "cpu":
         return None
     if dtype == torch.bfloat16:
-        return get_kernel("fused_bf16") or get_kernel("fused_ops")
+        return get_kernel("fused_ops")
     if dtype == torch.float32 and float32_kernels:
         return get_kernel("fused_ops")
     return None
 
 
 def paged_decode_kernels() -> list[Any]:
-    """The paged decode attention kernels that build here, best first (each says what it `supports`): the
-    AVX512-BF16 one (bfloat16), then the AVX2 / portable one (bfloat16 and float32)."""
-    return [k for k in (get_kernel("paged_decode_bf16"), get_kernel("paged_decode")) if k is not None]
+    """The paged decode attention kernels that build here, best first (each says what it `supports`): the AVX2 /
+    portable one (bfloat16 and float32), which the one-call decode step also runs, so a verify or mixed step
+    rounds like a pure decode step; then the AVX512-BF16 one. On a Sapphire Rapids-class CPU the first was
+    also the faster in bfloat16 (batch 16 x 1000 keys: 0.55 vs 0.75 ms, benchmarks/NOTES.md)."""
+    return [k for k in (get_kernel("paged_decode"), get_kernel("paged_decode_bf16")) if k is not None]
 
 
 def clear_kernel_cache() -> None:

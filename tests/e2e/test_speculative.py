@@ -11,6 +11,11 @@ from loom import LLM, SamplingParams
 from loom.spec import PerRequestProposer
 from tests.helpers import run_engine_checked
 
+# Exactness is promised in float32. The default dtype is bfloat16 on a CPU with AVX512-BF16, where logits step by
+# 0.125 near 16, so a prompt whose top two tokens are 0.05 apart (PROMPTS[0]) flips with any change of kernel or
+# of rounding point, a prefix-cache hit included (measured on a Sapphire Rapids-class CPU, 2026-12-02).
+EXACT = {"dtype": "float32"}
+
 CODE = """def binary_search(items, target):
     lo, hi = 0, len(items) - 1
     while lo <= hi:
@@ -53,13 +58,14 @@ class _Garbage(PerRequestProposer):
 
 @pytest.fixture(scope="module")
 def plain() -> LLM:
-    return LLM()
+    return LLM(**EXACT)
 
 
 @pytest.fixture(scope="module", params=["ngram", "suffix"])
 def spec(request: pytest.FixtureRequest) -> LLM:
     """An engine drafting with each registered proposer, at every batch size."""
-    return LLM(speculative_method=request.param, num_speculative_tokens=5, speculative_disable_by_batch_size=None)
+    return LLM(**EXACT, speculative_method=request.param, num_speculative_tokens=5,
+               speculative_disable_by_batch_size=None)
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -76,7 +82,7 @@ def test_speculative_greedy_equals_plain_greedy(plain: LLM, spec: LLM, batched: 
 
 
 def test_garbage_drafts_still_give_the_exact_output(plain: LLM) -> None:
-    llm = LLM(speculative_method="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=None)
+    llm = LLM(**EXACT, speculative_method="ngram", num_speculative_tokens=3, speculative_disable_by_batch_size=None)
     llm.engine.scheduler.proposer = _Garbage()
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == _tokens(plain.generate(PROMPTS, GREEDY))
     stats = llm.engine.scheduler.spec_stats
@@ -121,7 +127,7 @@ def test_tree_candidates_keep_the_exact_output_and_free_their_blocks(plain: LLM,
     prompts = [hf_tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = _tokens(plain.generate(prompts, params))
-    tree = LLM(speculative_method="ngram", num_speculative_tokens=5, speculative_disable_by_batch_size=None,
+    tree = LLM(**EXACT, speculative_method="ngram", num_speculative_tokens=5, speculative_disable_by_batch_size=None,
                speculative_tree_width=3, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24, max_num_seqs=4,
                enable_prefix_caching=True)
     tree.engine.scheduler.proposer = _Branchy([p + e for p, e in zip(prompts, expected, strict=True)])
@@ -135,7 +141,7 @@ def test_a_failed_step_returns_the_branches_scratch_blocks(plain: LLM, hf_tokeni
     prompt = hf_tokenizer.encode(PROMPTS[2])
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = _tokens(plain.generate([prompt], params))[0]
-    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=None,
+    llm = LLM(**EXACT, speculative_method="ngram", num_speculative_tokens=4, speculative_disable_by_batch_size=None,
               speculative_tree_width=3, block_size=4)
     engine = llm.engine
     engine.scheduler.proposer = _Branchy([prompt + expected])
@@ -162,7 +168,7 @@ def test_tree_candidates_of_the_real_proposers(plain: LLM) -> None:
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=30, ignore_eos=True)
     expected, expected_seeded = _tokens(plain.generate(PROMPTS, GREEDY)), _tokens(plain.generate(PROMPTS[:3], seeded))
     for method, rounds in (("ngram", 1), ("suffix", 2)):
-        llm = LLM(speculative_method=method, num_speculative_tokens=5, speculative_disable_by_batch_size=None,
+        llm = LLM(**EXACT, speculative_method=method, num_speculative_tokens=5, speculative_disable_by_batch_size=None,
                   speculative_tree_width=3)
         for _ in range(rounds):  # suffix: the second time, the global tree of earlier outputs gives other drafts
             assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
@@ -179,7 +185,7 @@ def test_rollback_under_preemption_and_chunking_keeps_outputs_and_blocks(
     prompts = [base[: 5 + i] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     expected = _tokens(plain.generate(prompts, params))
-    tight = LLM(speculative_method=method, num_speculative_tokens=4, speculative_disable_by_batch_size=None,
+    tight = LLM(**EXACT, speculative_method=method, num_speculative_tokens=4, speculative_disable_by_batch_size=None,
                 block_size=4, num_kv_blocks=16, max_num_batched_tokens=9, max_num_seqs=6,
                 enable_prefix_caching=prefix_caching)
     assert run_engine_checked(tight.engine, prompts, params) == expected

@@ -35,8 +35,11 @@ def bf16_run() -> tuple[list[RequestOutput], int]:
 
 
 # (dtype, bytes/token over bfloat16, min prompts identical for 64 tokens, min prompts identical for 8 tokens).
-# int8: the requirement ("most prompts" = more than half). fp8: measured floor, not the requirement (see below).
-CASES = [("int8", 0.5625, 4, 5), ("fp8_e4m3", 0.53125, 2, 4)]
+# int8: the requirement ("most prompts" = more than half). fp8: its teacher-forced top-1 flip rate of 2.7% per
+# token (below) leaves 64 tokens unflipped with probability 0.973^64 = 17%, so about 1 prompt of 6 is expected
+# identical (Zen 3 gave 4/6, a Sapphire Rapids-class CPU 1/6: float32 GEMMs round differently per CPU); fp8 is held
+# to its first 8 tokens (0.973^8 = 80%: ~5 of 6) and to the top-5 overlap instead.
+CASES = [("int8", 0.5625, 4, 5), ("fp8_e4m3", 0.53125, 0, 4)]
 
 
 @pytest.mark.slow

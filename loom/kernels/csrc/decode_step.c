@@ -31,7 +31,7 @@ int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
                     const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
                     int y_bf16, int num_threads);
 void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t M,
-                      int64_t H, float eps, int is_bf16, int torch_lanes);
+                      int64_t H, float eps, int is_bf16);
 void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16, int torch_lanes,
                    int64_t torch_chunk);
 void loom_rotary(const void *x, int64_t row_stride, const float *cos, const float *signed_sin, void *out, int64_t n,
@@ -118,9 +118,9 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         const LoomLayer *L = &layers[l];
         if (l == 0) {
             memcpy(residual, hidden, (size_t)(B * H) * es);
-            loom_add_rmsnorm(hidden, NULL, L->norm1, normed, NULL, B, H, d->eps, bf16, lanes);
+            loom_add_rmsnorm(hidden, NULL, L->norm1, normed, NULL, B, H, d->eps, bf16);
         } else {
-            loom_add_rmsnorm(h, residual, L->norm1, normed, residual, B, H, d->eps, bf16, lanes);
+            loom_add_rmsnorm(h, residual, L->norm1, normed, residual, B, H, d->eps, bf16);
         }
         if (gemm(&L->qkv, normed, H, B, qkv, bf16, threads)) return -1;
         loom_rotary(qkv, qkv_width, cos, signed_sin, q, B, Hq, D, bf16);
@@ -136,11 +136,11 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
                           d->block_size, d->scale, d->window, threads, bf16);
         if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) return -1;
-        loom_add_rmsnorm(h, residual, L->norm2, normed, residual, B, H, d->eps, bf16, lanes);
+        loom_add_rmsnorm(h, residual, L->norm2, normed, residual, B, H, d->eps, bf16);
         if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) return -1;
         loom_silu_mul(gate_up, act, B, d->inter, bf16, lanes, torch_chunk);
         if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) return -1;
     }
-    loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16, lanes);
+    loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16);
     return 0;
 }

@@ -6,7 +6,7 @@
  *
  *   - add, rotary: elementwise float32 products and sums, unfused: equal bit for bit.
  *   - RMSNorm: the sum of squares is added in exactly the order of torch's CPU sum kernel (cascade_sum in
- *     aten/src/ATen/native/cpu/SumKernel.cpp: vectors of `torch_lanes` floats, four interleaved partial sums,
+ *     aten/src/ATen/native/cpu/SumKernel.cpp: vectors of 8 floats, four interleaved partial sums,
  *     a cascade of levels every 16 steps, then the scalar tail and the lanes in order), then mean = sum / H,
  *     + eps, rsqrt = 1 / sqrt (each correctly rounded), as torch's composite _fused_rms_norm: equal bit for
  *     bit (rows of fewer than 32768 values; a longer single row torch sums on several threads).
@@ -15,8 +15,11 @@
  *     cpu_kernel_vec (two Vectorized per step per row and per thread range; the tail calls libm's expf, as
  *     torch's scalar path does): equal bit for bit. The portable build calls expf for every element (within
  *     an ulp of torch; 96% of float32 results equal, all bf16 ones in our tests).
- * torch_lanes is the float width of torch's Vectorized<float> on this CPU (8 on its AVX2 kernels, 16 on its
- * AVX-512 ones), so that an AVX-512 machine running the avx2 build still rounds like its torch.
+ * torch_lanes (loom_silu_mul) is the float width of torch's Vectorized<float> in its elementwise kernels on this
+ * CPU (8 on its AVX2 kernels, 16 on its AVX-512 ones), so that an AVX-512 machine running the avx2 build still
+ * rounds like its torch. The sum is 8 lanes on every x86 CPU with AVX2: torch registers sum_stub without an
+ * AVX-512 variant, so its AVX-512 dispatch runs the AVX2 kernel (measured on a Sapphire Rapids-class CPU: the
+ * 8-lane order reproduced torch.sum on every length tried, the 16-lane order did not).
  *
  * Every function takes `is_bf16`: 0 = float32 tensors, 1 = bfloat16 (widened to float32, results rounded
  * to nearest even at the points where torch's bf16 ops round). cos/sin tables are float32 in both.
@@ -149,8 +152,8 @@ static inline int64_t ceil_log2(int64_t x) { /* torch's utils::CeilLog2 */
 }
 
 /* sum of the squares of x[0 .. H) in the order of torch's cascade_sum (see the top of the file), whose
- * Vectorized<float> has `lanes` floats (8 in torch's AVX2 kernels, 16 in its AVX-512 ones): a vector of
- * 16 is two of our 8-lane vectors added lane by lane, which is the same arithmetic. */
+ * Vectorized<float> has `lanes` floats: 8 on every x86 CPU (its AVX2 kernel, see the top of the file); a
+ * vector of 16 would be two of our 8-lane vectors added lane by lane, the same arithmetic. */
 static float sum_squares(const void *x, int64_t H, int bf16, int lanes) {
     if (H < lanes) { /* scalar_inner_sum: row_sum over scalars, four interleaved partial sums */
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -229,8 +232,8 @@ static inline float inv_rms(float sum_sq, int64_t H, float eps) {
  * residual and sum_out may be NULL together (plain RMSNorm of x). weight has the dtype of x.
  */
 void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t M,
-                      int64_t H, float eps, int is_bf16, int torch_lanes) {
-    const int bf16 = is_bf16 != 0, lanes = torch_lanes == 16 ? 16 : 8;
+                      int64_t H, float eps, int is_bf16) {
+    const int bf16 = is_bf16 != 0, lanes = 8; /* torch's sum_stub: its AVX2 kernel on every x86 CPU */
     const size_t es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (M >= PARALLEL_MIN_ROWS)
     for (int64_t m = 0; m < M; ++m) {
