@@ -71,6 +71,15 @@
 
 enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8_16 = 2 }; /* q4g32; q8g with groups >= 32; q8g with groups of 16 */
 
+/* The avx512_vnni build's 512-bit q4g32 weight-only tiles (rows16_q4: four blocks per vector) */
+#if LOOM_QSIMD && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define LOOM_Q512 1
+#else
+#define LOOM_Q512 0
+#endif
+/* q4g32 blocks per unit of the int16 x-code layout the weight-only tiles read (q4_unit_codes16) */
+#define Q4_UNIT (LOOM_Q512 ? 4 : 2)
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && LOOM_QSIMD
 #define LOOM_QIMPL "avx512_vnni"
 #elif LOOM_QSIMD
@@ -481,7 +490,7 @@ static void q4_pair_activations(const int8_t *xq, int64_t M, int64_t K, int8_t *
 /* int16 activation codes (section 3) of a weight block against the block's x codes. q4g32 takes blocks in
  * pairs: 32 packed bytes (blocks b, b + 1), each byte zero-extended to int16 in its 128-bit lane, give with
  * one and / one shift per half A = [b 0-7 | b+1 0-7], B = [b 16-23 | b+1 16-23], C = [b 8-15 | b+1 8-15],
- * D = [b 24-31 | b+1 24-31] (the order q4_pair_codes16 lays the x codes out in). A last unpaired block is a
+ * D = [b 24-31 | b+1 24-31] (the order q4_unit_codes16 lays the x codes out in). A last unpaired block is a
  * pair whose second block has zero codes. VPMADDWD of each with the x codes and three adds give 8 int32:
  * lanes 0-3 the dot of block b, lanes 4-7 of b + 1 (|sum| <= 32 * 15 * 32767 < 2^31: exact). */
 typedef struct {
@@ -564,6 +573,33 @@ ALWAYS_INLINE __m256 pair_weight_scales(const uint16_t *sc, int pair) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
+/* The end of a rows16_q4 tile of cnt = nr * mc slots (accumulators acc): the mins' term (by-x tiles: each vector
+ * of mins converted once for the mc rows of x), then the horizontal sums into dots. */
+ALWAYS_INLINE void finish16(const int cnt, const int by_row, const int mc, __m256 *acc, const uint16_t *mn, int64_t ng,
+                            const float *gs, float *dots) {
+    float tail[NSLOT_MAX] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (mn) {
+        int vec = 1;
+        if (by_row)
+            for (int i = 0; i < cnt; ++i) vec = min_term(mn + i * ng, gs, ng, 1, acc + i);
+        else
+            vec = min_term(mn, gs, ng, mc, acc);
+        if (!vec)
+            for (int i = 0; i < cnt; ++i) {
+                const uint16_t *mi = mn + (by_row ? i : 0) * ng;
+                const float *gi = gs + (by_row ? 0 : i) * ng;
+                for (int64_t g = 0; g < ng; ++g) tail[i] += loom_f16_to_f32(mi[g]) * gi[g];
+            }
+    }
+    int i = 0;
+    if (cnt >= 4) { /* lane i of hsum4 = hsum8_tree(acc[i]) */
+        float t[4];
+        _mm_storeu_ps(t, hsum4(acc));
+        for (; i < 4; ++i) dots[i] = t[i] + tail[i];
+    }
+    for (; i < cnt; ++i) dots[i] = hsum8_tree(acc[i]) + tail[i];
+}
+
 /* q4g32 tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * pair_scales(d) for the
  * pairs of blocks in order (chunks of CH blocks for the scale products d = sc * xs), then the mins' term,
  * then hsum8_tree, the same sequence in by-row and by-x tiles. By-row tiles read one weight row after the
@@ -572,9 +608,9 @@ ALWAYS_INLINE __m256 pair_weight_scales(const uint16_t *sc, int pair) {
  * vectors. With the two accumulators per slot of the q8 tiles, the by-x tile held eight accumulators and
  * GCC kept them on the stack (a store and a reload around every FMA: 8 cycles per pair and x row from L1,
  * benchmarks/NOTES.md "Third pass"). */
-ALWAYS_INLINE void rows16_q4(const int nr, const int mc, const uint8_t *w, int64_t row_bytes, const uint16_t *sc,
-                             const uint16_t *mn, int64_t ng, const int16_t *xc, int64_t xstride, const float *xs,
-                             const float *xv, const float *gs, int64_t K, float *dots) {
+ALWAYS_INLINE void rows16_q4_256(const int nr, const int mc, const uint8_t *w, int64_t row_bytes,
+                                 const uint16_t *sc, const uint16_t *mn, int64_t ng, const int16_t *xc, int64_t xstride,
+                                 const float *xs, const float *xv, const float *gs, int64_t K, float *dots) {
     const int64_t nb = K / 32;
     const int cnt = nr * mc, by_row = nr == NR;
     __m256 acc[NSLOT_MAX];
@@ -622,28 +658,110 @@ ALWAYS_INLINE void rows16_q4(const int nr, const int mc, const uint8_t *w, int64
         }
         acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
     }
-    /* the mins' term (by-x tiles: each vector of mins converted once for the mc rows of x), then the sums */
-    float tail[NSLOT_MAX] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (mn) {
-        int vec = 1;
-        if (by_row)
-            for (int i = 0; i < cnt; ++i) vec = min_term(mn + i * ng, gs, ng, 1, acc + i);
-        else
-            vec = min_term(mn, gs, ng, mc, acc);
-        if (!vec)
-            for (int i = 0; i < cnt; ++i) {
-                const uint16_t *mi = mn + (by_row ? i : 0) * ng;
-                const float *gi = gs + (by_row ? 0 : i) * ng;
-                for (int64_t g = 0; g < ng; ++g) tail[i] += loom_f16_to_f32(mi[g]) * gi[g];
+    finish16(cnt, by_row, mc, acc, mn, ng, gs, dots);
+}
+
+#if LOOM_Q512
+/* The 512-bit q4g32 tile (avx512_vnni build): four blocks per vector. 64 packed bytes (blocks b .. b + 3, 16
+ * bytes each, one per 128-bit lane) give with two unpacks, two ands and two shifts A = [v0-7 of b | of b+1 |
+ * of b+2 | of b+3], B = [v16-23 ...], C = [v8-15 ...], D = [v24-31 ...] as int16, the order q4_unit_codes16
+ * lays the x codes out in; VPMADDWD and three VPDPWSSD give 16 int32, lanes 4j..4j+3 the dot of block b + j
+ * (exact: |sum| <= 32 * 15 * 32767 < 2^31). A last unit of 1-3 blocks is read with masked loads (zeros past
+ * the row). Half the vector operations per block of the 256-bit tile. */
+typedef struct {
+    __m512i a, b, c, d;
+} w16x4q;
+
+ALWAYS_INLINE w16x4q q4_codes16_quad(const uint8_t *p, int nvalid) {
+    const __m512i v = nvalid == 4 ? _mm512_loadu_si512((const void *)p)
+                                  : _mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * nvalid)) - 1, p);
+    const __m512i z = _mm512_setzero_si512(), m = _mm512_set1_epi16(0x0F);
+    const __m512i lo = _mm512_unpacklo_epi8(v, z), hi = _mm512_unpackhi_epi8(v, z);
+    w16x4q r;
+    r.a = _mm512_and_si512(lo, m);
+    r.b = _mm512_srli_epi16(lo, 4);
+    r.c = _mm512_and_si512(hi, m);
+    r.d = _mm512_srli_epi16(hi, 4);
+    return r;
+}
+
+ALWAYS_INLINE __m512i q4_dot16_quad(const w16x4q *w, const int16_t *xp) {
+    __m512i s = _mm512_madd_epi16(w->a, _mm512_loadu_si512((const void *)xp));
+    s = _mm512_dpwssd_epi32(s, w->b, _mm512_loadu_si512((const void *)(xp + 32)));
+    s = _mm512_dpwssd_epi32(s, w->c, _mm512_loadu_si512((const void *)(xp + 64)));
+    return _mm512_dpwssd_epi32(s, w->d, _mm512_loadu_si512((const void *)(xp + 96)));
+}
+
+/* The unit's weight block scales (float16 bits at sc, nvalid <= 4 of them) as [s0 x4 | s1 x4 | s2 x4 | s3 x4]
+ * float32, missing blocks 0. */
+ALWAYS_INLINE __m512 quad_weight_scales(const uint16_t *sc, int nvalid) {
+    const __m128i h = nvalid == 4 ? _mm_loadl_epi64((const __m128i *)sc)
+                                  : _mm_maskz_loadu_epi16((__mmask8)((1u << nvalid) - 1), sc);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(_mm_cvtph_ps(h)));
+}
+
+/* rows16_q4 in 512-bit vectors: acc += float(idot(unit)) * (S * X) per unit of four blocks in order, S the
+ * weight row's four block scales, X the x row's unit scale vector xv (as the 256-bit by-x tiles: lane for
+ * lane the float32 product f16(sc) * xs), in by-row and by-x tiles alike; then the two halves of the
+ * accumulator added and the 256-bit tile's finish (mins, horizontal sums). */
+ALWAYS_INLINE void rows16_q4_512(const int nr, const int mc, const uint8_t *w, int64_t row_bytes, const uint16_t *sc,
+                                 const uint16_t *mn, int64_t ng, const int16_t *xc, int64_t xstride, const float *xv,
+                                 const float *gs, int64_t K, float *dots) {
+    const int64_t nb = K / 32, nq = (nb + 3) / 4;
+    const int cnt = nr * mc, by_row = nr == NR;
+    __m512 acc[NSLOT_MAX];
+    if (by_row) {
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t *wr = w + r * row_bytes;
+            const uint16_t *sr = sc + r * ng;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t q = 0; q < nq; ++q) {
+                const int nv = nb - 4 * q < 4 ? (int)(nb - 4 * q) : 4;
+                const w16x4q c = q4_codes16_quad(wr + 64 * q, nv);
+                const __m512 d = _mm512_mul_ps(quad_weight_scales(sr + 4 * q, nv), _mm512_loadu_ps(xv + 16 * q));
+                a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_dot16_quad(&c, xc + 128 * q)), d, a);
             }
+            acc[r] = a;
+        }
+    } else {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        for (int64_t q = 0; q < nq; ++q) {
+            const int nv = nb - 4 * q < 4 ? (int)(nb - 4 * q) : 4;
+            const w16x4q c = q4_codes16_quad(w + 64 * q, nv);
+            const __m512 S = quad_weight_scales(sc + 4 * q, nv);
+            const int16_t *x = xc + 128 * q;
+            const float *X = xv + 16 * q;
+/* the unit against x row I into accumulator A */
+#define X_QUAD(I, A)                                                                                             \
+    A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_dot16_quad(&c, x + (I) * xstride)),                                \
+                        _mm512_mul_ps(S, _mm512_loadu_ps(X + (I) * 16 * nq)), A)
+            X_QUAD(0, a0);
+            if (mc > 1) X_QUAD(1, a1);
+            if (mc > 2) X_QUAD(2, a2);
+            if (mc > 3) X_QUAD(3, a3);
+            if (mc > 4) X_QUAD(4, a4);
+            if (mc > 5) X_QUAD(5, a5);
+#undef X_QUAD
+        }
+        acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
     }
-    int i = 0;
-    if (cnt >= 4) { /* lane i of hsum4 = hsum8_tree(acc[i]) */
-        float t[4];
-        _mm_storeu_ps(t, hsum4(acc));
-        for (; i < 4; ++i) dots[i] = t[i] + tail[i];
-    }
-    for (; i < cnt; ++i) dots[i] = hsum8_tree(acc[i]) + tail[i];
+    __m256 acc8[NSLOT_MAX];
+    for (int i = 0; i < cnt; ++i)
+        acc8[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i]), _mm512_extractf32x8_ps(acc[i], 1));
+    finish16(cnt, by_row, mc, acc8, mn, ng, gs, dots);
+}
+#endif /* LOOM_Q512 */
+
+ALWAYS_INLINE void rows16_q4(const int nr, const int mc, const uint8_t *w, int64_t row_bytes, const uint16_t *sc,
+                             const uint16_t *mn, int64_t ng, const int16_t *xc, int64_t xstride, const float *xs,
+                             const float *xv, const float *gs, int64_t K, float *dots) {
+#if LOOM_Q512
+    (void)xs;
+    rows16_q4_512(nr, mc, w, row_bytes, sc, mn, ng, xc, xstride, xv, gs, K, dots);
+#else
+    rows16_q4_256(nr, mc, w, row_bytes, sc, mn, ng, xc, xstride, xs, xv, gs, K, dots);
+#endif
 }
 #endif /* LOOM_QSIMD */
 
@@ -1184,18 +1302,19 @@ void loom_quantize_act16(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
         quantize_row16((const char *)x + m * ldx * elem, x_bf16, K, c + m * K, s + m * nb, h + m * 2 * nb);
 }
 
-/* q4g32 in SIMD builds: the codes of each pair of blocks (2p, 2p + 1) of a row laid out as q4_codes16 reads
- * them, [b 0-7 | b+1 0-7 | b 16-23 | b+1 16-23 | b 8-15 | b+1 8-15 | b 24-31 | b+1 24-31], a missing block
- * + 1 as zeros; rows of `stride` = 64 * ceil(K / 64) codes. */
-static void q4_pair_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stride, int16_t *cp) {
-    static const int order[8][2] = {{0, 0}, {1, 0}, {0, 16}, {1, 16}, {0, 8}, {1, 8}, {0, 24}, {1, 24}};
+/* q4g32 in SIMD builds: the codes of each unit of u = Q4_UNIT blocks (2 in the 256-bit tiles, 4 in the 512-bit
+ * ones) of a row laid out as q4_codes16 / q4_codes16_quad read them: values 0-7 of each of the u blocks, then
+ * 16-23, then 8-15, then 24-31 (u = 2: [b 0-7 | b+1 0-7 | b 16-23 | b+1 16-23 | b 8-15 | b+1 8-15 | b 24-31 |
+ * b+1 24-31]), missing blocks of a last unit as zeros; rows of `stride` = 32 u ceil(K / 32 u) codes. */
+static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stride, int16_t *cp) {
+    static const int offsets[4] = {0, 16, 8, 24};
     const int64_t nb = K / 32;
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t p = 0; 2 * p < nb; ++p)
-            for (int i = 0; i < 8; ++i) {
-                const int64_t blk = 2 * p + order[i][0];
-                int16_t *dst = cp + m * stride + 64 * p + 8 * i;
-                if (blk < nb) memcpy(dst, c + m * K + 32 * blk + order[i][1], 8 * sizeof(int16_t));
+        for (int64_t p = 0; Q4_UNIT * p < nb; ++p)
+            for (int i = 0; i < 4 * Q4_UNIT; ++i) {
+                const int64_t blk = Q4_UNIT * p + i % Q4_UNIT;
+                int16_t *dst = cp + m * stride + 32 * Q4_UNIT * p + 8 * i;
+                if (blk < nb) memcpy(dst, c + m * K + 32 * blk + offsets[i / Q4_UNIT], 8 * sizeof(int16_t));
                 else memset(dst, 0, 8 * sizeof(int16_t));
             }
 }
@@ -1206,12 +1325,12 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const int64_t nb = K / 32, ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
     const int64_t bpg = G >= 32 ? G / 32 : 1;
     const int paired = kind == KIND_Q4 && LOOM_QSIMD;
-    const int64_t xstride = paired ? 64 * ((nb + 1) / 2) : K; /* int16 codes per row, as the kernel reads them */
-    const int64_t np = (nb + 1) / 2; /* q4 pairs per row */
-    /* scratch: codes [M, K], paired codes [M, xstride], then floats xs [M, nb], h [M, 2 nb], gs [M, ng] and,
-     * paired, the pair scale vectors xv [M, np, 8] of the by-x tiles (rows16_q4) */
+    const int64_t np = (nb + Q4_UNIT - 1) / Q4_UNIT, vw = 4 * Q4_UNIT; /* q4 units per row, floats per unit vector */
+    const int64_t xstride = paired ? 32 * Q4_UNIT * np : K; /* int16 codes per row, as the kernel reads them */
+    /* scratch: codes [M, K], unit-laid-out codes [M, xstride], then floats xs [M, nb], h [M, 2 nb], gs [M, ng]
+     * and, paired, the unit scale vectors xv [M, np, vw] (rows16_q4) */
     const size_t ncodes = (size_t)(M * K) + (paired ? (size_t)(M * xstride) : 0);
-    const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * ng) : 0) + (paired ? (size_t)(M * np * 8) : 0);
+    const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * ng) : 0) + (paired ? (size_t)(M * np * vw) : 0);
     char *scratch = (char *)malloc(ncodes * sizeof(int16_t) + nfloat * sizeof(float));
     if (!scratch) return -1;
     int16_t *codes = (int16_t *)scratch, *xc = codes;
@@ -1220,12 +1339,12 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     loom_quantize_act16(x, ldx, x_bf16, M, K, codes, xs, h, num_threads);
     if (paired) {
         xc = codes + M * K;
-        q4_pair_codes16(codes, M, K, xstride, xc);
-        for (int64_t m = 0; m < M; ++m) /* [xs_2p x4 | xs_2p+1 x4], a lone last block: [xs x4 | 0 x4] */
+        q4_unit_codes16(codes, M, K, xstride, xc);
+        for (int64_t m = 0; m < M; ++m) /* [xs_up x4 | xs_up+1 x4 | ...], missing blocks of a last unit: 0 x4 */
             for (int64_t p = 0; p < np; ++p)
-                for (int i = 0; i < 8; ++i) {
-                    const int64_t b = 2 * p + i / 4;
-                    xv[(m * np + p) * 8 + i] = b < nb ? xs[m * nb + b] : 0.0f;
+                for (int i = 0; i < vw; ++i) {
+                    const int64_t b = Q4_UNIT * p + i / 4;
+                    xv[(m * np + p) * vw + i] = b < nb ? xs[m * nb + b] : 0.0f;
                 }
     }
     if (mn) /* group sums of the dequantized x: its halves summed in order */
@@ -1239,7 +1358,7 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const rows_16_fn rows = kind == KIND_Q4 ? rows_16_q4 : (kind == KIND_Q8 ? rows_16_q8 : rows_16_q8_16);
 #define TILE16(NR_, MC_, N_, M0_)                                                                                \
     rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
-         xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * 8 : NULL, mn ? gs + (M0_) * ng : NULL, \
+         xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * vw : NULL, mn ? gs + (M0_) * ng : NULL, \
          K, dots)
     FOR_EACH_TILE(TILE16, kind == KIND_Q4 && LOOM_QSIMD ? MROWS_Q4_16 : MROWS, row_bytes + 2 * ng * (mn ? 2 : 1))
 #undef TILE16
