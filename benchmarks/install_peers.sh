@@ -3,7 +3,12 @@
 # source distribution of llama-cpp-python, which vendors a pinned llama.cpp tree.
 #
 # Usage:  nice -n 19 bash benchmarks/install_peers.sh [-j N]
-# Env:    LLAMA_CPP_PYTHON_VERSION (pin, default below), PIP (pip executable), PEERS_BUILD_DIR.
+# Env:    LLAMA_CPP_PYTHON_VERSION (pin, default below), PIP (pip executable), PEERS_BUILD_DIR,
+#         GGML_NATIVE (default ON) and PEERS_CMAKE_FLAGS (extra cmake flags). On a CPU whose AMX llama.cpp's native
+#         build uses but the VM does not grant (every prompt-processing run segfaulted on a Sapphire Rapids-class
+#         VM, 2026-12-02), build without it:
+#           GGML_NATIVE=OFF PEERS_CMAKE_FLAGS="-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
+#           PEERS_BUILD_DIR=benchmarks/peers/build-noamx bash benchmarks/install_peers.sh
 # Output: benchmarks/peers/build/bin/{llama-bench,llama-batched-bench,llama-server,llama-speculative-simple}
 # Never run from tests: it takes minutes on two cores.
 set -euo pipefail
@@ -40,7 +45,7 @@ fi
 
 cmake -S "$SRC_DIR" -B "$BUILD_DIR/cmake" \
   -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=ON \
+  -DGGML_NATIVE="${GGML_NATIVE:-ON}" ${PEERS_CMAKE_FLAGS:-} \
   -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=ON \

@@ -701,6 +701,22 @@ ALWAYS_INLINE __m512 quad_weight_scales(const uint16_t *sc, int nvalid) {
                                  _mm512_castps128_ps512(_mm_cvtph_ps(h)));
 }
 
+/* A last unit of one or two blocks in 256-bit vectors: the low halves of the quad's A-D and x vectors are the
+ * pair layout of the 256-bit tiles, so the 256-bit pair dot gives lanes 0-7 of the quad's dot bit for bit
+ * (its upper lanes would be 0 * 0); acc's lanes 0-7 get the same FMA, its upper lanes are left as they are
+ * (the quad would add 0 * (S * X) = +0 to them). Two blocks of work instead of four: SmolLM2's 576-wide rows
+ * are 4.5 units. */
+ALWAYS_INLINE __m512 q4_half_unit(__m512 acc, const uint8_t *w, int nv, const int16_t *xp, __m512 d) {
+    const w16x4 c = q4_codes16(w, nv == 2);
+    const __m256i *x = (const __m256i *)xp; /* the low halves of the quad's four x vectors: int16 0, 32, 64, 96 */
+    __m256i s = _mm256_madd_epi16(c.a, _mm256_loadu_si256(x));
+    s = _mm256_dpwssd_epi32(s, c.b, _mm256_loadu_si256(x + 2));
+    s = _mm256_dpwssd_epi32(s, c.c, _mm256_loadu_si256(x + 4));
+    s = _mm256_dpwssd_epi32(s, c.d, _mm256_loadu_si256(x + 6));
+    const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm512_castps512_ps256(d), _mm512_castps512_ps256(acc));
+    return _mm512_insertf32x8(acc, lo, 0);
+}
+
 /* rows16_q4 in 512-bit vectors: acc += float(idot(unit)) * (S * X) per unit of four blocks in order, S the
  * weight row's four block scales, X the x row's unit scale vector xv (as the 256-bit by-x tiles: lane for
  * lane the float32 product f16(sc) * xs), in by-row and by-x tiles alike; then the two halves of the
@@ -718,8 +734,12 @@ ALWAYS_INLINE void rows16_q4_512(const int nr, const int mc, const uint8_t *w, i
             __m512 a = _mm512_setzero_ps();
             for (int64_t q = 0; q < nq; ++q) {
                 const int nv = nb - 4 * q < 4 ? (int)(nb - 4 * q) : 4;
-                const w16x4q c = q4_codes16_quad(wr + 64 * q, nv);
                 const __m512 d = _mm512_mul_ps(quad_weight_scales(sr + 4 * q, nv), _mm512_loadu_ps(xv + 16 * q));
+                if (nv <= 2) {
+                    a = q4_half_unit(a, wr + 64 * q, nv, xc + 128 * q, d);
+                    continue;
+                }
+                const w16x4q c = q4_codes16_quad(wr + 64 * q, nv);
                 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_dot16_quad(&c, xc + 128 * q)), d, a);
             }
             acc[r] = a;
@@ -728,10 +748,22 @@ ALWAYS_INLINE void rows16_q4_512(const int nr, const int mc, const uint8_t *w, i
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
         for (int64_t q = 0; q < nq; ++q) {
             const int nv = nb - 4 * q < 4 ? (int)(nb - 4 * q) : 4;
-            const w16x4q c = q4_codes16_quad(w + 64 * q, nv);
             const __m512 S = quad_weight_scales(sc + 4 * q, nv);
             const int16_t *x = xc + 128 * q;
             const float *X = xv + 16 * q;
+            if (nv <= 2) {
+/* the half unit against x row I into accumulator A */
+#define X_HALF(I, A) A = q4_half_unit(A, w + 64 * q, nv, x + (I) * xstride, _mm512_mul_ps(S, _mm512_loadu_ps(X + (I) * 16 * nq)))
+                X_HALF(0, a0);
+                if (mc > 1) X_HALF(1, a1);
+                if (mc > 2) X_HALF(2, a2);
+                if (mc > 3) X_HALF(3, a3);
+                if (mc > 4) X_HALF(4, a4);
+                if (mc > 5) X_HALF(5, a5);
+#undef X_HALF
+                continue;
+            }
+            const w16x4q c = q4_codes16_quad(w + 64 * q, nv);
 /* the unit against x row I into accumulator A */
 #define X_QUAD(I, A)                                                                                             \
     A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_dot16_quad(&c, x + (I) * xstride)),                                \
