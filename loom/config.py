@@ -29,7 +29,9 @@ QUANTIZATION_METHODS = ("none", "gguf", "bf16", "w8a16", "w4a16", "w8a8", "fp8")
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None  # GGUF path or Hugging Face model directory; None = bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # weights and activations; "auto" = bfloat16 where the device has native bf16 matmul, else float32
+    # weights and activations; "auto" = float32 for packed-weight methods on CPU, else bfloat16 where the device has
+    # native bf16 matmul, else float32 (loom.worker.model_runner.resolve_dtype)
+    dtype: str = "auto"
     max_model_len: int | None = None  # tokens (prompt + output); None = the model's context length
     seed: int = 0  # seed of the engine-wide generator used by unseeded requests
     # weight quantization method (loom/quant/config.py); None = "gguf" for a GGUF file, "none" otherwise

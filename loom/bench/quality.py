@@ -97,7 +97,7 @@ def run_quality(model: str | None, methods: list[str], dtype: str, windows: list
     del ref_model
     results = []
     for method in methods:
-        torch_dtype = resolve_dtype(dtype, device)
+        torch_dtype = resolve_dtype(dtype, device, method, model)
         loaded = load_model(model, torch_dtype, device, quantization=method)
         force_kernel_path(loaded.model)
         logits = [window_logits(loaded.model, loaded.arch, w) for w in windows]

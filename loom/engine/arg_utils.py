@@ -26,7 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct GGUF)")
     g.add_argument("--dtype", default=defaults.dtype, choices=SUPPORTED_DTYPES,
-                   help="weights and activations dtype (default: %(default)s)")
+                   help="weights and activations dtype (default: %(default)s: float32 with packed weights on a CPU, "
+                        "else bfloat16 where the device multiplies it natively, else float32)")
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weight quantization: gguf = a GGUF file's own quantized blocks (the default for GGUF); "
                         "none = dequantize to --dtype at load (exact transformers parity in float32); w8a16, "
