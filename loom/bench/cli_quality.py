@@ -14,7 +14,10 @@ def cmd_quality(ns: argparse.Namespace) -> int:
     from loom.model.loader import load_tokenizer
 
     tokenizer = load_tokenizer(ns.model)
-    text = janeausten_text(ns.book) if ns.text_file is None else Path(ns.text_file).read_text(encoding="utf-8")
+    try:
+        text = janeausten_text(ns.book) if ns.text_file is None else Path(ns.text_file).read_text(encoding="utf-8")
+    except (RuntimeError, OSError) as exc:  # the held-out text cannot be had: a one-line error, no traceback
+        raise ValueError(f"--book/--text-file: {exc}") from exc
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     windows = token_windows(ids[ns.skip_tokens:], ns.num_windows, ns.window_len)
     results = run_quality(ns.model, ns.quantization, ns.dtype, windows)

@@ -60,7 +60,11 @@ def janeausten_text(book: str = "prideprejudice") -> str:
         raise ValueError(f"book must be one of {list(BOOKS)}, got {book!r}")
     import warnings
 
-    import rdata
+    try:
+        import rdata
+    except ImportError as exc:
+        raise RuntimeError("reading the Jane Austen novels needs the rdata package: pip install 'loom[bench]' "
+                           "(or pip install rdata), or pass --text-file") from exc
 
     data = janeausten_data_dir()
     with warnings.catch_warnings():
