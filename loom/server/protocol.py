@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loom.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -85,6 +85,13 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None  # text, or content parts of type "text"
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        # OpenAI: only an assistant turn may omit its content (it may carry tool calls instead)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for a {self.role!r} message")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

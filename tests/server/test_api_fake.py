@@ -58,6 +58,7 @@ def test_completion_bad_input_is_400_naming_the_param(client: httpx.Client, body
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),  # only an assistant turn may omit its content
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
     ({"messages": CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
