@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from loom.attention.backend import gather_kv, gather_kv_padded, write_kv_cache
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.reference import causal_mask
-from loom.kernels.cpu import PagedDecodeBf16
 from loom.kernels.registry import paged_decode_kernels
 
 
@@ -260,14 +259,13 @@ class CpuPagedBackend:
         """query [num_decode, num_heads, head_dim] -> [num_decode, num_heads, head_dim], on one intra-op
         thread when plan.serial (restored afterwards).
 
-        A bfloat16 cache on a CPU with AVX512-BF16 goes to loom's C kernel, which reads each request's blocks
-        in place (no padded gather, no mask); anything else gathers and runs SDPA."""
+        A float32 (off the oracle path) or bfloat16 cache goes to loom's C kernel, which reads each request's
+        blocks in place (no padded gather, no mask); anything else gathers and runs SDPA."""
         kernel = self._decode_kernel(query, kv_cache)
         if kernel is not None:
             # decode requests have their new token's key written, so every seq_len >= 1: no check per layer.
             # The kernel splits long contexts over threads itself, so it keeps every thread.
             return kernel(query, kv_cache, plan.block_ids, plan.seq_lens, scale, sliding_window,
-                          num_threads=1 if plan.serial and isinstance(kernel, PagedDecodeBf16) else None,
                           lengths_checked=True)
         threads = torch.get_num_threads()
         if not plan.serial or threads == 1:

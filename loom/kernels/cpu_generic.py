@@ -54,8 +54,7 @@ class PagedDecode:
     """ctypes binding of `loom_paged_decode` (csrc/paged_decode.c): one-token attention of a batch over its own
     blocks of a float32 or bfloat16 paged KV cache, read in place (no gather, no padding, online softmax).
 
-    Same call and `supports` as `loom.kernels.cpu.PagedDecodeBf16`, for float32 or bfloat16 (query and cache
-    of one dtype), any number of query heads per KV head. Threads take whole requests (all KV heads, so that
+    For float32 or bfloat16 (query and cache of one dtype), any number of query heads per KV head. Threads take whole requests (all KV heads, so that
     each reads its blocks sequentially); with fewer than 4 requests per thread and long contexts, key ranges of
     a request, merged afterwards (see the top of csrc/paged_decode.c)."""
 
@@ -122,7 +121,7 @@ class FusedOps:
     """ctypes bindings of csrc/fused_ops.c: add+RMSNorm, SiLU*up and rotary for float32 or bfloat16 CPU tensors
     (every tensor of a call in one dtype; the rotary tables float32).
 
-    Same methods as `loom.kernels.cpu.FusedBf16`. Float32 results equal torch's bit for bit for the residual
+    Float32 results equal torch's bit for bit for the residual
     add, RMSNorm and rotary, and SiLU on the avx2 build (within an ulp on the generic one, which calls libm's
     expf); bfloat16 rounds where torch's bf16 ops round. Each method returns None when its inputs are not what
     the kernel takes (dtype, device, layout, shape), so callers keep their torch code for everything else.

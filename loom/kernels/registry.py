@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from loom.kernels import build
-from loom.kernels.cpu import FusedBf16, GemvBf16, PagedDecodeBf16
+from loom.kernels.cpu import GemvBf16
 from loom.kernels.cpu_generic import FusedOps, GemvW16, PagedDecode
 from loom.kernels.decode_step import DecodeStep
 from loom.kernels.quant import QuantKernels
@@ -73,9 +73,6 @@ KERNELS: dict[str, KernelSpec] = {
     spec.name: spec
     for spec in (
         KernelSpec("gemv_bf16", ("gemv_bf16.c",), ("avx512_bf16",), lambda lib, isa: GemvBf16(lib)),
-        KernelSpec("paged_decode_bf16", ("paged_decode_bf16.c",), ("avx512_bf16",),
-                   lambda lib, isa: PagedDecodeBf16(lib)),
-        KernelSpec("fused_bf16", ("fused_bf16.c",), ("avx512_bf16",), lambda lib, isa: FusedBf16(lib)),
         KernelSpec("paged_decode", ("paged_decode.c",), ("avx2", "generic"), PagedDecode),
         KernelSpec("fused_ops", ("fused_ops.c",), ("avx2", "generic"), FusedOps),
         KernelSpec("gemv_w16", ("gemv_w16.c",), ("avx2", "generic"), GemvW16),
@@ -169,11 +166,11 @@ def fused_kernels_for(dtype: torch.dtype, device: torch.device | str, float32_ke
 
 
 def paged_decode_kernels() -> list[Any]:
-    """The paged decode attention kernels that build here, best first (each says what it `supports`): the AVX2 /
-    portable one (bfloat16 and float32), which the one-call decode step also runs, so a verify or mixed step
-    rounds like a pure decode step; then the AVX512-BF16 one. On a Sapphire Rapids-class CPU the first was
-    also the faster in bfloat16 (batch 16 x 1000 keys: 0.55 vs 0.75 ms, benchmarks/NOTES.md)."""
-    return [k for k in (get_kernel("paged_decode"), get_kernel("paged_decode_bf16")) if k is not None]
+    """The paged decode attention kernels that build here (each says what it `supports`): the AVX2 / portable
+    one (bfloat16 and float32), which the one-call decode step also runs, so a verify or mixed step rounds like
+    a pure decode step. (An AVX512-BF16 kernel was dropped on 2026-12-02: on a Sapphire Rapids-class CPU it was
+    the slower, batch 16 x 1000 keys 0.75 vs 0.55 ms, and it rounded unlike the C step; benchmarks/NOTES.md.)"""
+    return [k for k in (get_kernel("paged_decode"),) if k is not None]
 
 
 def clear_kernel_cache() -> None:

@@ -10,10 +10,27 @@ import torch.nn.functional as F
 
 from loom.kernels.registry import get_kernel, kernel_isas
 
-from tests.kernels.test_cpu_kernels import bf16_ulp, reference_decode
+from tests.kernels.test_cpu_kernels import bf16_ulp
 
 # torch's own vectorized CPU kernels (8 or 16 float lanes) are what the fused float32 ops reproduce bit for bit
 TORCH_X86 = torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX2", "AVX512"))
+
+
+def reference_decode(q, kv_cache, block_table, seq_lens, scale, window):
+    """float64 softmax attention of each request's one query over its own keys (GQA by repeat)."""
+    batch, heads, dim = q.shape
+    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty(batch, heads, dim, dtype=torch.float64)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        slots = [int(block_table[b, t // block_size]) * block_size + t % block_size for t in range(n)]
+        k = kv_cache[0].reshape(-1, kv_heads, dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        v = kv_cache[1].reshape(-1, kv_heads, dim)[slots].double().repeat_interleave(heads // kv_heads, 1)
+        s = torch.einsum("hd,thd->ht", q[b].double(), k) * scale
+        if window:
+            s[:, : max(0, n - window)] = float("-inf")
+        out[b] = torch.einsum("ht,thd->hd", s.softmax(-1), v)
+    return out
 
 
 def kernel_or_skip(name: str, isa: str):

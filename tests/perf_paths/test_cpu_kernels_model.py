@@ -18,7 +18,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(get_kernel("gemv_bf16") is None or get_kernel("paged_decode_bf16") is None,
+    pytest.mark.skipif(get_kernel("gemv_bf16") is None or get_kernel("paged_decode") is None,
                        reason="loom's bfloat16 CPU kernels (AVX512-BF16) do not build or run here"),
 ]
 

@@ -1,7 +1,6 @@
 /*
  * Decode attention over a paged float32 or bfloat16 KV cache, read in place, for any CPU
- * (loom/kernels/cpu_generic.py). Same semantics and argument order as loom_paged_decode_bf16
- * (paged_decode_bf16.c) plus a dtype flag: query, cache and output all float32 (is_bf16 = 0) or all
+ * (loom/kernels/cpu_generic.py), with a dtype flag: query, cache and output all float32 (is_bf16 = 0) or all
  * bfloat16 (is_bf16 = 1: widened to float32 in registers, the output rounded to nearest even).
  *
  * For each request b (one query token) and KV head h: the G = H / H_kv query heads of the group

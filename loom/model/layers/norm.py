@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
     Input/output: [num_tokens, hidden_size], dtype of the input. With `residual`, x + residual is normalised
     and returned too (the pre-norm residual stream, as vLLM's fused add+norm): (y, x + residual).
     With `kernels` (bfloat16 on any x86 CPU loom's kernels build on, float32 off the oracle path), one C call
-    replaces five ops (loom/kernels/csrc/fused_bf16.c, fused_ops.c); bf16 may differ from the torch code by
+    replaces five ops (loom/kernels/csrc/fused_ops.c); bf16 may differ from the torch code by
     one rounding step, the AVX2 float32 build equals it bit for bit (tests/kernels/test_generic_kernels.py).
     """
 
