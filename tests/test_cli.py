@@ -48,9 +48,12 @@ def test_errors_name_the_flags_not_the_fields() -> None:
     assert _name_flags("speculative_method 'draft_model' needs speculative_model", flags) == \
         "--speculative-method 'draft_model' needs --speculative-model"
     assert _name_flags("prompt does not fit max_model_len=8", flags) == "prompt does not fit --max-model-len=8"
-    # one-word names, quoted values and names that are no flag stay as they are
+    # one-word names, quoted values and names that are no flag stay as they are ...
     assert _name_flags("the draft model's seed; 'draft_model'; no_such_field", flags) == \
         "the draft model's seed; 'draft_model'; no_such_field"
+    # ... except a one-word flag as the subject of a range error
+    assert _name_flags("temperature must be >= 0, got -1.0", flags) == "--temperature must be >= 0, got -1.0"
+    assert _name_flags("prompt must be text", flags) == "prompt must be text"  # positional: no flag
 
 
 def test_every_option_has_help() -> None:
