@@ -17,8 +17,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' is_bf16 flag
 
 
 def _torch_lanes() -> int:
-    """Floats in torch's Vectorized<float> on this CPU (16 on its AVX-512 kernels, else 8): the summation order
-    of its CPU sum kernel and the vector/scalar split of its elementwise loops, which fused_ops.c reproduces."""
+    """Floats in torch's Vectorized<float> on this CPU (16 on its AVX-512 kernels, else 8): the vector/scalar
+    split of its elementwise loops, which fused_ops.c reproduces (its sum kernel is 8 lanes everywhere)."""
     return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
 
 

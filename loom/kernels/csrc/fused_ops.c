@@ -151,10 +151,10 @@ static inline int64_t ceil_log2(int64_t x) { /* torch's utils::CeilLog2 */
     return bits;
 }
 
-/* sum of the squares of x[0 .. H) in the order of torch's cascade_sum (see the top of the file), whose
- * Vectorized<float> has `lanes` floats: 8 on every x86 CPU (its AVX2 kernel, see the top of the file); a
- * vector of 16 would be two of our 8-lane vectors added lane by lane, the same arithmetic. */
-static float sum_squares(const void *x, int64_t H, int bf16, int lanes) {
+/* sum of the squares of x[0 .. H) in the order of torch's cascade_sum over its Vectorized<float> of 8 floats
+ * (its AVX2 kernel, which runs on every x86 CPU: see the top of the file). */
+static float sum_squares(const void *x, int64_t H, int bf16) {
+    const int64_t lanes = 8;
     if (H < lanes) { /* scalar_inner_sum: row_sum over scalars, four interleaved partial sums */
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const int64_t groups = H / 4;
@@ -169,48 +169,43 @@ static float sum_squares(const void *x, int64_t H, int bf16, int lanes) {
         return 0.0f + (((part[0] + part[1]) + part[2]) + part[3]);
     }
     /* vectorized_inner_sum: row_sum over the H / lanes vectors, as a (-1, 4) array in multi_row_sum */
-    const int hv = lanes / 8; /* 8-lane halves per torch vector */
     const int64_t nvec = H / lanes, size = nvec / 4;
     const int64_t level_power = ceil_log2(size) / 4 > 4 ? ceil_log2(size) / 4 : 4;
     const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
-    vf acc[4][4][2];
+    vf acc[4][4];
     for (int j = 0; j < 4; ++j)
-        for (int k = 0; k < 4; ++k) acc[j][k][0] = acc[j][k][1] = vzero();
+        for (int k = 0; k < 4; ++k) acc[j][k] = vzero();
 #define LOOM_ADD_SQUARES(dst, vec)                                  \
-    for (int q = 0; q < hv; ++q) {                                   \
-        const vf v_ = load8(x, (vec) * lanes + q * 8, bf16);         \
-        (dst)[q] = vadd((dst)[q], vmul(v_, v_));                     \
-    }
+    do {                                                             \
+        const vf v_ = load8(x, (vec) * lanes, bf16);                 \
+        (dst) = vadd((dst), vmul(v_, v_));                           \
+    } while (0)
     int64_t i = 0;
     while (i + level_step <= size) {
         for (int64_t j = 0; j < level_step; ++j, ++i)
-            for (int k = 0; k < 4; ++k) LOOM_ADD_SQUARES(acc[0][k], 4 * i + k)
+            for (int k = 0; k < 4; ++k) LOOM_ADD_SQUARES(acc[0][k], 4 * i + k);
         for (int j = 1; j < 4; ++j) {
-            for (int k = 0; k < 4; ++k)
-                for (int q = 0; q < hv; ++q) {
-                    acc[j][k][q] = vadd(acc[j][k][q], acc[j - 1][k][q]);
-                    acc[j - 1][k][q] = vzero();
-                }
+            for (int k = 0; k < 4; ++k) {
+                acc[j][k] = vadd(acc[j][k], acc[j - 1][k]);
+                acc[j - 1][k] = vzero();
+            }
             if (i & (level_mask << (j * level_power))) break;
         }
     }
     for (; i < size; ++i)
-        for (int k = 0; k < 4; ++k) LOOM_ADD_SQUARES(acc[0][k], 4 * i + k)
+        for (int k = 0; k < 4; ++k) LOOM_ADD_SQUARES(acc[0][k], 4 * i + k);
     for (int j = 1; j < 4; ++j)
-        for (int k = 0; k < 4; ++k)
-            for (int q = 0; q < hv; ++q) acc[0][k][q] = vadd(acc[0][k][q], acc[j][k][q]);
-    for (int64_t t = 4 * size; t < nvec; ++t) LOOM_ADD_SQUARES(acc[0][0], t)
+        for (int k = 0; k < 4; ++k) acc[0][k] = vadd(acc[0][k], acc[j][k]);
+    for (int64_t t = 4 * size; t < nvec; ++t) LOOM_ADD_SQUARES(acc[0][0], t);
 #undef LOOM_ADD_SQUARES
     float acc_s = 0.0f;
     for (int64_t k = nvec * lanes; k < H; ++k) {
         const float v = get(x, k, bf16);
         acc_s += v * v;
     }
-    for (int q = 0; q < hv; ++q) {
-        float part[8];
-        vstore(part, vadd(vadd(vadd(acc[0][0][q], acc[0][1][q]), acc[0][2][q]), acc[0][3][q]));
-        for (int l = 0; l < 8; ++l) acc_s += part[l];
-    }
+    float part[8];
+    vstore(part, vadd(vadd(vadd(acc[0][0], acc[0][1]), acc[0][2]), acc[0][3]));
+    for (int l = 0; l < 8; ++l) acc_s += part[l];
     return acc_s;
 }
 
@@ -233,7 +228,7 @@ static inline float inv_rms(float sum_sq, int64_t H, float eps) {
  */
 void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t M,
                       int64_t H, float eps, int is_bf16) {
-    const int bf16 = is_bf16 != 0, lanes = 8; /* torch's sum_stub: its AVX2 kernel on every x86 CPU */
+    const int bf16 = is_bf16 != 0;
     const size_t es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (M >= PARALLEL_MIN_ROWS)
     for (int64_t m = 0; m < M; ++m) {
@@ -250,7 +245,7 @@ void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, v
             for (; h < H; ++h) put(sm, h, get(xm, h, bf16) + get(rm, h, bf16), bf16);
             src = sm;
         }
-        const float r = inv_rms(sum_squares(src, H, bf16, lanes), H, eps);
+        const float r = inv_rms(sum_squares(src, H, bf16), H, eps);
         h = 0;
 #if defined(__AVX2__)
         const vf rv = _mm256_set1_ps(r);

@@ -361,6 +361,16 @@ ALWAYS_INLINE int min_term(const uint16_t *mn, const float *gs, int64_t ng, cons
 #define NR 4
 #define NSLOT 4 /* slots per call: NR x 1 or 1 x MROWS */
 #define NSLOT_MAX 6 /* slots of the largest tile: 1 x MROWS_Q4_16 */
+/* OP(i, a_i) for the mc x rows of a by-x q4 tile, whose accumulators are the variables a0 .. a5 */
+#define FOR_X_ROWS(OP)                                                                                           \
+    do {                                                                                                         \
+        OP(0, a0);                                                                                               \
+        if (mc > 1) OP(1, a1);                                                                                   \
+        if (mc > 2) OP(2, a2);                                                                                   \
+        if (mc > 3) OP(3, a3);                                                                                   \
+        if (mc > 4) OP(4, a4);                                                                                   \
+        if (mc > 5) OP(5, a5);                                                                                   \
+    } while (0)
 
 #if LOOM_QSIMD
 /* ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) for one vector: the order of hsum4 below. */
@@ -648,12 +658,7 @@ ALWAYS_INLINE void rows16_q4_256(const int nr, const int mc, const uint8_t *w, i
 #define X_PAIR(I, A)                                                                                             \
     A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, x + (I) * xstride)),                                     \
                         _mm256_mul_ps(S, _mm256_loadu_ps(X + (I) * 8 * np)), A)
-            X_PAIR(0, a0);
-            if (mc > 1) X_PAIR(1, a1);
-            if (mc > 2) X_PAIR(2, a2);
-            if (mc > 3) X_PAIR(3, a3);
-            if (mc > 4) X_PAIR(4, a4);
-            if (mc > 5) X_PAIR(5, a5);
+            FOR_X_ROWS(X_PAIR);
 #undef X_PAIR
         }
         acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
@@ -754,12 +759,7 @@ ALWAYS_INLINE void rows16_q4_512(const int nr, const int mc, const uint8_t *w, i
             if (nv <= 2) {
 /* the half unit against x row I into accumulator A */
 #define X_HALF(I, A) A = q4_half_unit(A, w + 64 * q, nv, x + (I) * xstride, _mm512_mul_ps(S, _mm512_loadu_ps(X + (I) * 16 * nq)))
-                X_HALF(0, a0);
-                if (mc > 1) X_HALF(1, a1);
-                if (mc > 2) X_HALF(2, a2);
-                if (mc > 3) X_HALF(3, a3);
-                if (mc > 4) X_HALF(4, a4);
-                if (mc > 5) X_HALF(5, a5);
+                FOR_X_ROWS(X_HALF);
 #undef X_HALF
                 continue;
             }
@@ -768,12 +768,7 @@ ALWAYS_INLINE void rows16_q4_512(const int nr, const int mc, const uint8_t *w, i
 #define X_QUAD(I, A)                                                                                             \
     A = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_dot16_quad(&c, x + (I) * xstride)),                                \
                         _mm512_mul_ps(S, _mm512_loadu_ps(X + (I) * 16 * nq)), A)
-            X_QUAD(0, a0);
-            if (mc > 1) X_QUAD(1, a1);
-            if (mc > 2) X_QUAD(2, a2);
-            if (mc > 3) X_QUAD(3, a3);
-            if (mc > 4) X_QUAD(4, a4);
-            if (mc > 5) X_QUAD(5, a5);
+            FOR_X_ROWS(X_QUAD);
 #undef X_QUAD
         }
         acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = a4, acc[5] = a5;
