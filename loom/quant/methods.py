@@ -9,15 +9,18 @@ how activations enter the kernel:
 | gguf   | the file's own blocks, repacked exactly   | int16 codes per block of 32 (see below)          |
 | w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | int16 codes per block of 32                      |
 | w8a16  | RTN int8 groups of 32, best grid (q8g)    | int16 codes per block of 32                      |
-| w8a8   | RTN int8 symmetric per output channel     | int8, one dynamic scale per token (SmoothQuant's |
-|        |                                           | W8A8 without smoothing), int32 sums per block    |
+| w8a8   | RTN int8 symmetric groups of 32, of the   | int8, one dynamic scale per token, after the     |
+|        | weight rotated by block Hadamard matrices | same rotation (loom/quant/hadamard.py); int32    |
+|        |                                           | sums per block                                   |
 
 "float" activations (the model dtype) reach the C kernels, which quantize them to int16 codes per block of
 32 (2^-16 of the block's max: finer than bfloat16; qgemm.c, item 3): int8 activations per block of 32 (llama.cpp's Q8_0/Q8_1 pairing) ran no faster
 on AVX2 and agreed with the float32 top-1 token on only 92% of held-out positions (100% with float ones;
 benchmarks/NOTES.md, "Quantized kernels"). Activations are quantized once per layer input: q/k/v and gate/up are stacked into one layer, so one call
 serves them all, and a stacked layer whose shards came in different layouts shares that one quantization.
-Above `dense_min_rows` rows (prefill, large batches) a matmul is compute-bound, and the weight is
+w8a8's rotation: per-token int8 activations agreed with the float32 top-1 token on 91% of held-out positions,
+with the input rotated on 97.5%, and per-channel int8 weights alone cap it near 97.5%, hence groups of 32
+(benchmarks/NOTES.md, "w8a8: rotation and groups"). Above `dense_min_rows` rows (prefill, large batches) a matmul is compute-bound, and the weight is
 dequantized (in C) and multiplied by torch's GEMM instead (benchmarks/NOTES.md, "Quantized kernels").
 """
 
@@ -32,6 +35,7 @@ from torch import nn
 
 from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import Linear, copy_rows
+from loom.quant.hadamard import rotate, rotate_weight, rotation_block
 from loom.quant.layout import PackedWeight, dequantize
 from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quantize_q8_asym
 from loom.quant.torch_kernels import TorchQuantKernels
@@ -51,13 +55,14 @@ class PackedScheme:
     name: str  # "gguf", "w4a16", "w8a16", "w8a8"
     activations: str  # "q8_block" (int8 per 32), "q8_token" (int8 per token) or "float"
     prepacked: bool  # the checkpoint delivers PackedWeight (GGUF); else dense weights quantized at load
+    rotated: bool = False  # inputs and weights rotated by block Hadamard matrices (loom/quant/hadamard.py)
 
 
 SCHEMES = {
     "gguf": PackedScheme("gguf", "float", True),
     "w4a16": PackedScheme("w4a16", "float", False),
     "w8a16": PackedScheme("w8a16", "float", False),
-    "w8a8": PackedScheme("w8a8", "q8_token", False),
+    "w8a8": PackedScheme("w8a8", "q8_token", False, rotated=True),
 }
 
 
@@ -78,7 +83,7 @@ def quantize_for_scheme(scheme: str, weight: torch.Tensor) -> PackedWeight:
     if scheme == "w8a16":
         return quantize_q8_asym(weight, 32)
     if scheme == "w8a8":
-        return quantize_q8(weight, weight.shape[1])
+        return quantize_q8(weight, 32)
     raise ValueError(f"scheme {scheme!r} does not quantize dense weights")
 
 
@@ -113,6 +118,7 @@ class PackedLinearMethod:
         layer.packed = []  # run-time form: PackedWeights covering the rows in order
         layer.packed_bias = []  # float32 bias slice per PackedWeight, or None
         layer.dense_weight = None  # set instead when a stacked layer mixes packed and dense shards
+        layer.rotation_block = 0  # channels per Hadamard block of a rotated scheme, 0 = no rotation
 
     @staticmethod
     def _store_shard(layer: Linear, tensor: Any, shard: int | None) -> None:
@@ -138,7 +144,11 @@ class PackedLinearMethod:
             packed = list(shards)
             layer.packed_shards = []
         else:
-            packed = [quantize_for_scheme(self.scheme.name, layer.weight.data)]
+            weight = layer.weight.data
+            if self.scheme.rotated:
+                layer.rotation_block = rotation_block(layer.input_size)
+                weight = rotate_weight(weight, layer.rotation_block)
+            packed = [quantize_for_scheme(self.scheme.name, weight)]
             layer.weight = None  # the dense staging copy is dropped (a tied embedding keeps its own)
         device = device or packed[0].qweight.device
         layer.packed = _merge_if_uniform(packed)
@@ -156,6 +166,8 @@ class PackedLinearMethod:
         if layer.dense_weight is not None:
             return F.linear(x, layer.dense_weight, layer.bias)
         kernels = self.kernels
+        if layer.rotation_block:
+            x = rotate(x, layer.rotation_block)
         if x.shape[0] > self.dense_min_rows:
             if self.scheme.activations != "float":  # keep the int8 activations' numerics (w8a8 has no mins)
                 xa = kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")
@@ -175,7 +187,9 @@ class PackedLinearMethod:
             return f"{layer.dense_weight.dtype}".removeprefix("torch."), layer.dense_weight.nbytes
         layouts = "+".join(sorted({f"{p.layout}" + (f"/{p.group_size}" if p.layout == "q8g" else "")
                                    for p in layer.packed}))
-        label = f"{self.scheme.name} {layouts}" + (f" ({self.source_label})" if self.source_label else "")
+        source = ", ".join(filter(None, [self.source_label,
+                                         f"Hadamard {layer.rotation_block}" if layer.rotation_block else ""]))
+        label = f"{self.scheme.name} {layouts}" + (f" ({source})" if source else "")
         return label, sum(p.nbytes for p in layer.packed)
 
 
