@@ -10,6 +10,7 @@ import sys
 
 from loom.bench.cli import register as register_bench
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
+from loom.quant.cli import register_quantize
 from loom.server.cli import register as register_serve
 
 
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_serve(sub)
     register_bench(sub)
+    register_quantize(sub)
     return parser
 
 

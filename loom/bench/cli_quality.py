@@ -20,9 +20,10 @@ def cmd_quality(ns: argparse.Namespace) -> int:
         raise ValueError(f"--book/--text-file: {exc}") from exc
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     windows = token_windows(ids[ns.skip_tokens:], ns.num_windows, ns.window_len)
-    results = run_quality(ns.model, ns.quantization, ns.dtype, windows)
+    results = run_quality(ns.model, ns.quantization, ns.dtype, windows, ns.reference_model)
+    reference = "" if ns.reference_model is None else f" of {ns.reference_model}"
     print(f"held-out: {ns.text_file or ns.book}, {len(windows)} windows x {ns.window_len} tokens; reference: "
-          "quantization none, float32")
+          f"quantization none, float32{reference}")
     print("| quantization | dtype | decode weight MB | perplexity | change | top-1 agreement | mean KL (nats) |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
@@ -44,6 +45,9 @@ def register_quality(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--quantization", nargs="+", default=["gguf", "w8a16", "w4a16", "w8a8", "fp8"],
                    choices=QUANTIZATION_METHODS, help="methods to compare (default: %(default)s)")
+    p.add_argument("--reference-model", default=None,
+                   help="checkpoint whose float32 logits are the reference (default: --model; e.g. the source of "
+                   "a `loom quantize` output)")
     p.add_argument("--dtype", default="auto", help="activation dtype of the methods compared (default: %(default)s)")
     p.add_argument("--book", default="prideprejudice", help="Jane Austen novel (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="held-out text file instead of a novel")

@@ -86,19 +86,28 @@ def compare(reference: list[torch.Tensor], other: list[torch.Tensor], windows: l
             "mean_kl": kl / count}
 
 
-def run_quality(model: str | None, methods: list[str], dtype: str, windows: list[list[int]]) -> list[QualityResult]:
-    """Each method's logits on `windows` against quantization "none" in float32 (the reference)."""
+def run_quality(model: str | None, methods: list[str], dtype: str, windows: list[list[int]],
+                reference_model: str | None = None) -> list[QualityResult]:
+    """Each method's logits on `windows` against quantization "none" in float32 of `reference_model` (default:
+    `model` itself; another checkpoint of the same model, e.g. the source of a `loom quantize` output).
+
+    Raises:
+        ValueError: the reference's vocabulary differs from the model's.
+    """
     from loom.model.loader import load_model
     from loom.worker.model_runner import resolve_dtype
 
     device = torch.device("cpu")
-    ref_model = load_model(model, torch.float32, device, quantization="none")
+    ref_model = load_model(model if reference_model is None else reference_model, torch.float32, device,
+                           quantization="none")
     reference = [window_logits(ref_model.model, ref_model.arch, w) for w in windows]
-    del ref_model
     results = []
     for method in methods:
         torch_dtype = resolve_dtype(dtype, device, method, model)
         loaded = load_model(model, torch_dtype, device, quantization=method)
+        if loaded.arch.vocab_size != ref_model.arch.vocab_size:
+            raise ValueError(f"reference_model has {ref_model.arch.vocab_size} tokens, the model "
+                             f"{loaded.arch.vocab_size}: not the same model")
         force_kernel_path(loaded.model)
         logits = [window_logits(loaded.model, loaded.arch, w) for w in windows]
         stats = compare(reference, logits, windows)
@@ -108,4 +117,5 @@ def run_quality(model: str | None, methods: list[str], dtype: str, windows: list
                                      stats["perplexity"], stats["perplexity_change_pct"], stats["top1_agreement"],
                                      stats["mean_kl"], read_mb))
         del loaded
+    del ref_model
     return results

@@ -42,9 +42,10 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     before sampling (as transformers does); RMSNorm statistics and rotary run in float32 and SDPA
     accumulates its softmax in float32. Pass "float32" for exact transformers parity.
 
-    On CPU a packed-weight method (PACKED_CPU_METHODS; `quantization` None means "gguf" for a GGUF `model`,
-    the bundled one included) makes "auto" float32: its weights are read at their own width whatever the
-    activations are, so bfloat16 would only add its rounding. Measured on a Sapphire Rapids-class CPU
+    On CPU a packed-weight method (PACKED_CPU_METHODS; `quantization` None means the checkpoint's default,
+    loader.default_quantization: "gguf" for a GGUF `model`, the bundled one included) makes "auto" float32:
+    its weights are read at their own width whatever the activations are, so bfloat16 would only add its
+    rounding. Measured on a Sapphire Rapids-class CPU
     (benchmarks/BENCHMARKS.md, 2026-12-02): the bundled Q4_1 model agreed with the dequantized float32 model's
     top-1 token on 97.8% of held-out positions in bfloat16 and 99.98% in float32, at the same decode speed.
     """
@@ -53,9 +54,9 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     if device.type == "cpu":
         method = quantization
         if method is None:
-            from loom.model.loader import resolve_model_path
+            from loom.model.loader.model_loader import default_quantization
 
-            method = "gguf" if resolve_model_path(model).is_file() else "none"
+            method = default_quantization(model)
         if method in PACKED_CPU_METHODS:
             return torch.float32
     return torch.bfloat16 if bf16_is_fast(device) else torch.float32

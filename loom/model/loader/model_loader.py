@@ -54,6 +54,21 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def default_quantization(model: str | None) -> str:
+    """The quantization a checkpoint runs with when none is asked for: "gguf" for a GGUF file (its own blocks),
+    the method a `loom quantize` output was prepared for (loom/quant/quantize.py), else "none".
+
+    Raises:
+        ValueError: as resolve_model_path.
+    """
+    from loom.quant.quantize import prepared_method
+
+    path = resolve_model_path(model)
+    if path.is_file():
+        return "gguf"
+    return prepared_method(read_json(path / "config.json")) or "none"
+
+
 def read_arch(model: str | None) -> ModelArchConfig:
     """Architecture of a checkpoint without loading its weights (cheap for HF dirs, a few s for GGUF).
 
@@ -96,8 +111,9 @@ def load_model(
         dtype: a floating dtype for weights and activations (torch.float32, bfloat16, float16).
         device: where the parameters live.
         attention_backend: name in loom.attention.ATTENTION_BACKENDS; None = default_attention_backend(device).
-        quantization: a name in loom.quant.config.QUANTIZATION_METHODS; None = "gguf" for a GGUF file (its own
-            quantized blocks, repacked), "none" for a Hugging Face directory.
+        quantization: a name in loom.quant.config.QUANTIZATION_METHODS; None = default_quantization(model):
+            "gguf" for a GGUF file (its own quantized blocks, repacked), the method a `loom quantize` output
+            was prepared for, else "none".
 
     Raises:
         ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
@@ -119,7 +135,7 @@ def load_model(
     else:
         config = read_json(path / "config.json")
         arch = hf_arch_config(config)
-        quant_config = get_quant_config(quantization, None)
+        quant_config = get_quant_config(quantization or default_quantization(model), None)
         weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),

