@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.server.metrics import ServerMetrics
+from loom.server.security import SecurityConfig, install_security
 from loom.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest, check_token_ids,
 )
@@ -76,11 +77,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
-              disconnect_poll_s: float = 0.05) -> FastAPI:
+              disconnect_poll_s: float = 0.05, security: SecurityConfig | None = None) -> FastAPI:
     """Build the OpenAI-compatible app over a started AsyncLLMEngine.
 
     The app has its own Prometheus registry (app.state.metrics). It does not start or stop the
-    engine: the caller owns its lifecycle (see loom.server.cli).
+    engine: the caller owns its lifecycle (see loom.server.cli). `security`: API key, CORS, trusted
+    hosts and the body limit (loom/server/security.py); None = its defaults (no key, no CORS, any host,
+    32 MiB bodies).
     """
     ctx = ServingContext(engine, served_model_name or engine.model_name, disconnect_poll_s)
     metrics = ServerMetrics(ctx.model_name)
@@ -89,6 +92,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     app.state.ctx = ctx
     app.state.metrics = metrics
     _install_error_handlers(app)
+    install_security(app, security or SecurityConfig())
     created = int(time.time())
 
     @app.get("/health")

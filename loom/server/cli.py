@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import time
+from collections.abc import Mapping
 from types import FrameType
 
 import uvicorn
 
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
 from loom.engine.async_engine import AsyncLLMEngine
+from loom.server.security import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, SecurityConfig
 
 logger = logging.getLogger("loom.server")
 
@@ -25,6 +28,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use in the `model` field (default: the model file name)")
     p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} "
+                   "when set, else no key)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="CORS: origins whose web pages may call the API, e.g. http://localhost:3000, or '*' "
+                   "(default: none)")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="accepted Host headers, e.g. localhost 127.0.0.1 (default: any)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted, bytes (default: %(default)s)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -76,6 +91,20 @@ def check_listen_address(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def security_config(ns: argparse.Namespace, environ: Mapping[str, str]) -> SecurityConfig:
+    """The server's SecurityConfig from `loom serve` options; the API key from LOOM_API_KEY when --api-key is
+    not given.
+
+    Raises:
+        ValueError: an empty key, a body limit < 1, or a keep-alive timeout <= 0.
+    """
+    if not ns.timeout_keep_alive > 0:
+        raise ValueError(f"timeout_keep_alive must be > 0, got {ns.timeout_keep_alive}")
+    api_key = ns.api_key if ns.api_key is not None else environ.get(API_KEY_ENV) or None
+    return SecurityConfig(api_key=api_key, allowed_origins=list(ns.allowed_origins), allowed_hosts=ns.allowed_hosts,
+                          max_request_bytes=ns.max_request_bytes)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """Start the engine, serve until a signal, then free everything. Returns the exit code.
 
@@ -85,14 +114,18 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
+    security = security_config(ns, os.environ)
     args = engine_args_from_namespace(ns)
     check_listen_address(ns.host, ns.port)  # before the model loads, not after
     t0 = time.monotonic()
     engine = AsyncLLMEngine.from_engine_args(args)
     try:
-        app = build_app(engine, served_model_name=ns.served_model_name)
+        app = build_app(engine, served_model_name=ns.served_model_name, security=security)
         inner = engine.engine
         kv_tokens = inner.num_kv_blocks * inner.block_size
+        if security.api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("serving on %s without an API key: anyone who can reach it may use it (--api-key)",
+                           ns.host)
         logger.info(
             "serving %s on http://%s:%d (ready in %.1f s); KV cache %d blocks x %d tokens = %d tokens "
             "(%.1f MiB, %.1f requests of max_model_len=%d)",
@@ -100,7 +133,8 @@ def run_serve(ns: argparse.Namespace) -> int:
             inner.block_size, kv_tokens, kv_tokens * inner.kv_bytes_per_token / (1 << 20),
             kv_tokens / inner.max_model_len, inner.max_model_len)
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                                lifespan="off", timeout_graceful_shutdown=5)
+                                lifespan="off", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=ns.timeout_keep_alive)
         _run_until_signal(_Server(config, engine))
     finally:
         engine.shutdown()
@@ -108,4 +142,4 @@ def run_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "run_serve"]
+__all__ = ["register", "run_serve", "security_config"]
