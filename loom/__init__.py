@@ -1,10 +1,17 @@
 """loom: a readable LLM inference engine and OpenAI-compatible server on PyTorch."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from loom.config import EngineArgs
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams
 
-__all__ = ["EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "LLM"]
+try:
+    __version__ = version("loom")
+except PackageNotFoundError:  # run from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "LLM"]
 
 
 def __getattr__(name: str):  # LLM pulls in torch; keep `import loom` light for the core tests

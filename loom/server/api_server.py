@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from loom import __version__ as loom_version
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.server.metrics import ServerMetrics
 from loom.server.security import SecurityConfig, install_security
@@ -47,6 +48,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"Malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
+    if first.get("type") == "extra_forbidden":
+        return (f"{where}: unknown parameter; loom does not implement it (docs/serving.md lists the "
+                "parameters)"), param
     return f"{where}: {first.get('msg', 'invalid value')}", param
 
 
@@ -101,12 +105,32 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             return error_response(503, "The engine is not running.", code="engine_not_running")
         return JSONResponse({"status": "ok"})
 
+    model_card = {"id": ctx.model_name, "object": "model", "created": created, "owned_by": "loom",
+                  "root": ctx.model_name, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": created, "owned_by": "loom",
-            "root": ctx.model_name, "max_model_len": engine.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:  # the openai client's models.retrieve
+        check_model(ctx, model_id)
+        return model_card
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": loom_version}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:  # vLLM's route: lets clients (lm-eval) take our tokenizer
+        tok = engine.tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "vocab_size": engine.vocab_size,
+                                "model_max_length": engine.max_model_len,
+                                "chat_template": getattr(tok, "chat_template", None)}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            value = getattr(tok, name, None)
+            info[name] = value if isinstance(value, str) else None
+        return info
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

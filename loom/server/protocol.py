@@ -2,7 +2,10 @@
 
 Types are strict (no "0.5" for a float, no true for an int) and non-finite floats are refused, so
 wrong types never reach the engine. Every user error becomes `RequestError` (HTTP 400) naming the
-parameter, before the engine sees the request.
+parameter, before the engine sees the request. A field no model here declares is refused with a 400 naming
+it (extra="forbid"): a parameter loom does not implement is never silently ignored (vLLM's `guided_json`
+and `use_beam_search` used to be). The few OpenAI fields that ask nothing of an inference server (`store`,
+`metadata`, `service_tier`, `user`) are accepted.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class RequestError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -57,6 +60,9 @@ class _SamplingFields(_Strict):
     frequency_penalty: Float | None = None
     logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # accepted for compatibility, unused
+    store: bool | None = None  # OpenAI stores the completion for its dashboard: nothing to store here, unused
+    metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions, unused
+    service_tier: Literal["auto", "default"] | None = None  # one tier here
     stream: bool = False
     stream_options: StreamOptions | None = None
     # extras beyond the OpenAI API
@@ -101,6 +107,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None  # 0..20, needs logprobs=true
     tools: list[dict[str, Any]] | None = None  # not supported: refused when non-empty
+    tool_choice: Literal["none", "auto"] | None = None  # without tools only ("none" / "auto" choose nothing)
+    parallel_tool_calls: bool | None = None  # without tools: nothing to parallelize, unused
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
 

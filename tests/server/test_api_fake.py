@@ -237,3 +237,42 @@ def test_server_healthy_after_fuzz(client: httpx.Client, fake_server: LiveServer
     assert wait_for(lambda: fake_server.engine.get_stats().num_running == 0, 5)
     assert client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}).status_code == 200
     time.sleep(0)
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "bogus": 1}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
+])
+def test_an_unknown_parameter_is_400_naming_it(client: httpx.Client, path: str, body: dict, field: str) -> None:
+    """Nothing a client sends is silently ignored: a field loom does not implement is refused by name."""
+    r = client.post(path, json=body)
+    assert_error(r, 400, field)
+    assert "unknown parameter" in r.json()["error"]["message"] or field == "tool_choice"
+
+
+def test_harmless_openai_fields_are_accepted(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "store": False, "metadata": {"a": "b"},
+        "service_tier": "auto", "user": "u1", "parallel_tool_calls": False, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+
+
+def test_model_retrieve_version_and_tokenizer_info(client: httpx.Client, fake_server: LiveServer) -> None:
+    from openai import NotFoundError, OpenAI
+
+    oai = OpenAI(base_url=fake_server.v1, api_key="x", max_retries=0)
+    name = oai.models.list().data[0].id
+    assert oai.models.retrieve(name).id == name
+    with pytest.raises(NotFoundError):
+        oai.models.retrieve("no-such-model")
+    import loom
+
+    assert client.get("/version").json() == {"version": loom.__version__} and loom.__version__ != "0+unknown"
+    info = client.get("/tokenizer_info").json()
+    assert info["vocab_size"] == fake_server.engine.vocab_size and "tokenizer_class" in info
