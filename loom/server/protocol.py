@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loom.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -33,8 +33,35 @@ class RequestError(ValueError):
         self.code = code  # short machine-readable code, e.g. "model_not_found"
 
 
+def check_unicode(value: Any) -> None:
+    """Raise ValueError if a string in `value` (nested lists and dicts, keys included) is not valid Unicode:
+    JSON's \\ud800-style escapes can carry lone UTF-16 surrogates, which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            code = ord(value[exc.start])
+            raise ValueError(f"contains a lone UTF-16 surrogate (U+{code:04X}) at character {exc.start}: "
+                             "not valid Unicode") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key)
+            check_unicode(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_unicode(item)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        # every string field, at the edge: a surrogate would otherwise fail deep in the tokenizer (a 500)
+        if not isinstance(value, BaseModel):  # nested models check their own fields
+            check_unicode(value)
+        return value
 
 
 class StreamOptions(_Strict):

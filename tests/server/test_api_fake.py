@@ -276,3 +276,34 @@ def test_model_retrieve_version_and_tokenizer_info(client: httpx.Client, fake_se
     assert client.get("/version").json() == {"version": loom.__version__} and loom.__version__ != "0+unknown"
     info = client.get("/tokenizer_info").json()
     assert info["vocab_size"] == fake_server.engine.vocab_size and "tokenizer_class" in info
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/completions", '{"prompt": "hi \\ud800 there", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 2}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"\\ud800": 1}, "max_tokens": 2}', "logit_bias"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud83d"}], "max_tokens": 2}', "messages"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}], "max_tokens": 2}',
+     "messages"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_lone_surrogates_are_400_naming_the_field_and_the_connection_stays(client: httpx.Client, path: str,
+                                                                           raw: str, param: str) -> None:
+    """JSON escapes can carry lone UTF-16 surrogates, which no tokenizer encodes (the real one raised deep in
+    the handler: a 500 that dropped the connection). Refused at the edge, on the same keep-alive connection."""
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400, param)
+    assert "surrogate" in r.json()["error"]["message"]
+    ok = client.post("/v1/completions", content='{"prompt": "ok \\ud83d\\ude00", "max_tokens": 2}',
+                     headers={"content-type": "application/json"})  # a valid surrogate pair is fine
+    assert ok.status_code == 200
+
+
+def test_the_real_tokenizer_cannot_encode_a_lone_surrogate() -> None:
+    """Why the edge check exists (the failure it prevents)."""
+    from loom.model.loader import load_tokenizer
+
+    with pytest.raises(Exception):  # noqa: B017 - the tokenizers library raises its own error types
+        load_tokenizer(None).encode("a\ud800b")
