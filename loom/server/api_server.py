@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -145,21 +146,29 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         return await create_chat_completion(ctx, body, raw)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest) -> Response:
         check_model(ctx, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            tokens = chat_prompt_ids(ctx, body.messages)
-        else:
-            tokens = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+        def work() -> Response:  # templating and tokenizing are CPU work: in a worker thread
+            if body.messages is not None:
+                tokens = chat_prompt_ids(ctx, body.messages)
+            else:
+                tokens = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
+
+        return await asyncio.to_thread(work)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(body: DetokenizeRequest) -> Response:
         check_model(ctx, body.model)
-        check_token_ids("tokens", body.tokens, engine.vocab_size)
-        return {"prompt": str(engine.tokenizer.decode(body.tokens, skip_special_tokens=False))}
+
+        def work() -> Response:
+            check_token_ids("tokens", body.tokens, engine.vocab_size)
+            return JSONResponse({"prompt": str(engine.tokenizer.decode(body.tokens, skip_special_tokens=False))})
+
+        return await asyncio.to_thread(work)
 
     return app
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from loom.engine.async_engine import RequestStream
-from loom.outputs import CompletionOutput
+from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
 from loom.server.serving_common import (
@@ -82,7 +83,8 @@ def _logprobs(ctx: ServingContext, c: CompletionOutput, start: int, num_top: int
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, raw: Request) -> Response:
     """Serve one /v1/chat/completions request. Raises RequestError for client errors (400/404/503)."""
     arrival = time.monotonic()
-    prompt_ids, params, num_top = _validate(ctx, body)
+    # templating (and tokenizing) a long conversation is CPU work: off the event loop, as is rendering below
+    prompt_ids, params, num_top = await asyncio.to_thread(_validate, ctx, body)
     streams = await submit_all(ctx, "chatcmpl", [prompt_ids], params, arrival, body.cache_salt)
     response_id = f"chatcmpl-{body.request_id}" if body.request_id else new_request_id("chatcmpl")
     if body.stream:
@@ -94,7 +96,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if gone:
         return Response(status_code=499)
     raise_if_failed(finals)
-    out = finals[0]
+    return await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top)
+
+
+def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: int | None) -> JSONResponse:
+    """The non-streamed chat.completion body (logprobs decoded, JSON encoded): run in a worker thread."""
     choices = [{
         "index": c.index,
         "message": {"role": "assistant", "content": c.text},

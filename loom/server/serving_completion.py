@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ def _choice_logprobs(ctx: ServingContext, body: CompletionRequest, out: RequestO
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: Request) -> Response:
     """Serve one /v1/completions request. Raises RequestError for client errors (400/404/503)."""
     arrival = time.monotonic()
-    prompts, params = _validate(ctx, body)
+    prompts, params = await asyncio.to_thread(_validate, ctx, body)  # CPU work: off the event loop
     streams = await submit_all(ctx, "cmpl", [p.engine_prompt for p in prompts], params, arrival, body.cache_salt)
     response_id = f"cmpl-{body.request_id}" if body.request_id else new_request_id("cmpl")
     if body.stream:
@@ -92,6 +93,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     if gone:
         return Response(status_code=499)
     raise_if_failed(finals)
+    return await asyncio.to_thread(_render, ctx, body, finals, prompts, response_id)
+
+
+def _render(ctx: ServingContext, body: CompletionRequest, finals: Sequence[RequestOutput], prompts: list[_Prompt],
+            response_id: str) -> JSONResponse:
+    """The non-streamed text_completion body (echo, logprobs decoded, JSON encoded): run in a worker thread."""
     choices = []
     for i, (out, prompt) in enumerate(zip(finals, prompts)):
         for c in out.outputs:

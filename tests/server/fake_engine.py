@@ -22,10 +22,13 @@ SPECIAL = {EOS: "<|endoftext|>", IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
 class FakeTokenizer:
     eos_token_id = EOS
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, large_text_delay_s: float = 0.0) -> None:
         self.vocab_size = vocab_size  # ids >= 259 decode to nothing
+        self.large_text_delay_s = large_text_delay_s  # emulated CPU time to encode a text of 1 MB or more
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.large_text_delay_s and len(text) >= 1 << 20:
+            time.sleep(self.large_text_delay_s)  # wherever this runs, that thread is busy meanwhile
         return [b + 3 for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -76,8 +79,8 @@ class FakeEngine:
 
     def __init__(self, max_model_len: int = 256, vocab_size: int = 300, num_kv_blocks: int = 64,
                  block_size: int = 16, max_num_seqs: int = 8, max_waiting_requests: int | None = None,
-                 step_delay_s: float = 0.0) -> None:
-        self.tokenizer = FakeTokenizer(vocab_size)
+                 step_delay_s: float = 0.0, large_text_delay_s: float = 0.0) -> None:
+        self.tokenizer = FakeTokenizer(vocab_size, large_text_delay_s)
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size

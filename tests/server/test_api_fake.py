@@ -307,3 +307,38 @@ def test_the_real_tokenizer_cannot_encode_a_lone_surrogate() -> None:
 
     with pytest.raises(Exception):  # noqa: B017 - the tokenizers library raises its own error types
         load_tokenizer(None).encode("a\ud800b")
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (5 << 20)}], "max_tokens": 1}),
+    ("/tokenize", {"prompt": "x" * (5 << 20)}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x" * (5 << 20)}]}),
+    ("/v1/completions", {"prompt": "x" * (5 << 20), "max_tokens": 1}),
+])
+def test_a_probe_answers_while_a_5mb_request_is_templated_and_tokenized(path: str, body: dict) -> None:
+    """CPU work of one request (chat template, tokenizer, rendering) runs off the event loop: a liveness probe
+    answers at once while a 5 MB request takes a second of (emulated) tokenizer time and is then refused."""
+    import threading
+
+    front, _ = make_fake_front(step_delay_s=0.001, large_text_delay_s=1.5)
+    with serve(front) as live, httpx.Client(base_url=live.base_url, timeout=30) as probe:
+        probe.get("/health")  # connection open
+        result: dict[str, Any] = {}
+
+        def big() -> None:
+            with httpx.Client(base_url=live.base_url, timeout=60) as c:
+                result["status"] = c.post(path, json=body).status_code
+
+        thread = threading.Thread(target=big)
+        started = time.monotonic()
+        thread.start()
+        latencies = []
+        while thread.is_alive() and time.monotonic() - started < 10:
+            t0 = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        thread.join()
+        assert time.monotonic() - started >= 1.5  # the emulated tokenizer time did pass
+        assert result["status"] in (200, 400), result  # 400: longer than max_model_len
+        assert len(latencies) >= 5 and max(latencies) < 0.5, latencies  # on the event loop: >= 1.5 s
