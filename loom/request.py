@@ -48,6 +48,7 @@ class Request:
     arrival_time: float  # time.monotonic() seconds, when the request reached the engine front
     max_tokens: int  # resolved: min(sampling_params.max_tokens, max_model_len - num_prompt_tokens)
     cache_salt: str | None = None  # extra key of the prefix-cache hash: different salts never share blocks
+    group_id: str | None = None  # the user-facing request this one is a copy of (n > 1); None = itself
     output_token_ids: list[int] = field(default_factory=list)  # [num_output_tokens]
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission

@@ -139,7 +139,8 @@ class Scheduler:
         Raises:
             ValueError: empty prompt (`prompt`); prompt too long for the model (`max_model_len`);
                 more KV blocks needed than the whole pool (`num_kv_blocks`); duplicate `request_id`.
-            QueueFullError: max_waiting_requests requests are already waiting.
+            QueueFullError: max_waiting_requests requests are already waiting beyond the free running seats
+                (the n copies of one user request count once; see _queue_is_full).
         """
         n = request.num_prompt_tokens
         if n == 0:
@@ -158,13 +159,26 @@ class Scheduler:
             )
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
-        limit = self.scheduler_config.max_waiting_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"{len(self.waiting)} requests waiting (max_waiting_requests={limit})")
+        if self._queue_is_full(request):
+            raise QueueFullError(f"{len(self.waiting)} requests waiting (max_waiting_requests="
+                                 f"{self.scheduler_config.max_waiting_requests}, all running seats taken)")
         request.status = RequestStatus.WAITING
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _queue_is_full(self, request: Request) -> bool:
+        """max_waiting_requests bounds the user requests that must wait for a seat: a request counts once
+        however many copies (n) it has, and requests the next step will admit into free running seats
+        (max_num_seqs - running) do not count, so a burst on an idle server is not refused."""
+        limit = self.scheduler_config.max_waiting_requests
+        if limit is None:
+            return False
+        groups = {r.group_id or r.request_id for r in self.waiting}
+        if (request.group_id or request.request_id) in groups:
+            return False  # a copy of a request already counted
+        free_seats = max(0, self.scheduler_config.max_num_seqs - len(self.running))
+        return len(groups) >= limit + free_seats
 
     # ---- schedule --------------------------------------------------------------------------------
 

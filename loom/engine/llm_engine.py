@@ -189,6 +189,7 @@ class LLMEngine:
                         arrival_time=arrival_time,
                         max_tokens=max_tokens,
                         cache_salt=cache_salt,
+                        group_id=request_id,
                     )
                 )
                 added.append(child_id)

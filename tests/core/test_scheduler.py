@@ -138,14 +138,36 @@ def test_stop_token_finishes_with_stop_reason(
 
 
 def test_queue_full(make_request: MakeRequest, make_scheduler: MakeScheduler) -> None:
-    sched = make_scheduler(max_waiting_requests=2)
-    sched.add_request(make_request("a", [1]))
-    sched.add_request(make_request("b", [1]))
+    sched = make_scheduler(max_waiting_requests=2, max_num_seqs=2)
+    for rid in "abcd":  # an idle scheduler: two take the free seats at the next step, two wait
+        sched.add_request(make_request(rid, [1], 50))
     with pytest.raises(QueueFullError):
-        sched.add_request(make_request("c", [1]))
-    sched.schedule()  # both admitted: the queue has room again
-    sched.add_request(make_request("c", [1]))
-    assert sched.num_waiting == 1 and sched.num_running == 2
+        sched.add_request(make_request("e", [1], 50))
+    sched.schedule()  # a and b admitted: the seats are taken, c and d wait, the queue is full
+    assert sched.num_waiting == 2 and sched.num_running == 2
+    with pytest.raises(QueueFullError):
+        sched.add_request(make_request("e", [1], 50))
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # a seat frees: one more may queue
+    sched.add_request(make_request("e", [1], 50))
+    with pytest.raises(QueueFullError):
+        sched.add_request(make_request("f", [1], 50))
+
+
+def test_the_copies_of_one_request_count_once_against_the_queue(make_request: MakeRequest,
+                                                                 make_scheduler: MakeScheduler) -> None:
+    """n copies larger than max_waiting_requests still queue: they are one user request (before, such a
+    request got 'queue full, retry later' forever)."""
+    sched = make_scheduler(max_waiting_requests=1, max_num_seqs=1)
+    sched.add_request(make_request("busy", [1], 50))
+    sched.schedule()  # the one seat is taken
+    for i in range(4):
+        r = make_request(f"{i}_big", [1], 50)
+        r.group_id = "big"
+        sched.add_request(r)
+    other = make_request("other", [1], 50)
+    with pytest.raises(QueueFullError):  # the queue holds one user request: "big"
+        sched.add_request(other)
+    assert sched.num_waiting == 4
 
 
 def test_abort_waiting_and_running_frees_blocks(

@@ -205,3 +205,26 @@ def test_chat_checks_messages_like_the_server(llm: LLM) -> None:
         llm.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}], params, use_tqdm=False)
     out = llm.chat([{"role": "user"}], params, use_tqdm=False)  # no content = "", as the server takes it
     assert len(out[0].outputs[0].token_ids) == 1
+
+
+def test_a_request_with_n_copies_counts_once_against_the_waiting_queue() -> None:
+    """max_waiting_requests=1: a request with n=3 queues behind a running one (its copies are one user
+    request), a second user request is refused, and every block comes back."""
+    from loom.core.scheduler import QueueFullError
+    from loom.engine.llm_engine import LLMEngine
+    from loom.config import EngineArgs
+
+    engine = LLMEngine.from_engine_args(EngineArgs(max_waiting_requests=1, max_num_seqs=1, max_model_len=256))
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    engine.add_request("a", "Hello", params)
+    engine.step()  # a takes the only seat
+    engine.add_request("b", "Hello there", SamplingParams(temperature=0.8, max_tokens=4, n=3, seed=1))
+    with pytest.raises(QueueFullError):
+        engine.add_request("c", "Hi", params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {"a", "b"} and len(finished["b"].outputs) == 3
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
