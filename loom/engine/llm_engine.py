@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 import time
@@ -120,9 +122,30 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit max_model_len tokens, whatever it says: max_model_len times
+        the longest token's length in characters (a byte-level token's string has one character per byte, and
+        a decoded character is at least one byte, so no token covers more characters than that)."""
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return self.max_model_len * max(longest, 1)
+
+    def check_prompt_chars(self, text: str, name: str = "prompt") -> None:
+        """Refuse, before tokenizing it, a text too long to fit max_model_len (see max_prompt_chars).
+
+        Raises:
+            ValueError: naming `name`.
+        """
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"{name} of {len(text)} characters cannot fit max_model_len={self.max_model_len} "
+                             f"tokens (no token of this tokenizer is longer than "
+                             f"{self.max_prompt_chars // self.max_model_len} characters)")
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt; a list of ints is checked against the vocabulary. Raises ValueError."""
+        """Token ids of a prompt; a list of ints is checked against the vocabulary. Raises ValueError (also for a
+        text too long to fit max_model_len, refused before it is tokenized)."""
         if isinstance(prompt, str):
+            self.check_prompt_chars(prompt)
             return list(self.tokenizer.encode(prompt))  # the tokenizer's own BOS rule, as its model expects
         if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids")
@@ -132,7 +155,12 @@ class LLMEngine:
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template plus the generation prompt."""
+        """Token ids of a conversation rendered with the model's chat template plus the generation prompt.
+
+        Raises:
+            ValueError: the messages' text cannot fit max_model_len (checked before templating).
+        """
+        self.check_prompt_chars("".join(str(m.get("content") or "") for m in messages), "messages")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

@@ -228,3 +228,19 @@ def test_a_request_with_n_copies_counts_once_against_the_waiting_queue() -> None
                 finished[out.request_id] = out
     assert set(finished) == {"a", "b"} and len(finished["b"].outputs) == 3
     assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(llm: LLM, monkeypatch) -> None:
+    """The work a request may cause is bounded by what it may use: a text longer than max_model_len times the
+    longest token's characters is refused without running the tokenizer or the template on it."""
+    engine = llm.engine
+    too_long = "x" * (engine.max_prompt_chars + 1)
+    calls = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(1) or [1])
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or "")
+    with pytest.raises(ValueError, match=r"^prompt of \d+ characters cannot fit max_model_len"):
+        engine.add_request("long", too_long, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"^messages of \d+ characters cannot fit"):
+        engine.apply_chat_template([{"role": "user", "content": too_long}])
+    assert not calls and not engine.has_unfinished_requests()
+    assert engine.max_prompt_chars >= engine.max_model_len  # the bound never refuses a prompt that fits
