@@ -21,6 +21,7 @@
 | logprobs | return the sampled token's logprob plus this many top logprobs (raw log-softmax of the model) | None or 0..20 | None |
 | prompt_logprobs | same for every prompt token (the first has none) | None or 0..20 | None |
 | skip_special_tokens | drop special tokens from the text | bool | True |
+| structured_output | constrain the output to a JSON schema, any JSON object, a regex, one of some strings, or a Lark grammar (StructuredOutputParams; loom/sample/structured.py) | exactly one constraint | None |
 
 The "raw" logprobs are computed from the model's logits before temperature, penalties and truncation,
 as vLLM does by default.
@@ -34,6 +35,49 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+
+
+@dataclass(slots=True)
+class StructuredOutputParams:
+    """One constraint on the generated text (set exactly one field); vLLM's `structured_outputs` names.
+
+    json: a JSON schema (dict or its JSON text); json_object: any JSON object; regex: a regular expression the
+    whole output matches (Rust regex syntax); choice: the output is exactly one of these strings; grammar: a
+    context-free grammar in Lark syntax (llguidance's dialect). The grammar engine is llguidance
+    (loom/sample/structured.py); the constraint is checked and compiled when the request is added.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def verify(self) -> None:
+        """Raise ValueError unless exactly one constraint of the right type is set."""
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_output.json_object must be a boolean, got {self.json_object!r}")
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_output needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_output.json must be a JSON schema (object or string), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_output.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_output.choice must be a non-empty list of non-empty strings")
+
+    def key(self) -> str:
+        """A canonical text of the constraint (the compile cache's key)."""
+        import json as _json
+
+        return _json.dumps([self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True)
 
 
 @dataclass(slots=True)
@@ -57,6 +101,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +174,15 @@ class SamplingParams:
                 _int(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutputParams):
+                raise ValueError("structured_output must be a StructuredOutputParams")
+            self.structured_output.verify()
+            # a finished grammar allows only the end-of-sequence token: nothing could be sampled
+            if self.ignore_eos:
+                raise ValueError("structured_output cannot be combined with ignore_eos")
+            if self.min_tokens:
+                raise ValueError("structured_output cannot be combined with min_tokens")
 
     @property
     def greedy(self) -> bool:

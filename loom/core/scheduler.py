@@ -501,6 +501,11 @@ class Scheduler:
             self.proposer.request_finished(request.request_id, request.output_token_ids)
         self._finished_req_ids.append(request.request_id)
 
+    @property
+    def finished_request_ids(self) -> list[str]:
+        """Requests that ended since the last schedule() (a copy)."""
+        return list(self._finished_req_ids)
+
     # ---- stats -----------------------------------------------------------------------------------
 
     @property

@@ -18,6 +18,7 @@ from loom.core.scheduler import Scheduler
 from loom.core.sched_output import EngineCoreOutput, SchedulerOutput
 from loom.engine.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
+from loom.sample.structured import StructuredOutputManager
 from loom.request import Request, RequestStatus
 from loom.sample.penalties import check_params_against_vocab
 from loom.sampling_params import SamplingParams
@@ -96,6 +97,10 @@ class LLMEngine:
                         "at every batch size" if spec.disable_by_batch_size is None
                         else f"off while >= {spec.disable_by_batch_size} requests run")
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.speculative = spec is not None
+        # grammar matchers of structured-output requests (built on first use: llguidance wraps the tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.structured = self.structured
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         logger.info(
             "loaded %s (%s, %s) in %.1f s; KV cache (%s): %d bytes/token, %d blocks of %d tokens = %d tokens max; "
@@ -140,6 +145,19 @@ class LLMEngine:
             raise ValueError(f"{name} of {len(text)} characters cannot fit max_model_len={self.max_model_len} "
                              f"tokens (no token of this tokenizer is longer than "
                              f"{self.max_prompt_chars // self.max_model_len} characters)")
+
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile a request's structured-output constraint now (cached), so a bad one fails at the edge.
+
+        Raises:
+            ValueError: the constraint is invalid, or speculative decoding is on (drafts are not yet checked
+                against a grammar).
+        """
+        if params.structured_output is None:
+            return
+        if self.speculative:
+            raise ValueError("structured_output is not supported with speculative decoding yet")
+        self.structured.compile(params.structured_output)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt; a list of ints is checked against the vocabulary. Raises ValueError (also for a
@@ -188,6 +206,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.verify()  # again: fields may have been changed since construction
         check_params_against_vocab(params, self.vocab_size)  # here, not mid-batch where it fails every request
+        if params.structured_output is not None:
+            self.check_structured_output(params)
         prompt_text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None or prompt_text is None:
             prompt_token_ids = self.tokenize(prompt)
@@ -239,6 +259,7 @@ class LLMEngine:
                 continue
             self.output_processor.abort_request(request_id)
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            self.structured.free(child_ids)
             del self._children[request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -266,6 +287,7 @@ class LLMEngine:
         for out in processed.request_outputs:
             if out.finished:
                 self._children.pop(out.request_id, None)
+        self.structured.free(self.scheduler.finished_request_ids)  # grammar matchers of ended requests
         return processed.request_outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:

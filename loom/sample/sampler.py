@@ -2,7 +2,8 @@
 
 Order of processing (docs/sampling.md explains each step):
 1. logprobs from the RAW logits (log_softmax before anything else), when the request asks;
-2. bans (-inf), logit_bias, repetition penalty, presence/frequency penalties (penalties.py);
+2. bans (-inf), logit_bias, repetition penalty, presence/frequency penalties (penalties.py), then a
+   structured-output request's grammar mask (-inf for the tokens its grammar forbids; structured.py);
 3. greedy rows (temperature 0) take the argmax of the processed logits;
 4. other rows: divide by temperature, then top_k, top_p, min_p, then draw by inverse transform sampling.
 
@@ -36,6 +37,7 @@ class SamplingInput:
     prompt_token_ids: list[int]  # [num_prompt_tokens], for the repetition penalty
     output_token_ids: list[int]  # [num_output_tokens] so far, for penalties and min_tokens
     eos_token_ids: frozenset[int]  # the request's end-of-sequence set (banned by ignore_eos / min_tokens)
+    token_bitmask: torch.Tensor | None = None  # int32 [ceil(vocab / 32)]: allowed tokens (structured output)
 
 
 @dataclass(slots=True)
@@ -65,6 +67,9 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], default_generator:
     logits = logits.float()
     processed = logits.clone()
     penalties.apply_all(processed, inputs)
+    masked = [i for i, inp in enumerate(inputs) if inp.token_bitmask is not None]
+    if masked:
+        apply_token_bitmask(processed, masked, [inputs[i].token_bitmask for i in masked])
     sampled = processed.argmax(dim=-1)
     random_rows = [i for i, inp in enumerate(inputs) if inp.params.temperature >= MIN_TEMPERATURE]
     if random_rows:
@@ -73,6 +78,29 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], default_generator:
         uniforms = row_uniforms(sub_inputs, default_generator)
         sampled[random_rows] = inverse_transform_sample(probs, uniforms.to(probs.device))
     return SamplerOutput(sampled_token_ids=sampled, logprobs=_requested_logprobs(logits, sampled, inputs))
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[torch.Tensor]) -> None:
+    """Set to -inf, in place, the logits of the tokens each row's bitmask forbids.
+
+    Args:
+        logits: [num_rows, vocab_size] float32.
+        rows: the rows to mask.
+        masks: int32 [ceil(vocab_size / 32)] each: bit t % 32 of word t // 32 set = token t allowed (llguidance's
+            and xgrammar's layout). A mask that allows nothing leaves its row as it is (nothing to choose from).
+    """
+    words = torch.stack([m.to(torch.int32).cpu() for m in masks])  # [rows, words]
+    allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().reshape(len(rows), -1)[:, : logits.shape[1]]
+    if allowed.shape[1] < logits.shape[1]:  # a mask shorter than the vocabulary forbids the rest
+        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]), value=False)
+    allowed[~allowed.any(dim=1)] = True
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, index)
+    sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
+    logits.index_copy_(0, index, sub)
 
 
 def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

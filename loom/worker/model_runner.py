@@ -11,6 +11,7 @@ from loom.attention.metadata import AttentionMetadata
 from loom.config import CacheConfig, ModelConfig
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from loom.model.loader import load_model
+from loom.sample.structured import StructuredOutputManager
 from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
 from loom.spec.verify import accept_sampled
 from loom.attention.kv_quant import resolve_kv_cache_dtype
@@ -112,9 +113,12 @@ class ModelRunner:
         )
         self.host_kv_cache = HostKVCache(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
         self.default_generator = torch.Generator().manual_seed(model_config.seed)  # unseeded rows' uniforms
+        self.structured: StructuredOutputManager | None = None  # set by the engine; grammar masks per request
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.structured is not None:
+            self.structured.free(scheduler_output.finished_req_ids)
         self._copy_host_blocks(scheduler_output)
         self._copy_branch_context(scheduler_output.scheduled)
         if scheduler_output.is_empty:
@@ -253,6 +257,11 @@ class ModelRunner:
             # a verify pass samples after the last token and after each draft of each branch, each row with
             # the output it would follow (penalties, min_tokens, and a seeded request's uniform for that
             # position)
+            spec = r.sampling_params.structured_output
+            bitmask = None
+            if spec is not None:  # no drafts: the engine refuses structured output with speculative decoding
+                assert self.structured is not None and not r.spec_token_ids
+                bitmask = self.structured.bitmask(r.request_id, spec, r.output_token_ids)
             for drafts in _branches(r):
                 for j in range(len(drafts) + 1):
                     sampling_inputs.append(SamplingInput(
@@ -260,6 +269,7 @@ class ModelRunner:
                         prompt_token_ids=r.prompt_token_ids,
                         output_token_ids=r.output_token_ids + drafts[:j] if j else r.output_token_ids,
                         eos_token_ids=self.eos_token_ids,
+                        token_bitmask=bitmask,
                     ))
         result = sample(logits, sampling_inputs, self.default_generator)
         token_ids = result.sampled_token_ids.tolist()

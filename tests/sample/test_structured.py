@@ -1,0 +1,103 @@
+"""Structured output (loom/sample/structured.py, sampler.apply_token_bitmask) on the real bundled tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loom.sample.sampler import SamplingInput, apply_token_bitmask, sample
+from loom.sample.structured import StructuredOutputManager
+from loom.sampling_params import SamplingParams, StructuredOutputParams as SO
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from loom.model.loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture()
+def manager(tokenizer) -> StructuredOutputManager:
+    return StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+
+
+def _allowed(mask: torch.Tensor, vocab: int) -> set[int]:
+    logits = torch.zeros(1, vocab)
+    apply_token_bitmask(logits, [0], [mask])
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+def test_apply_token_bitmask_matches_a_bit_by_bit_reference() -> None:
+    torch.manual_seed(0)
+    vocab = 100
+    masks = [torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32) for _ in range(2)]
+    logits = torch.randn(3, vocab)
+    got = logits.clone()
+    apply_token_bitmask(got, [0, 2], masks)
+    for row, mask in zip([0, 2], masks, strict=True):
+        for t in range(vocab):
+            allowed = (int(mask[t // 32]) >> (t % 32)) & 1
+            assert (got[row, t] == logits[row, t]) if allowed else got[row, t] == float("-inf")
+    assert torch.equal(got[1], logits[1])  # rows without a mask are untouched
+
+
+def test_a_choice_allows_only_its_prefixes_then_eos(manager, tokenizer) -> None:
+    spec = SO(choice=["yes", "no"])
+    first = _allowed(manager.bitmask("r", spec, []), 49152)
+    texts = {tokenizer.decode([t]) for t in first}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    after = _allowed(manager.bitmask("r", spec, yes), 49152)
+    assert after == {tokenizer.eos_token_id}  # complete: only the end of the sequence
+    manager.free(["r"])
+    assert manager.num_matchers == 0
+
+
+def test_json_schema_masks_follow_the_schema(manager, tokenizer) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    spec = SO(json=schema)
+    prefix = tokenizer.encode('{"a": ', add_special_tokens=False)
+    allowed = _allowed(manager.bitmask("r", spec, prefix), 49152)
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert "1" in texts and not any(t.strip().startswith('"') for t in texts)  # an integer, not a string
+
+
+def test_a_token_outside_the_grammar_is_an_error(manager, tokenizer) -> None:
+    bad = tokenizer.encode("maybe", add_special_tokens=False)
+    with pytest.raises(RuntimeError, match="left its grammar"):
+        manager.bitmask("r", SO(choice=["yes", "no"]), bad)
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    (SO(json={"type": "bogus"}), "invalid"),
+    (SO(json="{not json"), "not valid JSON"),
+    (SO(regex="(unclosed"), "invalid"),
+    (SO(grammar="start: undefined_rule"), "invalid"),
+])
+def test_bad_constraints_are_value_errors(manager, spec: SO, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        manager.compile(spec)
+
+
+def test_greedy_sampling_takes_the_best_allowed_token(manager) -> None:
+    spec = SO(choice=["yes", "no"])
+    mask = manager.bitmask("r", spec, [])
+    allowed = sorted(_allowed(mask, 49152))
+    logits = torch.randn(1, 49152)
+    logits[0, 0] = 100.0  # the unconstrained argmax, not allowed
+    inp = SamplingInput(params=SamplingParams(temperature=0.0), prompt_token_ids=[1], output_token_ids=[],
+                        eos_token_ids=frozenset(), token_bitmask=mask)
+    got = int(sample(logits, [inp], torch.Generator()).sampled_token_ids[0])
+    assert got == max(allowed, key=lambda t: float(logits[0, t]))
+
+
+def test_structured_output_params_are_checked() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_output=SO(regex="a", choice=["b"]))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(structured_output=SO(regex="a"), ignore_eos=True)
+    assert json.loads(SO(json={"b": 1}).key()) == json.loads(SO(json={"b": 1}).key())
