@@ -140,6 +140,11 @@ class AsyncLLMEngine:
         """The newest EngineStats snapshot (None before the first one)."""
         return self._stats
 
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile a request's structured-output constraint (LLMEngine.check_structured_output; pure and
+        thread-safe: the compile cache is shared with the engine thread). Raises ValueError."""
+        self.engine.check_structured_output(params)
+
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the chat prompt, generation prompt included. Pure tokenizer work.
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loom.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from loom.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; we allow a few more
@@ -102,6 +102,13 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # separates prefix-cache entries between tenants
+    # structured output (at most one of these; structured_output_of): OpenAI's response_format, vLLM's extras
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark syntax (llguidance)
     request_id: str | None = Field(default=None, max_length=256)  # client id echoed in the response id
 
 
@@ -136,7 +143,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None  # not supported: refused when non-empty
     tool_choice: Literal["none", "auto"] | None = None  # without tools only ("none" / "auto" choose nothing)
     parallel_tool_calls: bool | None = None  # without tools: nothing to parallelize, unused
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
 
 class TokenizeRequest(_Strict):
@@ -149,6 +155,56 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+_STRUCTURED_KEYS = {"json", "json_object", "regex", "choice", "grammar"}
+
+
+def structured_output_of(req: _SamplingFields) -> tuple[StructuredOutputParams | None, str | None]:
+    """The constraint a request asks for, and the field that asked (for errors), or (None, None).
+
+    Raises:
+        RequestError: more than one field asks, or one is malformed (naming it).
+    """
+    asked = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                               "guided_choice", "guided_grammar") if getattr(req, name) is not None]
+    if req.response_format is not None and req.response_format.get("type", "text") == "text" \
+            and set(req.response_format) <= {"type"}:
+        asked.remove("response_format")  # plain text: no constraint
+    if not asked:
+        return None, None
+    if len(asked) > 1:
+        raise RequestError(f"give at most one of {', '.join(asked)}", asked[1])
+    name = asked[0]
+    try:
+        if name == "response_format":
+            kind = req.response_format.get("type")
+            if kind == "json_object":
+                spec = StructuredOutputParams(json_object=True)
+            elif kind == "json_schema":
+                inner = req.response_format.get("json_schema")
+                if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+                    raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                                       name)
+                spec = StructuredOutputParams(json=inner["schema"])
+            else:
+                raise RequestError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                   name)
+        elif name == "structured_outputs":
+            unknown = set(req.structured_outputs) - _STRUCTURED_KEYS
+            if unknown:
+                raise RequestError(f"structured_outputs has unknown keys {sorted(unknown)}; known: "
+                                   f"{sorted(_STRUCTURED_KEYS)}", name)
+            spec = StructuredOutputParams(**req.structured_outputs)
+        else:
+            key = name.removeprefix("guided_")
+            spec = StructuredOutputParams(**{key: getattr(req, name)})
+        spec.verify()
+    except ValueError as e:
+        if isinstance(e, RequestError):
+            raise
+        raise RequestError(f"{name}: {e}", name) from e
+    return spec, name
 
 
 def _range(name: str, value: float | int | None, lo: float, hi: float) -> None:
@@ -189,6 +245,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
     stop_token_ids = list(req.stop_token_ids or [])
     check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
     logit_bias = _logit_bias(req.logit_bias, vocab_size)
+    structured, _ = structured_output_of(req)
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         _range(name, value, 0, MAX_LOGPROBS)
     try:
@@ -212,6 +269,7 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_output=structured,
         )
     except ValueError as e:  # SamplingParams' own checks: its messages start with the parameter name
         raise RequestError(str(e), param_of(str(e))) from e

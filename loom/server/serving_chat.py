@@ -16,8 +16,8 @@ from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, collect, new_request_id,
-    now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_structured_output, collect,
+    new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
 
@@ -57,8 +57,6 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
     check_model(ctx, body.model)
     if body.tools:
         raise RequestError("tools are not supported", "tools")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise RequestError("only response_format {\"type\": \"text\"} is supported", "response_format")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -71,6 +69,7 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
     if max_tokens is not None and max_tokens < 0:
         raise RequestError(f"{name} must be >= 0, got {max_tokens}", name)
     params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, None)
+    check_structured_output(ctx, body, params)
     return chat_prompt_ids(ctx, body.messages), params, num_top
 
 

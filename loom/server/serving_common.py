@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from loom.outputs import PositionLogprobs, RequestOutput
 from loom.sampling_params import SamplingParams
-from loom.server.protocol import RequestError, param_of
+from loom.server.protocol import RequestError, param_of, structured_output_of
 
 NEG_INF_LOGPROB = -9999.0  # what -inf (and NaN) logprobs become: JSON has no infinities
 RETRY_AFTER_S = 1  # Retry-After of a 503 when the waiting queue is full, seconds
@@ -37,6 +37,18 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
     """Raise RequestError (404) unless `model` is None or the served model."""
     if model is not None and model != ctx.model_name:
         raise RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
+
+
+def check_structured_output(ctx: ServingContext, body: Any, params: SamplingParams) -> None:
+    """Compile the request's structured-output constraint now (in the handler's worker thread), so a bad
+    schema, regex or grammar is a 400 naming the field that carried it."""
+    if params.structured_output is None:
+        return
+    try:
+        ctx.engine.check_structured_output(params)
+    except ValueError as e:
+        _, field = structured_output_of(body)
+        raise RequestError(str(e), field) from e
 
 
 def new_request_id(prefix: str) -> str:

@@ -15,8 +15,8 @@ from loom.engine.async_engine import RequestStream
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.server.protocol import CompletionRequest, RequestError, check_token_ids, to_sampling_params
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, collect, completion_logprobs, merge,
-    new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_structured_output, collect,
+    completion_logprobs, merge, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
 MAX_CHOICES = 1024  # prompts x n in one request
@@ -62,6 +62,7 @@ def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Promp
     num_logprobs = body.logprobs
     params = to_sampling_params(body, body.max_tokens, ctx.engine.vocab_size, num_logprobs,
                                 num_logprobs if body.echo and num_logprobs is not None else None)
+    check_structured_output(ctx, body, params)
     return _prompts(ctx, body), params
 
 

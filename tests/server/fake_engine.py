@@ -142,6 +142,10 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
+    def check_structured_output(self, params: SamplingParams) -> None:
+        if params.structured_output is not None:  # the fake decodes no grammar: shape checks only
+            params.structured_output.verify()
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         ids: list[int] = []
         for m in messages:

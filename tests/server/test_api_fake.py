@@ -240,7 +240,7 @@ def test_server_healthy_after_fuzz(client: httpx.Client, fake_server: LiveServer
 
 
 @pytest.mark.parametrize(("path", "body", "field"), [
-    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {}},
      "chat_template_kwargs"),

@@ -230,3 +230,60 @@ def test_metrics_after_traffic(live: LiveServer) -> None:
         assert float(line.split()[-1]) > 0, line
     assert f'loom:kv_cache_usage_perc{{model_name="{name}"}}' in text
     assert "loom:request_success_total{" in text
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Give me a person with a name and an age, as JSON."}]
+
+
+def test_response_format_json_schema_streamed_and_not(oai: "openai.OpenAI", live: LiveServer) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    kw = dict(model=_model(live), messages=ASK_PERSON, max_tokens=80, temperature=0,
+              response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                      "strict": True}})
+    full = oai.chat.completions.create(**kw)
+    assert full.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(full.choices[0].message.content), PERSON)
+    text = "".join(ch.delta.content or "" for chunk in oai.chat.completions.create(**kw, stream=True)
+                   for ch in chunk.choices)
+    assert text == full.choices[0].message.content
+
+
+def test_the_openai_clients_parse_with_a_pydantic_model(oai: "openai.OpenAI", live: LiveServer) -> None:
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int = Field(ge=0, le=120)
+
+    r = oai.chat.completions.parse(model=_model(live), messages=ASK_PERSON, max_tokens=80, temperature=0,
+                                   response_format=Person)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+
+
+def test_vllm_guided_extras_on_completions_and_chat(oai: "openai.OpenAI", live: LiveServer) -> None:
+    r = oai.completions.create(model=_model(live), prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
+                               n=2, extra_body={"guided_choice": [" yes", " no"]})
+    assert all(c.text in (" yes", " no") for c in r.choices)
+    r = oai.chat.completions.create(model=_model(live), messages=CHAT, max_tokens=12, temperature=0.8, seed=1,
+                                    extra_body={"structured_outputs": {"regex": "(red|green|blue), [a-z]+"}})
+    import re
+
+    assert re.fullmatch(r"(red|green|blue), [a-z]+", r.choices[0].message.content)
+
+
+def test_a_bad_schema_is_a_400_naming_the_field(oai: "openai.OpenAI", live: LiveServer) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model=_model(live), messages=CHAT, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
+    assert exc.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model=_model(live), prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})
+    assert exc.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model=_model(live), prompt="x", max_tokens=4,
+                               extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert exc.value.body["param"] in ("guided_regex", "guided_choice")
