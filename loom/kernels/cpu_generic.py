@@ -249,3 +249,27 @@ class GemvW16:
             self._fn(x.data_ptr(), x_stride, weight.data_ptr(), None if bias is None else bias.data_ptr(),
                      y.data_ptr(), m, n, k, torch.get_num_threads())
         return y
+
+
+class TokenBitmask:
+    """ctypes binding of csrc/token_bitmask.c: a grammar's token bitmask applied to float32 CPU logits in place
+    (the sampler's structured-output step; torch's masked_fill took ~1.7 ms for 16 rows of 49k tokens)."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self._apply = lib.loom_apply_token_bitmask
+        self._apply.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                ctypes.c_int64, ctypes.c_int64]
+        self._apply.restype = None
+        self.isa = isa
+
+    def apply(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> bool:
+        """logits [N, V] float32 CPU with unit column stride; masks int32 [len(rows), words] contiguous CPU.
+        Returns False (nothing done) when the tensors are not what the kernel takes."""
+        if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(1) != 1 \
+                or masks.dtype != torch.int32 or not masks.is_cpu or not masks.is_contiguous() \
+                or masks.shape[0] != len(rows):
+            return False
+        index = torch.tensor(rows, dtype=torch.int64)
+        self._apply(logits.data_ptr(), logits.stride(0), masks.data_ptr(), index.data_ptr(), len(rows),
+                    logits.shape[1], masks.shape[1])
+        return True

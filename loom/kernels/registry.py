@@ -28,7 +28,7 @@ import torch
 
 from loom.kernels import build
 from loom.kernels.cpu import GemvBf16
-from loom.kernels.cpu_generic import FusedOps, GemvW16, PagedDecode
+from loom.kernels.cpu_generic import FusedOps, GemvW16, PagedDecode, TokenBitmask
 from loom.kernels.decode_step import DecodeStep
 from loom.kernels.quant import QuantKernels
 
@@ -76,6 +76,7 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("paged_decode", ("paged_decode.c",), ("avx2", "generic"), PagedDecode),
         KernelSpec("fused_ops", ("fused_ops.c",), ("avx2", "generic"), FusedOps),
         KernelSpec("gemv_w16", ("gemv_w16.c",), ("avx2", "generic"), GemvW16),
+        KernelSpec("token_bitmask", ("token_bitmask.c",), ("generic",), TokenBitmask),
         KernelSpec("qgemm", ("qgemm.c",), ("avx512_vnni", "avx2", "generic"), lambda lib, isa: QuantKernels(lib, isa)),
         # a whole decode step over packed weights: the three libraries above, one call per step
         KernelSpec("decode_step", ("decode_step.c", "qgemm.c", "fused_ops.c", "paged_decode.c"),

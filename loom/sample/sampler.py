@@ -17,7 +17,9 @@ preemption. Unseeded rows draw theirs from the engine's generator.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,8 +93,13 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[torch
         rows: the rows to mask.
         masks: int32 [ceil(vocab_size / 32)] each: bit t % 32 of word t // 32 set = token t allowed (llguidance's
             and xgrammar's layout). A mask that allows nothing leaves its row as it is (nothing to choose from).
+
+    On the CPU loom's C kernel does it (csrc/token_bitmask.c); torch's ops elsewhere (and without a compiler).
     """
-    words = torch.stack([m.to(torch.int32).cpu() for m in masks])  # [rows, words]
+    words = torch.stack([m.to(torch.int32).cpu() for m in masks]).contiguous()  # [rows, words]
+    kernel = _bitmask_kernel() if logits.is_cpu else None
+    if kernel is not None and kernel.apply(logits, rows, words):
+        return
     allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().reshape(len(rows), -1)[:, : logits.shape[1]]
     if allowed.shape[1] < logits.shape[1]:  # a mask shorter than the vocabulary forbids the rest
         allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]), value=False)
@@ -101,6 +108,13 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[torch
     sub = logits.index_select(0, index)
     sub.masked_fill_(~allowed.to(logits.device), float("-inf"))
     logits.index_copy_(0, index, sub)
+
+
+@functools.cache
+def _bitmask_kernel() -> Any:
+    from loom.kernels.registry import get_kernel
+
+    return get_kernel("token_bitmask")
 
 
 def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -30,18 +30,33 @@ def _allowed(mask: torch.Tensor, vocab: int) -> set[int]:
     return set(torch.nonzero(logits[0] == 0).flatten().tolist())
 
 
-def test_apply_token_bitmask_matches_a_bit_by_bit_reference() -> None:
+@pytest.mark.parametrize("path", ["c_kernel", "torch"])
+def test_apply_token_bitmask_matches_a_bit_by_bit_reference(path: str, monkeypatch) -> None:
+    """Both paths (loom's C kernel, the torch fallback) against the definition, with all-allowed, all-forbidden
+    and partial words and a mask one word short of the vocabulary."""
+    from loom.sample import sampler
+
+    if path == "torch":
+        monkeypatch.setattr(sampler, "_bitmask_kernel", lambda: None)
+    else:
+        assert sampler._bitmask_kernel() is not None  # the generic C build runs on every machine with a compiler
     torch.manual_seed(0)
-    vocab = 100
-    masks = [torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32) for _ in range(2)]
-    logits = torch.randn(3, vocab)
+    vocab = 130  # 4 words cover 128 tokens: 128 and 129 are beyond every mask, so forbidden
+    masks = [torch.randint(-(2**31), 2**31 - 1, (4,), dtype=torch.int32) for _ in range(3)]
+    masks[1][1] = -1  # a word of 32 allowed tokens
+    masks[1][2] = 0  # a word of 32 forbidden ones
+    logits = torch.randn(5, vocab)
     got = logits.clone()
-    apply_token_bitmask(got, [0, 2], masks)
-    for row, mask in zip([0, 2], masks, strict=True):
+    rows = [0, 2, 4]
+    apply_token_bitmask(got, rows, masks)
+    for row, mask in zip(rows, masks, strict=True):
         for t in range(vocab):
-            allowed = (int(mask[t // 32]) >> (t % 32)) & 1
+            allowed = t < 32 * len(mask) and (int(mask[t // 32]) >> (t % 32)) & 1
             assert (got[row, t] == logits[row, t]) if allowed else got[row, t] == float("-inf")
-    assert torch.equal(got[1], logits[1])  # rows without a mask are untouched
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[3], logits[3])  # rows without a mask: untouched
+    nothing = logits.clone()
+    apply_token_bitmask(nothing, [0], [torch.zeros(4, dtype=torch.int32)])
+    assert torch.equal(nothing, logits)  # a mask that allows nothing leaves the row as it is
 
 
 def test_a_choice_allows_only_its_prefixes_then_eos(manager, tokenizer) -> None:
