@@ -77,7 +77,8 @@ class StructuredOutputParams:
         """A canonical text of the constraint (the compile cache's key)."""
         import json as _json
 
-        return _json.dumps([self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True)
+        # not sort_keys: a schema's property order is the order its output must follow
+        return _json.dumps([self.json, self.json_object, self.regex, self.choice, self.grammar])
 
 
 @dataclass(slots=True)

@@ -48,6 +48,8 @@ def check_unicode(value: Any) -> None:
             check_unicode(key)
             check_unicode(item)
     elif isinstance(value, (list, tuple)):
+        if value and type(value[0]) is int:
+            return  # token ids: the request types make such a list all ints, and 10^6 of them cost no scan
         for item in value:
             check_unicode(item)
 
@@ -168,8 +170,7 @@ def structured_output_of(req: _SamplingFields) -> tuple[StructuredOutputParams |
     """
     asked = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
                                "guided_choice", "guided_grammar") if getattr(req, name) is not None]
-    if req.response_format is not None and req.response_format.get("type", "text") == "text" \
-            and set(req.response_format) <= {"type"}:
+    if req.response_format is not None and req.response_format.get("type", "text") == "text":
         asked.remove("response_format")  # plain text: no constraint
     if not asked:
         return None, None

@@ -116,3 +116,17 @@ def test_structured_output_params_are_checked() -> None:
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(structured_output=SO(regex="a"), ignore_eos=True)
     assert json.loads(SO(json={"b": 1}).key()) == json.loads(SO(json={"b": 1}).key())
+
+
+def test_schemas_differing_only_in_property_order_are_different_constraints(manager, tokenizer) -> None:
+    """llguidance fixes the order of properties to the schema's: a cache key that sorted keys would serve one
+    schema's grammar for the other."""
+    ab = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+          "required": ["a", "b"], "additionalProperties": False}
+    ba = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}},
+          "required": ["a", "b"], "additionalProperties": False}
+    assert SO(json=ab).key() != SO(json=ba).key()
+    prefix = tokenizer.encode('{"', add_special_tokens=False)
+    first = {tokenizer.decode([t]) for t in _allowed(manager.bitmask("ab", SO(json=ab), prefix), 49152)}
+    second = {tokenizer.decode([t]) for t in _allowed(manager.bitmask("ba", SO(json=ba), prefix), 49152)}
+    assert "a" in first and "b" not in first and "b" in second and "a" not in second

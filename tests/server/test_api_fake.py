@@ -342,3 +342,15 @@ def test_a_probe_answers_while_a_5mb_request_is_templated_and_tokenized(path: st
         assert time.monotonic() - started >= 1.5  # the emulated tokenizer time did pass
         assert result["status"] in (200, 400), result  # 400: longer than max_model_len
         assert len(latencies) >= 5 and max(latencies) < 0.5, latencies  # on the event loop: >= 1.5 s
+
+
+def test_response_format_text_with_extra_keys_is_no_constraint(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  "response_format": {"type": "text", "strict": False}})
+    assert r.status_code == 200, r.text
+
+
+def test_a_long_token_id_prompt_is_not_scanned_as_text(client: httpx.Client) -> None:
+    """The Unicode check skips lists of token ids (a 10^6-id prompt is refused for its length, not rescanned)."""
+    r = client.post("/v1/completions", json={"prompt": [5] * 1_000_000, "max_tokens": 1})
+    assert_error(r, 400, "prompt")
