@@ -145,12 +145,12 @@ class AsyncLLMEngine:
         thread-safe: the compile cache is shared with the engine thread). Raises ValueError."""
         self.engine.check_structured_output(params)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the chat prompt, generation prompt included. Pure tokenizer work.
+    def apply_chat_template(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Token ids of the chat prompt (LLMEngine.apply_chat_template and its options). Pure tokenizer work.
 
-        Raises whatever the template raises (jinja2 TemplateError for bad conversations).
+        Raises whatever the template raises (jinja2 TemplateError for bad conversations), ValueError for options.
         """
-        return list(self.engine.apply_chat_template(messages))
+        return list(self.engine.apply_chat_template(messages, **options))
 
     # -- lifecycle --
     def start(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -58,18 +59,27 @@ class LLM:
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
 
         Each message is {"role": one of CHAT_ROLES, "content": str or None (= "")}, as the server takes them.
+        The template options are LLMEngine.apply_chat_template's (continue_final_message: the model continues
+        the last, assistant, message; chat_template_kwargs: extra template variables).
 
         Raises:
-            ValueError: an empty conversation, or a message without a known role or with non-text content.
+            ValueError: an empty conversation, or a message without a known role or with non-text content, or
+                template options that contradict each other.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages must not be empty")
-        prompts = [self.engine.apply_chat_template(_checked_conversation(conv)) for conv in conversations]
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template_kwargs": chat_template_kwargs}
+        prompts = [self.engine.apply_chat_template(_checked_conversation(conv), **options) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +27,13 @@ from loom.spec.proposer import ProposerContext, make_proposer
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# arguments of transformers' apply_chat_template that chat_template_kwargs may not override
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 @dataclass(slots=True)
@@ -172,14 +180,34 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template plus the generation prompt.
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template.
+
+        Args:
+            add_generation_prompt: end with the template's assistant header (the reply starts there).
+            continue_final_message: leave the last message (an assistant turn) open, so the model continues it
+                (transformers' flag); needs add_generation_prompt False.
+            chat_template_kwargs: extra variables for the template (e.g. a model's enable_thinking).
 
         Raises:
-            ValueError: the messages' text cannot fit max_model_len (checked before templating).
+            ValueError: the messages' text cannot fit max_model_len (checked before templating); both
+                add_generation_prompt and continue_final_message; continue_final_message without a last
+                assistant message; a chat_template_kwargs key that is one of the template call's own arguments.
         """
         self.check_prompt_chars("".join(str(m.get("content") or "") for m in messages), "messages")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt false")
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final_message needs the last message to be an assistant turn")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: they are the template call's own")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, **extra)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def add_request(

@@ -153,7 +153,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
 
         def work() -> Response:  # templating and tokenizing are CPU work: in a worker thread
             if body.messages is not None:
-                tokens = chat_prompt_ids(ctx, body.messages)
+                tokens = chat_prompt_ids(ctx, body.messages, body)
             else:
                 tokens = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
             return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})

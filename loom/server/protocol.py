@@ -136,7 +136,15 @@ class ChatMessage(_Strict):
         return self
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Strict):
+    """How the conversation goes through the chat template (vLLM's extras)."""
+
+    add_generation_prompt: bool = True  # end with the assistant header
+    continue_final_message: bool = False  # continue the last (assistant) message instead
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated OpenAI name
     max_completion_tokens: int | None = None  # preferred; wins over max_tokens
@@ -147,7 +155,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None  # without tools: nothing to parallelize, unused
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None  # alternative to prompt: tokenize the chat prompt

@@ -44,13 +44,26 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the templated conversation. Raises RequestError when the template refuses it."""
+def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any = None) -> list[int]:
+    """Token ids of the templated conversation, with the template options of `body` (a request with
+    add_generation_prompt, continue_final_message, chat_template_kwargs) when given. Raises RequestError when
+    the options or the template refuse it."""
     dicts = messages_to_dicts(messages)
+    options: dict[str, Any] = {}
+    if body is not None:
+        options = {"add_generation_prompt": body.add_generation_prompt,
+                   "continue_final_message": body.continue_final_message,
+                   "chat_template_kwargs": body.chat_template_kwargs}
+        if body.continue_final_message and body.add_generation_prompt:
+            raise RequestError("continue_final_message needs add_generation_prompt false", "continue_final_message")
+        if body.continue_final_message and messages[-1].role != "assistant":
+            raise RequestError("continue_final_message needs the last message to be an assistant turn",
+                               "continue_final_message")
     try:
-        return ctx.engine.apply_chat_template(dicts)
+        return ctx.engine.apply_chat_template(dicts, **options)
     except Exception as e:  # noqa: BLE001 - jinja2 TemplateError and friends: the conversation is bad
-        raise RequestError(f"messages could not be rendered by the chat template: {e}", "messages") from e
+        param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+        raise RequestError(f"messages could not be rendered by the chat template: {e}", param) from e
 
 
 def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None]:
@@ -70,7 +83,7 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
         raise RequestError(f"{name} must be >= 0, got {max_tokens}", name)
     params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, None)
     check_structured_output(ctx, body, params)
-    return chat_prompt_ids(ctx, body.messages), params, num_top
+    return chat_prompt_ids(ctx, body.messages, body), params, num_top
 
 
 def _logprobs(ctx: ServingContext, c: CompletionOutput, start: int, num_top: int | None) -> dict[str, Any] | None:

@@ -244,3 +244,28 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(llm: LLM, mo
         engine.apply_chat_template([{"role": "user", "content": too_long}])
     assert not calls and not engine.has_unfinished_requests()
     assert engine.max_prompt_chars >= engine.max_model_len  # the bound never refuses a prompt that fits
+
+
+def test_chat_template_options_on_the_real_template(llm: LLM) -> None:
+    """continue_final_message leaves the assistant turn open (no end token, no new header); without the
+    generation prompt the text ends after the last message; reserved template arguments are refused."""
+    engine = llm.engine
+    tok = engine.tokenizer
+    conv = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    cont = tok.decode(engine.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True))
+    assert cont.endswith("The color is")
+    closed = tok.decode(engine.apply_chat_template(conv, add_generation_prompt=False))
+    assert closed.rstrip().endswith("<|im_end|>")
+    opened = tok.decode(engine.apply_chat_template(conv[:1]))
+    assert opened.rstrip().endswith("assistant")
+    out = llm.chat([conv], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.outputs[0].text and not out.outputs[0].text.startswith("<|im_start|>")
+    with pytest.raises(ValueError, match="add_generation_prompt false"):
+        engine.apply_chat_template(conv, continue_final_message=True)
+    with pytest.raises(ValueError, match="assistant turn"):
+        engine.apply_chat_template(conv[:1], add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="may not set"):
+        engine.apply_chat_template(conv[:1], chat_template_kwargs={"tokenize": True})
+    assert engine.apply_chat_template(conv[:1], chat_template_kwargs={"custom_var": 1}) == engine.apply_chat_template(
+        conv[:1])  # a variable this template does not read changes nothing

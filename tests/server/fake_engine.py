@@ -146,13 +146,16 @@ class FakeEngine:
         if params.structured_output is not None:  # the fake decodes no grammar: shape checks only
             params.structured_output.verify()
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         ids: list[int] = []
-        for m in messages:
+        for i, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant"):
                 raise ValueError(f"unsupported role {m.get('role')!r}")
-            ids += [IM_START] + self.tokenizer.encode(f"{m['role']}\n{m.get('content') or ''}") + [IM_END]
-        return ids + [IM_START] + self.tokenizer.encode("assistant\n")
+            ids += [IM_START] + self.tokenizer.encode(f"{m['role']}\n{m.get('content') or ''}")
+            if not (continue_final_message and i == len(messages) - 1):
+                ids.append(IM_END)
+        return ids + ([IM_START] + self.tokenizer.encode("assistant\n") if add_generation_prompt else [])
 
     def used_blocks(self) -> int:
         return sum(len(r.outs) * math.ceil((len(r.prompt_token_ids) + max((len(o.token_ids) for o in r.outs), default=0))

@@ -242,12 +242,11 @@ def test_server_healthy_after_fuzz(client: httpx.Client, fake_server: LiveServer
 @pytest.mark.parametrize(("path", "body", "field"), [
     ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {}},
-     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "documents": []}, "documents"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "bogus": 1}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
      "tool_choice"),
-    ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
 ])
 def test_an_unknown_parameter_is_400_naming_it(client: httpx.Client, path: str, body: dict, field: str) -> None:
     """Nothing a client sends is silently ignored: a field loom does not implement is refused by name."""
@@ -354,3 +353,18 @@ def test_a_long_token_id_prompt_is_not_scanned_as_text(client: httpx.Client) -> 
     """The Unicode check skips lists of token ids (a 10^6-id prompt is refused for its length, not rescanned)."""
     r = client.post("/v1/completions", json={"prompt": [5] * 1_000_000, "max_tokens": 1})
     assert_error(r, 400, "prompt")
+
+
+def test_chat_template_options_reach_the_template(client: httpx.Client) -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]}
+    plain = client.post("/tokenize", json=base).json()["tokens"]
+    cont = client.post("/tokenize", json={**base, "add_generation_prompt": False,
+                                          "continue_final_message": True}).json()["tokens"]
+    closed = client.post("/tokenize", json={**base, "add_generation_prompt": False}).json()["tokens"]
+    assert cont == closed[:-1] and plain[: len(closed)] == closed and len(plain) > len(closed)
+    r = client.post("/v1/chat/completions", json={**base, "max_tokens": 2, "continue_final_message": True})
+    assert_error(r, 400, "continue_final_message")  # add_generation_prompt is true by default
+    r = client.post("/v1/chat/completions", json={**base, "max_tokens": 2, "add_generation_prompt": False,
+                                                  "continue_final_message": True,
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
