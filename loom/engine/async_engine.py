@@ -140,6 +140,14 @@ class AsyncLLMEngine:
         """The newest EngineStats snapshot (None before the first one)."""
         return self._stats
 
+    def check_prompt_chars(self, text: str, name: str = "prompt") -> None:
+        """LLMEngine.check_prompt_chars: refuse a text too long to fit, before tokenizing it. Raises ValueError."""
+        self.engine.check_prompt_chars(text, name)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (LLMEngine.tokenize: pure tokenizer work, any thread). Raises ValueError."""
+        return list(self.engine.tokenize(prompt))
+
     def check_structured_output(self, params: SamplingParams) -> None:
         """Compile a request's structured-output constraint (LLMEngine.check_structured_output; pure and
         thread-safe: the compile cache is shared with the engine thread). Raises ValueError."""

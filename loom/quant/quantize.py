@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,15 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             (calibration_windows).
     """
     from loom.model.loader import load_tokenizer
+    from loom.model.loader.model_loader import read_arch
 
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
     _check_alpha(alpha)
+    context = read_arch(model).max_position_embeddings
+    if window_len > context:
+        raise ValueError(f"calibration_window_len must be <= the model's context of {context} tokens, got "
+                         f"{window_len}")
     _check_output(output)
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
@@ -176,8 +182,11 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
         "calibration": calibration, "calibration_tokens": tokens, "source": str(path),
     }
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.float().contiguous() for k, v in smoothed.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights_path = out / "model.safetensors"
+    save_file({k: v.float().contiguous() for k, v in smoothed.items()}, str(weights_path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights_path, 0o666 & ~umask)  # safetensors writes 0600; readable like the other files
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(str(out))
@@ -192,9 +201,20 @@ def _check_alpha(alpha: float | str) -> None:
 
 
 def _check_output(output: str) -> Path:
+    """The output directory, created now (empty) so that an unwritable path fails before any work.
+
+    Raises:
+        ValueError: a file, a directory with files in it, or a path that cannot be created.
+    """
     out = Path(output).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output {str(out)!r} exists and is not an empty directory")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"output {str(out)!r} is a directory that is not empty")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"output {str(out)!r} cannot be created: {exc.strerror or exc}") from None
     return out
 
 

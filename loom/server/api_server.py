@@ -155,6 +155,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             if body.messages is not None:
                 tokens = chat_prompt_ids(ctx, body.messages, body)
             else:
+                try:  # the same character bound as a completion prompt: refused before it is tokenized
+                    engine.check_prompt_chars(body.prompt)
+                except ValueError as e:
+                    raise RequestError(str(e), "prompt") from e
                 tokens = list(engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
             return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len})
 

@@ -192,9 +192,11 @@ def structured_output_of(req: _SamplingFields) -> tuple[StructuredOutputParams |
                 spec = StructuredOutputParams(json_object=True)
             elif kind == "json_schema":
                 inner = req.response_format.get("json_schema")
-                if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
-                    raise RequestError("response_format.json_schema.schema must be a JSON schema object",
-                                       name)
+                if not isinstance(inner, dict):
+                    raise RequestError('response_format of type json_schema needs "json_schema": {"name": ..., '
+                                       '"schema": {...}}', name)
+                if not isinstance(inner.get("schema"), dict):
+                    raise RequestError("response_format.json_schema.schema must be a JSON schema object", name)
                 spec = StructuredOutputParams(json=inner["schema"])
             else:
                 raise RequestError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
@@ -281,7 +283,10 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
             structured_output=structured,
         )
     except ValueError as e:  # SamplingParams' own checks: its messages start with the parameter name
-        raise RequestError(str(e), param_of(str(e))) from e
+        param = param_of(str(e))
+        if param is None and str(e).startswith("structured_output"):
+            param = structured_output_of(req)[1]  # the field that carried the constraint
+        raise RequestError(str(e), param) from e
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -16,8 +16,8 @@ from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_structured_output, collect,
-    new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_room, check_structured_output,
+    collect, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
 
@@ -83,7 +83,9 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
         raise RequestError(f"{name} must be >= 0, got {max_tokens}", name)
     params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, None)
     check_structured_output(ctx, body, params)
-    return chat_prompt_ids(ctx, body.messages, body), params, num_top
+    prompt_ids = chat_prompt_ids(ctx, body.messages, body)
+    check_room(ctx, len(prompt_ids), max_tokens, name)
+    return prompt_ids, params, num_top
 
 
 def _logprobs(ctx: ServingContext, c: CompletionOutput, start: int, num_top: int | None) -> dict[str, Any] | None:

@@ -51,6 +51,23 @@ def check_structured_output(ctx: ServingContext, body: Any, params: SamplingPara
         raise RequestError(str(e), field) from e
 
 
+def check_room(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, name: str) -> None:
+    """vLLM's rule: a request may not ask for more tokens than the context has room for after its prompt.
+
+    Raises:
+        RequestError: naming the prompt when it alone leaves no room, else `name` (max_tokens or
+            max_completion_tokens).
+    """
+    limit = ctx.engine.max_model_len
+    if num_prompt_tokens > limit or (num_prompt_tokens == limit and max_tokens != 0):
+        raise RequestError(f"prompt of {num_prompt_tokens} tokens leaves no room to generate within "
+                           f"max_model_len={limit}", "prompt")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+        raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                           f"in the completion). Reduce the prompt or {name}.", name)
+
+
 def new_request_id(prefix: str) -> str:
     """A fresh engine-unique id; client-supplied ids are never used inside the engine."""
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -15,7 +15,7 @@ from loom.engine.async_engine import RequestStream
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.server.protocol import CompletionRequest, RequestError, check_token_ids, to_sampling_params
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_structured_output, collect,
+    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_room, check_structured_output, collect,
     completion_logprobs, merge, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
@@ -47,7 +47,14 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
             check_token_ids("prompt", item, ctx.engine.vocab_size)
             out.append(_Prompt(item, str(tokenizer.decode(item, skip_special_tokens=False)) if body.echo else ""))
         else:
-            out.append(_Prompt(item, item))
+            try:  # tokenized here (a worker thread), so the room check below sees its length
+                ids = ctx.engine.tokenize(item)
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from e
+            if not ids:
+                raise RequestError("prompt must not be empty", "prompt")
+            out.append(_Prompt(ids, item))
+        check_room(ctx, len(out[-1].engine_prompt), body.max_tokens, "max_tokens")
     if len(out) * body.n > MAX_CHOICES:
         raise RequestError(f"prompts x n must be <= {MAX_CHOICES}, got {len(out) * body.n}", "prompt")
     return out

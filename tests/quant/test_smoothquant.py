@@ -131,8 +131,15 @@ def test_smoothquant_checkpoint_loads_as_w8a8_and_as_the_same_float_model(tiny_m
     tokens = _windows(arch.vocab_size, 1, 20, seed=5)[0]
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert torch.allclose(hf_logits(hf, tokens), hf_logits(tiny.hf, tokens), rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="not an empty directory"):
+    with pytest.raises(ValueError, match="is a directory that is not empty"):
         smoothquant_checkpoint(str(tiny.path), str(out), _windows(arch.vocab_size))
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = stat.S_IMODE((out / "model.safetensors").stat().st_mode)
+    assert mode == 0o666 & ~umask == stat.S_IMODE((out / "config.json").stat().st_mode)  # not safetensors' 0600
 
 
 def test_quantize_refuses_bad_arguments(tmp_path) -> None:
@@ -142,6 +149,16 @@ def test_quantize_refuses_bad_arguments(tmp_path) -> None:
         quantize(None, str(tmp_path / "a"), alpha=2.0)
     with pytest.raises(ValueError, match="method must be one of"):
         quantize(None, str(tmp_path / "a"), method="gptq")
+    # checked before any calibration work (found by a fresh-user trial: these failed after a minute)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        quantize(None, str(afile))
+    with pytest.raises(ValueError, match="cannot be created"):
+        quantize(None, "/proc/no-such-dir/out")
+    with pytest.raises(ValueError, match="calibration_window_len must be <= the model's context of 8192"):
+        quantize(None, str(tmp_path / "b"), window_len=100_000)
+    assert not (tmp_path / "b").exists()
 
     class Tok:
         def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

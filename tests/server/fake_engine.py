@@ -79,7 +79,9 @@ class FakeEngine:
 
     def __init__(self, max_model_len: int = 256, vocab_size: int = 300, num_kv_blocks: int = 64,
                  block_size: int = 16, max_num_seqs: int = 8, max_waiting_requests: int | None = None,
-                 step_delay_s: float = 0.0, large_text_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, large_text_delay_s: float = 0.0,
+                 prompt_char_limit: int | None = None) -> None:
+        self.prompt_char_limit = prompt_char_limit  # LLMEngine.max_prompt_chars's stand-in; None: no bound
         self.tokenizer = FakeTokenizer(vocab_size, large_text_delay_s)
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
@@ -100,6 +102,8 @@ class FakeEngine:
 
     # -- interface --
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            self.check_prompt_chars(prompt)
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -142,12 +146,17 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
+    def check_prompt_chars(self, text: str, name: str = "prompt") -> None:
+        if self.prompt_char_limit is not None and len(text) > self.prompt_char_limit:
+            raise ValueError(f"{name} of {len(text)} characters cannot fit max_model_len={self.max_model_len} tokens")
+
     def check_structured_output(self, params: SamplingParams) -> None:
         if params.structured_output is not None:  # the fake decodes no grammar: shape checks only
             params.structured_output.verify()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+        self.check_prompt_chars("".join(str(m.get("content") or "") for m in messages), "messages")
         ids: list[int] = []
         for i, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant"):

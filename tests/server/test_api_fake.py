@@ -368,3 +368,45 @@ def test_chat_template_options_reach_the_template(client: httpx.Client) -> None:
                                                   "continue_final_message": True,
                                                   "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 252}, "max_tokens"),  # 5 + 252 > 256
+    ("/v1/completions", {"prompt": [5] * 10, "max_tokens": 247}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 250},
+     "max_completion_tokens"),
+])
+def test_max_tokens_beyond_the_room_left_is_400(client: httpx.Client, path: str, body: dict, param: str) -> None:
+    """vLLM's rule: more tokens than max_model_len leaves after the prompt is a 400 (it was silently clamped)."""
+    r = client.post(path, json=body)
+    assert_error(r, 400, param)
+    assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
+    fits = {**body, param: 1}
+    assert client.post(path, json=fits).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/tokenize", {"prompt": "x" * 5000}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x" * 5000}]}),
+    ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}),
+])
+def test_a_text_beyond_the_character_bound_is_refused_untokenized(path: str, body: dict) -> None:
+    """Every route that tokenizes text applies the engine's character bound first (found by a fresh-user
+    trial: /tokenize with a prompt tokenized 5 MB in 3.7 s and answered 200)."""
+    front, fake = make_fake_front(prompt_char_limit=1000, large_text_delay_s=30.0)
+    with serve(front) as live, httpx.Client(base_url=live.base_url, timeout=10) as c:
+        r = c.post(path, json=body)
+        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"guided_regex": "a+", "ignore_eos": True}, "guided_regex", "ignore_eos"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "response_format", "min_tokens"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", 'needs "json_schema"'),
+])
+def test_structured_output_conflicts_name_the_field(client: httpx.Client, body: dict, param: str,
+                                                    message: str) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                  **body})
+    assert_error(r, 400, param)
+    assert message in r.json()["error"]["message"]
