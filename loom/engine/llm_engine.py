@@ -254,6 +254,10 @@ class LLMEngine:
         try:
             for index, child_id in enumerate(child_ids):
                 child_params = params.clone()
+                if index > 0:
+                    # one prompt, so its logprobs once: copy 0 computes them (the output processor reads
+                    # copy 0's); the others may then use the prefix cache, which prompt_logprobs skips
+                    child_params.prompt_logprobs = None
                 if params.seed is not None:
                     child_params.seed = params.seed + index  # independent samples, still reproducible
                 self.scheduler.add_request(

@@ -112,6 +112,7 @@ class _SamplingFields(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # Lark syntax (llguidance)
     request_id: str | None = Field(default=None, max_length=256)  # client id echoed in the response id
+    prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token plus this many top ones (0..20)
 
 
 class CompletionRequest(_SamplingFields):

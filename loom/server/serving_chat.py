@@ -16,8 +16,8 @@ from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_room, check_structured_output,
-    collect, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
+    check_structured_output, collect, prompt_logprobs_body, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
 
@@ -81,7 +81,8 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
     name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 0:
         raise RequestError(f"{name} must be >= 0, got {max_tokens}", name)
-    params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, None)
+    check_prompt_logprobs(body)
+    params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, body.prompt_logprobs)
     check_structured_output(ctx, body, params)
     prompt_ids = chat_prompt_ids(ctx, body.messages, body)
     check_room(ctx, len(prompt_ids), max_tokens, name)
@@ -110,10 +111,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if gone:
         return Response(status_code=499)
     raise_if_failed(finals)
-    return await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top)
+    return await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top, body.prompt_logprobs)
 
 
-def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: int | None) -> JSONResponse:
+def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: int | None,
+            num_prompt_top: int | None = None) -> JSONResponse:
     """The non-streamed chat.completion body (logprobs decoded, JSON encoded): run in a worker thread."""
     choices = [{
         "index": c.index,
@@ -126,6 +128,8 @@ def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: 
         "id": response_id, "object": "chat.completion", "created": now_unix(), "model": ctx.model_name,
         "choices": choices,
         "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
+        **({} if num_prompt_top is None else {"prompt_logprobs": prompt_logprobs_body(
+            ctx.engine.tokenizer, out.prompt_token_ids, out.prompt_logprobs, num_prompt_top)}),
     })
 
 

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from loom.outputs import PositionLogprobs, RequestOutput
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 from loom.server.protocol import RequestError, param_of, structured_output_of
 
 NEG_INF_LOGPROB = -9999.0  # what -inf (and NaN) logprobs become: JSON has no infinities
@@ -203,6 +203,34 @@ def top_entries(entry: PositionLogprobs, num_top: int) -> list[tuple[int, float]
     """(token id, logprob) of the `num_top` best-ranked tokens, best first."""
     ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
     return [(t, clamp_logprob(lp.logprob)) for t, lp in ranked if lp.rank <= num_top][:num_top]
+
+
+def prompt_logprobs_body(tokenizer: Any, token_ids: Sequence[int], entries: Sequence[PositionLogprobs | None] | None,
+                         num_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id (as a string):
+    {"logprob", "rank", "decoded_token"}} for the prompt's own token and the `num_top` best."""
+    entries = list(entries or [None] * len(token_ids))
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        keep = {t for t, _ in top_entries(entry, num_top)} | {token_id}
+        out.append({str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                             "decoded_token": token_text(tokenizer, t, entry)}
+                    for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank) if t in keep})
+    return out
+
+
+def check_prompt_logprobs(body: Any) -> None:
+    """Raise RequestError unless `prompt_logprobs` is in range and the request is not streamed."""
+    if body.prompt_logprobs is None:
+        return
+    if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {body.prompt_logprobs}",
+                           "prompt_logprobs")
+    if body.stream:
+        raise RequestError("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
 
 
 def completion_logprobs(tokenizer: Any, token_ids: Sequence[int],

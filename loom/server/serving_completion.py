@@ -15,7 +15,8 @@ from loom.engine.async_engine import RequestStream
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.server.protocol import CompletionRequest, RequestError, check_token_ids, to_sampling_params
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_room, check_structured_output, collect,
+    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_prompt_logprobs, check_room,
+    check_structured_output, collect, prompt_logprobs_body,
     completion_logprobs, merge, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
@@ -67,8 +68,10 @@ def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Promp
     if body.best_of is not None and body.best_of != body.n:
         raise RequestError("best_of is not supported (only best_of == n)", "best_of")
     num_logprobs = body.logprobs
+    check_prompt_logprobs(body)
+    asked = [n for n in (body.prompt_logprobs, num_logprobs if body.echo else None) if n is not None]
     params = to_sampling_params(body, body.max_tokens, ctx.engine.vocab_size, num_logprobs,
-                                num_logprobs if body.echo and num_logprobs is not None else None)
+                                max(asked) if asked else None)
     check_structured_output(ctx, body, params)
     return _prompts(ctx, body), params
 
@@ -114,6 +117,8 @@ def _render(ctx: ServingContext, body: CompletionRequest, finals: Sequence[Reque
                 "index": i * body.n + c.index,
                 "text": (prompt.text if body.echo else "") + c.text,
                 "logprobs": _choice_logprobs(ctx, body, out, c, prompt),
+                **({} if body.prompt_logprobs is None else {"prompt_logprobs": prompt_logprobs_body(
+                    ctx.engine.tokenizer, out.prompt_token_ids, out.prompt_logprobs, body.prompt_logprobs)}),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             })

@@ -269,3 +269,18 @@ def test_chat_template_options_on_the_real_template(llm: LLM) -> None:
         engine.apply_chat_template(conv[:1], chat_template_kwargs={"tokenize": True})
     assert engine.apply_chat_template(conv[:1], chat_template_kwargs={"custom_var": 1}) == engine.apply_chat_template(
         conv[:1])  # a variable this template does not read changes nothing
+
+
+def test_prompt_logprobs_are_computed_once_for_n_copies(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, seed=2, n=3, max_tokens=2, prompt_logprobs=1)
+    engine.add_request("plp", "One two three four", params)
+    children = [engine.scheduler.requests[f"{i}_plp"] for i in range(3)]
+    assert [c.sampling_params.prompt_logprobs for c in children] == [1, None, None]
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    assert final is not None and len(final.outputs) == 3
+    assert final.prompt_logprobs[0] is None and all(e for e in final.prompt_logprobs[1:])
+    assert len(final.prompt_logprobs) == len(final.prompt_token_ids)

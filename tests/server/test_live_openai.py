@@ -287,3 +287,31 @@ def test_a_bad_schema_is_a_400_naming_the_field(oai: "openai.OpenAI", live: Live
         oai.completions.create(model=_model(live), prompt="x", max_tokens=4,
                                extra_body={"guided_regex": "a", "guided_choice": ["a"]})
     assert exc.value.body["param"] in ("guided_regex", "guided_choice")
+
+
+def test_prompt_logprobs_on_completions_and_chat(oai: "openai.OpenAI", live: LiveServer) -> None:
+    """vLLM's prompt_logprobs: per prompt token (None first) the token's own logprob plus the top ones, equal to
+    what echo + logprobs reports for the same prompt, and the same for every one of n choices."""
+    prompt = "The capital of France is"
+    r = oai.completions.create(model=_model(live), prompt=prompt, max_tokens=2, temperature=0, n=2, seed=1,
+                               extra_body={"prompt_logprobs": 2})
+    body = r.model_dump()
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r.usage.prompt_tokens
+    assert body["choices"][1]["prompt_logprobs"] == plp
+    echo = oai.completions.create(model=_model(live), prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                  logprobs=2)
+    with httpx.Client(base_url=live.base_url) as c:
+        ids = c.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    for pos in range(1, len(ids)):
+        entry = plp[pos]
+        assert str(ids[pos]) in entry and 2 <= len(entry) <= 3
+        assert entry[str(ids[pos])]["logprob"] == pytest.approx(echo.choices[0].logprobs.token_logprobs[pos], abs=1e-5)
+        assert sorted(v["rank"] for v in entry.values())[:2] == [1, 2]
+    chat = oai.chat.completions.create(model=_model(live), messages=CHAT, max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 0}).model_dump()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model=_model(live), prompt=prompt, max_tokens=2, stream=True,
+                               extra_body={"prompt_logprobs": 1})
+    assert exc.value.body["param"] == "prompt_logprobs"
