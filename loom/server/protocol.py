@@ -121,7 +121,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False  # prepend the prompt to each choice's text (and its logprobs)
     logprobs: int | None = None  # top logprobs per token, 0..20
     suffix: str | None = None  # not supported: refused with 400 when set
-    best_of: int | None = None  # only None or equal to n (no server-side ranking)
+    best_of: int | None = None  # sample this many (>= n) and return the n of highest cumulative logprob
 
 
 class ChatMessage(_Strict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from loom.engine.async_engine import RequestStream
 from loom.outputs import CompletionOutput, RequestOutput
+from loom.sampling_params import MAX_N
 from loom.server.protocol import CompletionRequest, RequestError, check_token_ids, to_sampling_params
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_prompt_logprobs, check_room,
@@ -65,13 +67,19 @@ def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Promp
     check_model(ctx, body.model)
     if body.suffix is not None:
         raise RequestError("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise RequestError("best_of is not supported (only best_of == n)", "best_of")
+    if body.best_of is not None:
+        if not body.n <= body.best_of <= MAX_N:
+            raise RequestError(f"best_of must be in [n, {MAX_N}] (n = {body.n}), got {body.best_of}", "best_of")
+        if body.stream and body.best_of > body.n:
+            raise RequestError("best_of > n cannot be streamed (the best are known at the end)", "best_of")
     num_logprobs = body.logprobs
     check_prompt_logprobs(body)
     asked = [n for n in (body.prompt_logprobs, num_logprobs if body.echo else None) if n is not None]
     params = to_sampling_params(body, body.max_tokens, ctx.engine.vocab_size, num_logprobs,
                                 max(asked) if asked else None)
+    if _ranks(body):  # best_of candidates: sum their tokens' logprobs (logprobs 0: the chosen token's only)
+        params.n = body.best_of
+        params.logprobs = num_logprobs if num_logprobs is not None else 0
     check_structured_output(ctx, body, params)
     return _prompts(ctx, body), params
 
@@ -104,11 +112,27 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     if gone:
         return Response(status_code=499)
     raise_if_failed(finals)
-    return await asyncio.to_thread(_render, ctx, body, finals, prompts, response_id)
+    used = _usage(finals)  # every candidate's tokens were generated, the best_of ones too
+    if _ranks(body):
+        finals = [_best(out, body.n) for out in finals]
+    return await asyncio.to_thread(_render, ctx, body, finals, prompts, response_id, used)
+
+
+def _ranks(body: CompletionRequest) -> bool:
+    """best_of > n: the server samples best_of candidates per prompt and returns the n best."""
+    return body.best_of is not None and body.best_of > body.n
+
+
+def _best(out: RequestOutput, n: int) -> RequestOutput:
+    """`out` with its n candidates of highest cumulative logprob, re-indexed 0..n-1 (OpenAI's best_of: "the one
+    with the highest log probability per token"; summed here, as vLLM ranks)."""
+    ranked = sorted(out.outputs, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[:n]
+    kept = [dataclasses.replace(c, index=i) for i, c in enumerate(ranked)]
+    return dataclasses.replace(out, outputs=kept)
 
 
 def _render(ctx: ServingContext, body: CompletionRequest, finals: Sequence[RequestOutput], prompts: list[_Prompt],
-            response_id: str) -> JSONResponse:
+            response_id: str, used: dict[str, Any]) -> JSONResponse:
     """The non-streamed text_completion body (echo, logprobs decoded, JSON encoded): run in a worker thread."""
     choices = []
     for i, (out, prompt) in enumerate(zip(finals, prompts)):
@@ -124,7 +148,7 @@ def _render(ctx: ServingContext, body: CompletionRequest, finals: Sequence[Reque
             })
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": now_unix(), "model": ctx.model_name,
-        "choices": choices, "usage": _usage(finals),
+        "choices": choices, "usage": used,
     })
 
 

@@ -315,3 +315,20 @@ def test_prompt_logprobs_on_completions_and_chat(oai: "openai.OpenAI", live: Liv
         oai.completions.create(model=_model(live), prompt=prompt, max_tokens=2, stream=True,
                                extra_body={"prompt_logprobs": 1})
     assert exc.value.body["param"] == "prompt_logprobs"
+
+
+def test_best_of_returns_the_n_most_likely_of_its_candidates(oai: "openai.OpenAI", live: LiveServer) -> None:
+    """best_of=4, n=2: the two candidates of highest cumulative logprob among the four that n=4 (same seed)
+    samples, re-indexed; usage counts all four."""
+    kw = dict(model=_model(live), prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11, logprobs=0)
+    four = oai.completions.create(**kw, n=4)
+    totals = sorted(((sum(c.logprobs.token_logprobs), c.text) for c in four.choices), reverse=True)
+    best = oai.completions.create(**kw, n=2, extra_body={"best_of": 4})
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [t for _, t in totals[:2]]
+    assert best.usage.completion_tokens == four.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(**kw, n=3, extra_body={"best_of": 2})
+    assert exc.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(**kw, n=1, stream=True, extra_body={"best_of": 2})
