@@ -182,7 +182,8 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template.
 
         Args:
@@ -190,6 +191,7 @@ class LLMEngine:
             continue_final_message: leave the last message (an assistant turn) open, so the model continues it
                 (transformers' flag); needs add_generation_prompt False.
             chat_template_kwargs: extra variables for the template (e.g. a model's enable_thinking).
+            tools: OpenAI tool definitions, for a template that renders them (loom/server/tool_calls.py).
 
         Raises:
             ValueError: the messages' text cannot fit max_model_len (checked before templating); both
@@ -207,7 +209,7 @@ class LLMEngine:
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {reserved}: they are the template call's own")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, **extra)
+                                                  continue_final_message=continue_final_message, tools=tools, **extra)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def add_request(

@@ -124,10 +124,23 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None  # sample this many (>= n) and return the n of highest cumulative logprob
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text of the arguments object (OpenAI's shape)
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None  # text, or content parts of type "text"
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -135,6 +148,26 @@ class ChatMessage(_Strict):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for a {self.role!r} message")
         return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the arguments always follow the schema when a grammar holds the call
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    class _Name(_Strict):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
 
 
 class _ChatTemplateFields(_Strict):
@@ -151,9 +184,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: int | None = None  # preferred; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None  # 0..20, needs logprobs=true
-    tools: list[dict[str, Any]] | None = None  # not supported: refused when non-empty
-    tool_choice: Literal["none", "auto"] | None = None  # without tools only ("none" / "auto" choose nothing)
-    parallel_tool_calls: bool | None = None  # without tools: nothing to parallelize, unused
+    tools: list[ToolDefinition] | None = None  # functions the model may call (loom/server/tool_calls.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool | None = None  # False: at most one call (held by the grammar under "required")
 
 
 class TokenizeRequest(_ChatTemplateFields):

@@ -13,8 +13,11 @@ from starlette.responses import JSONResponse, Response
 
 from loom.engine.async_engine import RequestStream
 from loom.outputs import CompletionOutput, RequestOutput
-from loom.sampling_params import MAX_LOGPROBS, SamplingParams
+from loom.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
+from loom.server.tool_calls import (
+    arguments_as_objects, fallback_messages, held_back, parse_hermes, template_takes_tools, tool_call_grammar,
+)
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
     check_structured_output, collect, prompt_logprobs_body, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
@@ -40,15 +43,54 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
 
-def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any = None) -> list[int]:
+@dataclass(slots=True)
+class _Tools:
+    """The tools a chat request puts in the prompt and how its output is read."""
+
+    tools: list[dict[str, Any]] | None  # in the prompt; None: no tools (none given, or tool_choice "none")
+    grammar: str | None  # tool_choice "required" or a named function: the calls the output must be
+    parallel: bool  # more than one call allowed
+
+
+def _tools_of(body: ChatCompletionRequest) -> _Tools:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none" or (choice == "auto" and not tools):
+        return _Tools(None, None, True)
+    if not tools:
+        raise RequestError("tool_choice needs tools", "tool_choice")
+    parallel = body.parallel_tool_calls is not False
+    if choice == "auto":
+        return _Tools(tools, None, parallel)
+    only = None if choice == "required" else choice.function.name
+    try:
+        return _Tools(tools, tool_call_grammar(tools, only, parallel), parallel)
+    except ValueError as e:
+        raise RequestError(str(e), "tool_choice") from e
+
+
+def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the templated conversation, with the template options of `body` (a request with
-    add_generation_prompt, continue_final_message, chat_template_kwargs) when given. Raises RequestError when
-    the options or the template refuse it."""
+    add_generation_prompt, continue_final_message, chat_template_kwargs) when given, and `tools` (through the
+    template when it takes them, else tool_calls.fallback_messages). Raises RequestError when the options or
+    the template refuse it."""
     dicts = messages_to_dicts(messages)
+    try:
+        if template_takes_tools(ctx.engine.tokenizer):
+            dicts = arguments_as_objects(dicts)
+        elif tools or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
+            dicts, tools = fallback_messages(dicts, tools), None
+    except ValueError as e:
+        raise RequestError(str(e), "messages") from e
     options: dict[str, Any] = {}
     if body is not None:
         options = {"add_generation_prompt": body.add_generation_prompt,
@@ -59,6 +101,8 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any 
         if body.continue_final_message and messages[-1].role != "assistant":
             raise RequestError("continue_final_message needs the last message to be an assistant turn",
                                "continue_final_message")
+    if tools:
+        options["tools"] = tools
     try:
         return ctx.engine.apply_chat_template(dicts, **options)
     except Exception as e:  # noqa: BLE001 - jinja2 TemplateError and friends: the conversation is bad
@@ -66,10 +110,10 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any 
         raise RequestError(f"messages could not be rendered by the chat template: {e}", param) from e
 
 
-def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None]:
+def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None,
+                                                                      _Tools]:
     check_model(ctx, body.model)
-    if body.tools:
-        raise RequestError("tools are not supported", "tools")
+    tools = _tools_of(body)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -84,9 +128,19 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
     check_prompt_logprobs(body)
     params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, body.prompt_logprobs)
     check_structured_output(ctx, body, params)
-    prompt_ids = chat_prompt_ids(ctx, body.messages, body)
+    if tools.grammar is not None:  # tool_choice required / named: the grammar holds the output to valid calls
+        if params.structured_output is not None:
+            raise RequestError("tool_choice required or a named function cannot be combined with a response "
+                               "format or another constraint", "tool_choice")
+        params.structured_output = StructuredOutputParams(grammar=tools.grammar)
+        try:
+            params.verify()
+            ctx.engine.check_structured_output(params)
+        except ValueError as e:
+            raise RequestError(str(e), "tools") from e
+    prompt_ids = chat_prompt_ids(ctx, body.messages, body, tools.tools)
     check_room(ctx, len(prompt_ids), max_tokens, name)
-    return prompt_ids, params, num_top
+    return prompt_ids, params, num_top, tools
 
 
 def _logprobs(ctx: ServingContext, c: CompletionOutput, start: int, num_top: int | None) -> dict[str, Any] | None:
@@ -99,11 +153,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     """Serve one /v1/chat/completions request. Raises RequestError for client errors (400/404/503)."""
     arrival = time.monotonic()
     # templating (and tokenizing) a long conversation is CPU work: off the event loop, as is rendering below
-    prompt_ids, params, num_top = await asyncio.to_thread(_validate, ctx, body)
+    prompt_ids, params, num_top, tools = await asyncio.to_thread(_validate, ctx, body)
     streams = await submit_all(ctx, "chatcmpl", [prompt_ids], params, arrival, body.cache_salt)
     response_id = f"chatcmpl-{body.request_id}" if body.request_id else new_request_id("chatcmpl")
     if body.stream:
-        return EngineStreamingResponse(_stream(ctx, body, streams[0], response_id, num_top), streams)
+        return EngineStreamingResponse(_stream(ctx, body, streams[0], response_id, num_top, tools), streams)
     try:
         gone, finals = await until_disconnected(raw, collect(streams), ctx.disconnect_poll_s)
     finally:
@@ -111,19 +165,30 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if gone:
         return Response(status_code=499)
     raise_if_failed(finals)
-    return await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top, body.prompt_logprobs)
+    return await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top, body.prompt_logprobs, tools)
+
+
+def _message(c: CompletionOutput, tools: _Tools | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a choice and its finish reason: tool calls parsed out when tools are on."""
+    if tools is None or tools.tools is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    content, calls = parse_hermes(c.text)
+    if not calls:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    if not tools.parallel:
+        calls = calls[:1]
+    finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, finish
 
 
 def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: int | None,
-            num_prompt_top: int | None = None) -> JSONResponse:
+            num_prompt_top: int | None = None, tools: _Tools | None = None) -> JSONResponse:
     """The non-streamed chat.completion body (logprobs decoded, JSON encoded): run in a worker thread."""
-    choices = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
-        "logprobs": _logprobs(ctx, c, 0, num_top),
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-    } for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, finish = _message(c, tools)
+        choices.append({"index": c.index, "message": message, "logprobs": _logprobs(ctx, c, 0, num_top),
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({
         "id": response_id, "object": "chat.completion", "created": now_unix(), "model": ctx.model_name,
         "choices": choices,
@@ -142,7 +207,10 @@ class _Sent:
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: RequestStream, response_id: str,
-                  num_top: int | None) -> AsyncIterator[str]:
+                  num_top: int | None, tools: _Tools | None = None) -> AsyncIterator[str]:
+    """SSE chunks. With tools on, content streams until a "<tool_call>" could begin (a possible start is held
+    back); the calls go out parsed, whole, in the choice's last chunk (one delta per call, OpenAI's shape)."""
+    reading_tools = tools is not None and tools.tools is not None
     created = now_unix()
     sent: dict[int, _Sent] = {}
     last = None
@@ -165,12 +233,33 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
                 if not s.started:
                     s.started = True
                     yield chunk(c.index, {"role": "assistant", "content": ""}, None, None)
-                text = c.text[s.chars:]
+                finished = c.finish_reason is not None
+                delta: dict[str, Any] = {}
+                finish = c.finish_reason
+                if reading_tools:
+                    if not finished:
+                        cut = c.text.find("<tool_call>")
+                        end = cut if cut >= 0 else len(c.text) - held_back(c.text)
+                        text = c.text[s.chars:max(end, s.chars)]
+                        s.chars += len(text)
+                    else:  # the rest, with the calls parsed out of it
+                        rest, calls = parse_hermes(c.text[s.chars:])
+                        text = rest or ""
+                        if calls:
+                            calls = calls if tools.parallel else calls[:1]
+                            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+                        s.chars = len(c.text)
+                else:
+                    text = c.text[s.chars:]
+                    s.chars = len(c.text)
                 logprobs = _logprobs(ctx, c, s.tokens, num_top)
-                s.chars, s.tokens = len(c.text), len(c.token_ids)
-                s.finished = c.finish_reason is not None
-                if text or s.finished or (logprobs and logprobs["content"]):
-                    yield chunk(c.index, {"content": text} if text else {}, logprobs, c.finish_reason)
+                s.tokens = len(c.token_ids)
+                s.finished = finished
+                if text:
+                    delta = {"content": text, **delta}
+                if delta or s.finished or (logprobs and logprobs["content"]):
+                    yield chunk(c.index, delta, logprobs, finish)
         if with_usage and last is not None:
             yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                        "model": ctx.model_name, "choices": [],

@@ -155,11 +155,12 @@ class FakeEngine:
             params.structured_output.verify()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                            tools: list | None = None) -> list[int]:
         self.check_prompt_chars("".join(str(m.get("content") or "") for m in messages), "messages")
         ids: list[int] = []
         for i, m in enumerate(messages):
-            if m.get("role") not in ("system", "user", "assistant"):
+            if m.get("role") not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"unsupported role {m.get('role')!r}")
             ids += [IM_START] + self.tokenizer.encode(f"{m['role']}\n{m.get('content') or ''}")
             if not (continue_final_message and i == len(messages) - 1):

@@ -332,3 +332,66 @@ def test_best_of_returns_the_n_most_likely_of_its_candidates(oai: "openai.OpenAI
     assert exc.value.body["param"] == "best_of"
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(**kw, n=1, stream=True, extra_body={"best_of": 2})
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_choice_required_gives_valid_calls_and_an_agent_round_trip(oai: "openai.OpenAI",
+                                                                         live: LiveServer) -> None:
+    """SmolLM2's template knows no tools: they go in a system message (tool_calls.fallback_messages), and
+    tool_choice "required" holds the output to well-formed calls of the tools; then the tool result goes back
+    and the model answers in text."""
+    jsonschema = pytest.importorskip("jsonschema")
+    r = oai.chat.completions.create(model=_model(live), messages=ASK_WEATHER, tools=[WEATHER, TIME],
+                                    tool_choice="required", max_tokens=160, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        spec = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
+        jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])
+        assert call.id.startswith("call_") and call.type == "function"
+    history = ASK_WEATHER + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": json.dumps({"temperature": 21})}
+        for c in choice.message.tool_calls]
+    answer = oai.chat.completions.create(model=_model(live), messages=history, tools=[WEATHER, TIME],
+                                         tool_choice="none", max_tokens=24, temperature=0)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_a_named_tool_choice_streams_its_call(oai: "openai.OpenAI", live: LiveServer) -> None:
+    kw = dict(model=_model(live), messages=ASK_WEATHER, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    full = oai.chat.completions.create(**kw).choices[0]
+    assert [c.function.name for c in full.message.tool_calls] == ["get_time"]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in full.message.tool_calls]
+
+
+def test_tool_errors_name_the_field(oai: "openai.OpenAI", live: LiveServer) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model=_model(live), messages=ASK_WEATHER, tools=[WEATHER], max_tokens=4,
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert exc.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(model=_model(live), messages=ASK_WEATHER, tool_choice="required", max_tokens=4)
+    assert exc.value.body["param"] == "tool_choice"

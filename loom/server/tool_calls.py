@@ -1,0 +1,171 @@
+"""Tool calling: tools into the prompt, tool calls out of the generated text, and a grammar for tool_choice.
+
+Format: Hermes / Qwen 2.5 (NousResearch's Hermes function calling, which Qwen2.5's chat template uses): the
+model writes each call as
+
+    <tool_call>
+    {"name": "<function name>", "arguments": {<JSON arguments>}}
+    </tool_call>
+
+| piece            | what it does                                                                                |
+|------------------|---------------------------------------------------------------------------------------------|
+| prompt           | a chat template that takes `tools` (it mentions them) gets them as they are; for one that   |
+|                  | does not (SmolLM2's), a system message lists the tools and the format above, and the        |
+|                  | history's assistant tool calls and tool results are rendered as that text                   |
+| parse_hermes     | the generated text -> (content outside the calls or None, the calls in OpenAI's shape)      |
+| tool_call_grammar| tool_choice "required" or a named function: a Lark grammar (llguidance, with its %json     |
+|                  | schema rules) that only lets the model write well-formed calls of the allowed functions     |
+
+tool_choice "none" leaves the tools out of the prompt and parses nothing; "auto" (the default with tools) puts them
+in and parses what the model writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes",)
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_OPEN = "<tool_call>"
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a `tools` argument (it names the variable)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def _tool_json(tools: list[dict[str, Any]]) -> str:
+    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+
+
+def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """For a template that knows nothing of tools: the tools described in a system message (merged into the
+    conversation's own system message if it has one), assistant tool calls and tool results as Hermes text."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if m.get("role") == "assistant" and calls:
+            text = "\n".join(f"{_OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                        "arguments": c["function"]["arguments"]},
+                                                       ensure_ascii=False) + "\n</tool_call>" for c in calls)
+            m["content"] = ((m.get("content") or "") + "\n" + text).strip()
+        if m.get("role") == "tool":
+            m.pop("tool_call_id", None)
+            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+        out.append(m)
+    if tools:
+        system = ("You may call one or more functions to assist with the user query. The functions are, one "
+                  "JSON signature per line:\n<tools>\n" + _tool_json(tools) + "\n</tools>\nFor each function "
+                  "call, return a JSON object with the function name and its arguments within <tool_call></tool_call> "
+                  "tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI sends a call's arguments as a JSON string; templates (Qwen2.5's) expect the object.
+
+    Raises:
+        ValueError: arguments that are not a JSON object.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for c in calls:
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"messages[{i}].tool_calls: arguments are not JSON: {exc}") from None
+                if not isinstance(args, dict):
+                    raise ValueError(f"messages[{i}].tool_calls: arguments must be a JSON object")
+                fn["arguments"] = args
+                fixed.append({**c, "function": fn})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a generated text. A call is a <tool_call> block holding a JSON object with a string
+    "name" and an object "arguments"; a block that is not is left in the content. A last block cut before its
+    closing tag counts when its JSON is complete. Calls get fresh ids, arguments as a JSON string (OpenAI's shape).
+    """
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    pos = 0
+    blocks = [(m.start(), m.end(), m.group(1)) for m in _CALL.finditer(text)]
+    tail = text.rfind(_OPEN)
+    if tail >= 0 and (not blocks or tail >= blocks[-1][1]):
+        blocks.append((tail, len(text), text[tail + len(_OPEN):].strip()))
+    for start, end, body in blocks:
+        call = _call_of(body)
+        if call is None:
+            continue
+        kept.append(text[pos:start])
+        calls.append(call)
+        pos = end
+    kept.append(text[pos:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
+
+
+def _call_of(body: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], only: str | None = None, parallel: bool = True) -> str:
+    """A Lark grammar (llguidance) of one call, or up to one per function when `parallel`, of the tools (or only
+    the named one):
+    each `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` with the arguments held to the function's
+    JSON schema.
+
+    Raises:
+        ValueError: `only` names no tool.
+    """
+    functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+    if not functions:
+        raise ValueError(f"tool_choice names {only!r}, which is not among the tools")
+    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": f.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    schema = {**schema, "x-guidance": {"whitespace_pattern": r"[\x20]{0,1}"}}
+    # at most one call per function: a small model, free to add calls, repeats one until max_tokens
+    most = len(functions) if parallel else 1
+    return (f'start: (call "\\n"?) ~ 1..{most}\ncall: "<tool_call>\\n" args "\\n</tool_call>"\n'
+            f"args: %json {json.dumps(schema)}\n")
+
+
+def held_back(text: str) -> int:
+    """Characters at the end of a streamed text that could begin "<tool_call>" (not sent until they cannot)."""
+    for size in range(min(len(_OPEN) - 1, len(text)), 0, -1):
+        if _OPEN.startswith(text[-size:]):
+            return size
+    return 0
+
+
+__all__ = ["TOOL_CALL_PARSERS", "template_takes_tools", "fallback_messages", "arguments_as_objects", "parse_hermes",
+           "tool_call_grammar", "held_back"]
