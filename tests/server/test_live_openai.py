@@ -173,7 +173,7 @@ def test_disconnect_frees_blocks(live: LiveServer, stream: bool) -> None:
     assert wait_for(lambda: asyncio.run(live.engine.call(lambda e: e.get_stats().num_running)) == 0, 30)
     start = _free_blocks(live)
     aborts = _abort_count(live)
-    sock = _raw_post(live, {"model": _model(live), "prompt": "Tell me a long story. " * 20, "max_tokens": 400,
+    sock = _raw_post(live, {"model": _model(live), "prompt": "Tell me a long story. " * 20, "max_tokens": 300,
                             "temperature": 0, "stream": stream})
     assert wait_for(lambda: _free_blocks(live) < start, 30)
     sock.close()
