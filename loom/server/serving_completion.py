@@ -31,9 +31,49 @@ class _Prompt:
     text: str  # the prompt as text, for echo
 
 
+# fill-in-the-middle special tokens (prefix, suffix, middle) of the model families that have them, PSM order
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
+              ("<PRE>", "<SUF>", "<MID>"))  # Code Llama (sentencepiece pieces)
+
+
+def fim_tokens(tokenizer: Any) -> tuple[str, str, str] | None:
+    """The tokenizer's fill-in-the-middle tokens (prefix, suffix, middle), or None when it has none."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for names in FIM_TOKENS:
+        if all(n in vocab for n in names):
+            return names
+    return None
+
+
+def _fim_prompt(ctx: ServingContext, body: CompletionRequest) -> str:
+    """`suffix`: the prompt as fill-in-the-middle, prefix-suffix-middle (Bavarian et al. 2022, "Efficient
+    Training of Language Models to Fill in the Middle"): <prefix>prompt<suffix>suffix<middle>.
+
+    Raises:
+        RequestError: a prompt that is not one string, or a model without FIM tokens (naming suffix).
+    """
+    if not isinstance(body.prompt, str):
+        raise RequestError("suffix needs the prompt as one string", "suffix")
+    names = fim_tokens(ctx.engine.tokenizer)
+    if names is None:
+        raise RequestError("suffix needs a model with fill-in-the-middle tokens (e.g. Qwen2.5-Coder); this "
+                           "tokenizer has none", "suffix")
+    pre, suf, mid = names
+    return f"{pre}{body.prompt}{suf}{body.suffix}{mid}"
+
+
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
     p = body.prompt
     tokenizer = ctx.engine.tokenizer
+    if body.suffix is not None:
+        text = _fim_prompt(ctx, body)
+        try:
+            ids = ctx.engine.tokenize(text)
+        except ValueError as e:
+            raise RequestError(str(e), "prompt") from e
+        check_room(ctx, len(ids), body.max_tokens, "max_tokens")
+        return [_Prompt(ids, p)]
     if isinstance(p, str):
         items: list[str | list[int]] = [p]
     elif not p:
@@ -65,8 +105,6 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
 
 def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Prompt], Any]:
     check_model(ctx, body.model)
-    if body.suffix is not None:
-        raise RequestError("suffix is not supported", "suffix")
     if body.best_of is not None:
         if not body.n <= body.best_of <= MAX_N:
             raise RequestError(f"best_of must be in [n, {MAX_N}] (n = {body.n}), got {body.best_of}", "best_of")

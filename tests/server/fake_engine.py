@@ -22,9 +22,14 @@ SPECIAL = {EOS: "<|endoftext|>", IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
 class FakeTokenizer:
     eos_token_id = EOS
 
-    def __init__(self, vocab_size: int, large_text_delay_s: float = 0.0) -> None:
+    def __init__(self, vocab_size: int, large_text_delay_s: float = 0.0, fim: bool = False) -> None:
         self.vocab_size = vocab_size  # ids >= 259 decode to nothing
         self.large_text_delay_s = large_text_delay_s  # emulated CPU time to encode a text of 1 MB or more
+        self.fim = fim  # claim Qwen's fill-in-the-middle tokens (get_vocab)
+
+    def get_vocab(self) -> dict[str, int]:
+        names = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>") if self.fim else ()
+        return {name: 260 + i for i, name in enumerate(names)}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.large_text_delay_s and len(text) >= 1 << 20:
@@ -80,9 +85,9 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 256, vocab_size: int = 300, num_kv_blocks: int = 64,
                  block_size: int = 16, max_num_seqs: int = 8, max_waiting_requests: int | None = None,
                  step_delay_s: float = 0.0, large_text_delay_s: float = 0.0,
-                 prompt_char_limit: int | None = None) -> None:
+                 prompt_char_limit: int | None = None, fim: bool = False) -> None:
         self.prompt_char_limit = prompt_char_limit  # LLMEngine.max_prompt_chars's stand-in; None: no bound
-        self.tokenizer = FakeTokenizer(vocab_size, large_text_delay_s)
+        self.tokenizer = FakeTokenizer(vocab_size, large_text_delay_s, fim)
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -94,6 +99,7 @@ class FakeEngine:
         self.step_delay_s = step_delay_s
         self.fail_next_step = False
         self.reqs: dict[str, _Req] = {}
+        self.added_prompts: list[list[int]] = []  # every accepted request's prompt ids, in order
         self.num_steps = 0
         self._queries = 0
         self._seen_prefixes: set[tuple[int, ...]] = set()
@@ -138,6 +144,7 @@ class FakeEngine:
             self._hits += len(key) - 1
         self._seen_prefixes.add(key)  # type: ignore[arg-type]
         self.reqs[request_id] = r
+        self.added_prompts.append(list(ids))
 
     def abort_request(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -410,3 +410,38 @@ def test_structured_output_conflicts_name_the_field(client: httpx.Client, body: 
                                                   **body})
     assert_error(r, 400, param)
     assert message in r.json()["error"]["message"]
+
+
+def test_suffix_is_fill_in_the_middle_with_the_models_fim_tokens() -> None:
+    """suffix: the engine gets <|fim_prefix|>prompt<|fim_suffix|>suffix<|fim_middle|> (prefix-suffix-middle);
+    a model without FIM tokens, a list prompt, are 400s naming suffix."""
+    front, fake = make_fake_front(step_delay_s=0.001, fim=True)
+    with serve(front) as live, httpx.Client(base_url=live.base_url, timeout=10) as c:
+        r = c.post("/v1/completions", json={"prompt": "def add(a, b):\n", "suffix": "\n    return c\n",
+                                            "max_tokens": 2, "echo": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].startswith("def add(a, b):\n")  # echo shows the prompt itself
+        prompt = fake.tokenizer.encode("<|fim_prefix|>def add(a, b):\n<|fim_suffix|>\n    return c\n<|fim_middle|>")
+        assert prompt in fake.added_prompts
+        r = c.post("/v1/completions", json={"prompt": ["a", "b"], "suffix": "x", "max_tokens": 2})
+        assert_error(r, 400, "suffix")
+
+
+def test_fim_tokens_of_a_real_fast_tokenizer() -> None:
+    """fim_tokens reads a Hugging Face tokenizer's vocabulary, and the FIM names in the prompt text encode as
+    the single special tokens (added tokens are matched in text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from loom.server.serving_completion import fim_tokens
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    assert fim_tokens(tok) is None
+    tok.add_special_tokens({"additional_special_tokens": ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]})
+    names = fim_tokens(tok)
+    assert names == ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    ids = tok.encode(f"{names[0]}a{names[1]}b{names[2]}", add_special_tokens=False)
+    assert ids == [tok.convert_tokens_to_ids(names[0]), 1, tok.convert_tokens_to_ids(names[1]), 2,
+                   tok.convert_tokens_to_ids(names[2])]
