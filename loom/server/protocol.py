@@ -147,6 +147,12 @@ class ChatMessage(_Strict):
         # OpenAI: only an assistant turn may omit its content (it may carry tool calls instead)
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for a {self.role!r} message")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to an assistant message, not a {self.role!r} one")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to a tool message, not a {self.role!r} one")
         return self
 
 

@@ -16,7 +16,8 @@ from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
 from loom.server.tool_calls import (
-    arguments_as_objects, fallback_messages, held_back, parse_hermes, template_takes_tools, tool_call_grammar,
+    arguments_as_objects, check_tool_history, check_tools, fallback_messages, held_back, parse_hermes, template_takes_tools,
+    tool_call_grammar,
 )
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
@@ -55,16 +56,26 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 class _Tools:
     """The tools a chat request puts in the prompt and how its output is read."""
 
-    tools: list[dict[str, Any]] | None  # in the prompt; None: no tools (none given, or tool_choice "none")
+    tools: list[dict[str, Any]] | None  # in the prompt; None: no tools
     grammar: str | None  # tool_choice "required" or a named function: the calls the output must be
     parallel: bool  # more than one call allowed
+    parse: bool = True  # read calls out of the output (False under tool_choice "none")
+
+    @property
+    def names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.tools or []}
 
 
 def _tools_of(body: ChatCompletionRequest) -> _Tools:
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    try:
+        check_tools(tools or [])
+    except ValueError as e:
+        raise RequestError(str(e), "tools") from e
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none" or (choice == "auto" and not tools):
-        return _Tools(None, None, True)
+        # "none": the model still sees the tools (as OpenAI and vLLM do) but nothing is parsed or forced
+        return _Tools(tools, None, True, parse=False)
     if not tools:
         raise RequestError("tool_choice needs tools", "tool_choice")
     parallel = body.parallel_tool_calls is not False
@@ -85,9 +96,10 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any 
     the template refuse it."""
     dicts = messages_to_dicts(messages)
     try:
-        if template_takes_tools(ctx.engine.tokenizer):
-            dicts = arguments_as_objects(dicts)
-        elif tools or any("tool_calls" in d or d["role"] == "tool" for d in dicts):
+        dicts = arguments_as_objects(dicts)
+        check_tool_history(dicts)
+        if not template_takes_tools(ctx.engine.tokenizer) and (
+                tools or any("tool_calls" in d or d["role"] == "tool" for d in dicts)):
             dicts, tools = fallback_messages(dicts, tools), None
     except ValueError as e:
         raise RequestError(str(e), "messages") from e
@@ -139,7 +151,7 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
         except ValueError as e:
             raise RequestError(str(e), "tools") from e
     prompt_ids = chat_prompt_ids(ctx, body.messages, body, tools.tools)
-    check_room(ctx, len(prompt_ids), max_tokens, name)
+    check_room(ctx, len(prompt_ids), max_tokens, name, prompt_name="messages")
     return prompt_ids, params, num_top, tools
 
 
@@ -170,9 +182,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 def _message(c: CompletionOutput, tools: _Tools | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a choice and its finish reason: tool calls parsed out when tools are on."""
-    if tools is None or tools.tools is None:
+    if tools is None or tools.tools is None or not tools.parse:
         return {"role": "assistant", "content": c.text}, c.finish_reason
-    content, calls = parse_hermes(c.text)
+    content, calls = parse_hermes(c.text, tools.names)
     if not calls:
         return {"role": "assistant", "content": c.text}, c.finish_reason
     if not tools.parallel:
@@ -210,7 +222,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
                   num_top: int | None, tools: _Tools | None = None) -> AsyncIterator[str]:
     """SSE chunks. With tools on, content streams until a "<tool_call>" could begin (a possible start is held
     back); the calls go out parsed, whole, in the choice's last chunk (one delta per call, OpenAI's shape)."""
-    reading_tools = tools is not None and tools.tools is not None
+    reading_tools = tools is not None and tools.tools is not None and tools.parse
     created = now_unix()
     sent: dict[int, _Sent] = {}
     last = None
@@ -243,7 +255,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
                         text = c.text[s.chars:max(end, s.chars)]
                         s.chars += len(text)
                     else:  # the rest, with the calls parsed out of it
-                        rest, calls = parse_hermes(c.text[s.chars:])
+                        rest, calls = parse_hermes(c.text[s.chars:], tools.names)
                         text = rest or ""
                         if calls:
                             calls = calls if tools.parallel else calls[:1]

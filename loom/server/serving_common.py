@@ -51,21 +51,26 @@ def check_structured_output(ctx: ServingContext, body: Any, params: SamplingPara
         raise RequestError(str(e), field) from e
 
 
-def check_room(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, name: str) -> None:
+def check_room(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, name: str,
+               prompt_name: str = "prompt", default: bool = False) -> None:
     """vLLM's rule: a request may not ask for more tokens than the context has room for after its prompt.
 
+    Args:
+        name: the field of max_tokens (max_tokens or max_completion_tokens); default: it was not sent.
+        prompt_name: the field of the prompt (prompt, or messages for chat).
+
     Raises:
-        RequestError: naming the prompt when it alone leaves no room, else `name` (max_tokens or
-            max_completion_tokens).
+        RequestError: naming the prompt when it alone leaves no room, else `name`.
     """
     limit = ctx.engine.max_model_len
     if num_prompt_tokens > limit or (num_prompt_tokens == limit and max_tokens != 0):
-        raise RequestError(f"prompt of {num_prompt_tokens} tokens leaves no room to generate within "
-                           f"max_model_len={limit}", "prompt")
+        raise RequestError(f"{prompt_name} of {num_prompt_tokens} tokens leave no room to generate within "
+                           f"max_model_len={limit}", prompt_name)
     if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+        asked = f"{max_tokens} in the completion" + (f" ({name}'s default)" if default else "")
         raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                           f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-                           f"in the completion). Reduce the prompt or {name}.", name)
+                           f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_name}, "
+                           f"{asked}). Reduce the {prompt_name} or {name}.", name)
 
 
 def new_request_id(prefix: str) -> str:

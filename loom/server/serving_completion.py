@@ -72,7 +72,7 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
             ids = ctx.engine.tokenize(text)
         except ValueError as e:
             raise RequestError(str(e), "prompt") from e
-        check_room(ctx, len(ids), body.max_tokens, "max_tokens")
+        check_room(ctx, len(ids), body.max_tokens, "max_tokens", default="max_tokens" not in body.model_fields_set)
         return [_Prompt(ids, p)]
     if isinstance(p, str):
         items: list[str | list[int]] = [p]
@@ -97,7 +97,8 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
             if not ids:
                 raise RequestError("prompt must not be empty", "prompt")
             out.append(_Prompt(ids, item))
-        check_room(ctx, len(out[-1].engine_prompt), body.max_tokens, "max_tokens")
+        check_room(ctx, len(out[-1].engine_prompt), body.max_tokens, "max_tokens",
+                   default="max_tokens" not in body.model_fields_set)
     if len(out) * body.n > MAX_CHOICES:
         raise RequestError(f"prompts x n must be <= {MAX_CHOICES}, got {len(out) * body.n}", "prompt")
     return out

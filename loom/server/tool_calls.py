@@ -44,14 +44,15 @@ def _tool_json(tools: list[dict[str, Any]]) -> str:
 
 def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """For a template that knows nothing of tools: the tools described in a system message (merged into the
-    conversation's own system message if it has one), assistant tool calls and tool results as Hermes text."""
+    conversation's own system message if it has one), assistant tool calls and tool results as Hermes text.
+    The calls' arguments are objects (arguments_as_objects first), as the model is told to write them."""
     out: list[dict[str, Any]] = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if m.get("role") == "assistant" and calls:
             text = "\n".join(f"{_OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                                        "arguments": c["function"]["arguments"]},
+                                                        "arguments": c["function"]["arguments"]},  # an object
                                                        ensure_ascii=False) + "\n</tool_call>" for c in calls)
             m["content"] = ((m.get("content") or "") + "\n" + text).strip()
         if m.get("role") == "tool":
@@ -98,10 +99,11 @@ def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     return out
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_hermes(text: str, names: set[str] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a generated text. A call is a <tool_call> block holding a JSON object with a string
     "name" and an object "arguments"; a block that is not is left in the content. A last block cut before its
     closing tag counts when its JSON is complete. Calls get fresh ids, arguments as a JSON string (OpenAI's shape).
+    With `names`, a call of a function not among them stays content too (the model made it up).
     """
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
@@ -112,7 +114,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         blocks.append((tail, len(text), text[tail + len(_OPEN):].strip()))
     for start, end, body in blocks:
         call = _call_of(body)
-        if call is None:
+        if call is None or (names is not None and call["function"]["name"] not in names):
             continue
         kept.append(text[pos:start])
         calls.append(call)
@@ -136,6 +138,44 @@ def _call_of(body: str) -> dict[str, Any] | None:
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
+def check_tools(tools: list[dict[str, Any]]) -> None:
+    """Raise ValueError for two tools of one name, or parameters that are not an object schema (a call's
+    arguments are an object)."""
+    seen: set[str] = set()
+    for t in tools:
+        name = t["function"]["name"]
+        if name in seen:
+            raise ValueError(f"two tools are named {name!r}")
+        seen.add(name)
+        params = t["function"].get("parameters")
+        if params is not None and params.get("type", "object") != "object":
+            raise ValueError(f"tool {name!r}: parameters must be a JSON schema of an object, got type "
+                             f"{params.get('type')!r}")
+
+
+def check_tool_history(messages: list[dict[str, Any]]) -> None:
+    """Raise ValueError unless every tool message answers a call an earlier assistant message made (OpenAI's
+    rule)."""
+    made: set[str] = set()
+    for i, m in enumerate(messages):
+        for c in m.get("tool_calls") or []:
+            made.add(c.get("id"))
+        if m.get("role") == "tool" and m.get("tool_call_id") not in made:
+            raise ValueError(f"messages[{i}]: tool_call_id {m.get('tool_call_id')!r} answers no earlier tool call")
+
+
+def _hoist_defs(schema: dict[str, Any], defs: dict[str, Any], function: str) -> dict[str, Any]:
+    """`schema` without its $defs / definitions, which join `defs` (refs like #/$defs/X then resolve at the
+    grammar's root, where the function's arguments schema no longer is)."""
+    schema = dict(schema)
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.pop(key, None) or {}).items():
+            if name in defs and defs[name] != sub:
+                raise ValueError(f"tool {function!r}: definition {name!r} differs from another tool's")
+            defs[name] = sub
+    return schema
+
+
 def tool_call_grammar(tools: list[dict[str, Any]], only: str | None = None, parallel: bool = True) -> str:
     """A Lark grammar (llguidance) of one call, or up to one per function when `parallel`, of the tools (or only
     the named one):
@@ -148,11 +188,16 @@ def tool_call_grammar(tools: list[dict[str, Any]], only: str | None = None, para
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if not functions:
         raise ValueError(f"tool_choice names {only!r}, which is not among the tools")
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f.get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    defs: dict[str, Any] = {}
+    options = [{"type": "object", "properties": {
+        "name": {"const": f["name"]},
+        "arguments": _hoist_defs(f.get("parameters") or {"type": "object"}, defs, f["name"])},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": {"whitespace_pattern": r"[\x20]{0,1}"}}
+    if defs:  # the schema's own refs say #/$defs/... or #/definitions/...: both point here
+        schema["$defs"] = defs
+        schema["definitions"] = defs
     # at most one call per function: a small model, free to add calls, repeats one until max_tokens
     most = len(functions) if parallel else 1
     return (f'start: (call "\\n"?) ~ 1..{most}\ncall: "<tool_call>\\n" args "\\n</tool_call>"\n'
@@ -168,4 +213,4 @@ def held_back(text: str) -> int:
 
 
 __all__ = ["TOOL_CALL_PARSERS", "template_takes_tools", "fallback_messages", "arguments_as_objects", "parse_hermes",
-           "tool_call_grammar", "held_back"]
+           "check_tools", "check_tool_history", "tool_call_grammar", "held_back"]

@@ -445,3 +445,26 @@ def test_fim_tokens_of_a_real_fast_tokenizer() -> None:
     ids = tok.encode(f"{names[0]}a{names[1]}b{names[2]}", add_special_tokens=False)
     assert ids == [tok.convert_tokens_to_ids(names[0]), 1, tok.convert_tokens_to_ids(names[1]), 2,
                    tok.convert_tokens_to_ids(names[2])]
+
+
+@pytest.mark.parametrize(("messages", "match"), [
+    ([{"role": "user", "content": "hi", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}],
+     "tool_calls belong to an assistant"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}], "needs the tool_call_id"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "x"}],
+     "answers no earlier tool call"),
+    ([{"role": "user", "content": "hi", "tool_call_id": "x"}], "tool_call_id belongs to a tool message"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{x"}}]}],
+     "arguments are not JSON"),
+])
+def test_a_malformed_tool_history_is_400_naming_messages(client: httpx.Client, messages: list, match: str) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert_error(r, 400, "messages")
+    assert match in r.json()["error"]["message"]
+
+
+def test_bad_tool_definitions_are_400_naming_tools(client: httpx.Client) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  "tools": [tool, tool]})
+    assert_error(r, 400, "tools")

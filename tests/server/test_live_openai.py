@@ -395,3 +395,20 @@ def test_tool_errors_name_the_field(oai: "openai.OpenAI", live: LiveServer) -> N
     with pytest.raises(openai.BadRequestError) as exc:
         oai.chat.completions.create(model=_model(live), messages=ASK_WEATHER, tool_choice="required", max_tokens=4)
     assert exc.value.body["param"] == "tool_choice"
+
+
+def test_a_pydantic_tool_with_a_nested_model_under_required(oai: "openai.OpenAI", live: LiveServer) -> None:
+    """openai.pydantic_function_tool nests definitions ($defs) in parameters: found by a trial (400 before)."""
+    from pydantic import BaseModel, Field
+
+    class Addr(BaseModel):
+        city: str = Field(max_length=30)
+
+    class Lookup(BaseModel):
+        addr: Addr
+
+    r = oai.chat.completions.create(model=_model(live), messages=ASK_WEATHER, max_tokens=80, temperature=0,
+                                    tools=[openai.pydantic_function_tool(Lookup)], tool_choice="required",
+                                    parallel_tool_calls=False)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "Lookup" and Lookup.model_validate_json(call.function.arguments)

@@ -84,3 +84,42 @@ def test_tool_call_grammar_names_and_bounds() -> None:
     assert "~ 1..2" in tool_call_grammar(tools) and "~ 1..1" in tool_call_grammar(tools, parallel=False)
     with pytest.raises(ValueError, match="not among the tools"):
         tool_call_grammar(tools, "h")
+
+
+def test_checks_of_tools_and_history() -> None:
+    from loom.server.tool_calls import check_tool_history, check_tools
+
+    with pytest.raises(ValueError, match="two tools are named 'f'"):
+        check_tools([TOOL, TOOL])
+    with pytest.raises(ValueError, match="must be a JSON schema of an object"):
+        check_tools([{"type": "function", "function": {"name": "p", "parameters": {"type": "string"}}}])
+    call = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": {}}}]}
+    check_tool_history([call, {"role": "tool", "tool_call_id": "c1", "content": "ok"}])
+    with pytest.raises(ValueError, match="answers no earlier tool call"):
+        check_tool_history([call, {"role": "tool", "tool_call_id": "c2", "content": "ok"}])
+    with pytest.raises(ValueError, match="answers no earlier tool call"):
+        check_tool_history([{"role": "tool", "tool_call_id": "c1", "content": "ok"}, call])
+
+
+def test_calls_of_functions_not_among_the_tools_stay_content() -> None:
+    text = '<tool_call>{"name": "zzz", "arguments": {}}</tool_call>'
+    assert parse_hermes(text, {"f"}) == (text, [])
+    assert parse_hermes(text, {"zzz"})[1][0]["function"]["name"] == "zzz"
+
+
+def test_nested_definitions_of_a_pydantic_tool_resolve_in_the_grammar() -> None:
+    """openai.pydantic_function_tool puts $defs inside parameters; the grammar nests parameters under
+    "arguments", so they are hoisted to its root, where #/$defs/... points."""
+    from loom.model.loader import load_tokenizer
+    from loom.sample.structured import StructuredOutputManager
+    from loom.sampling_params import StructuredOutputParams
+
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"addr": {"$ref": "#/$defs/Addr"}}, "required": ["addr"],
+        "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}}
+    manager = StructuredOutputManager(load_tokenizer(None), 49152, [2])
+    manager.compile(StructuredOutputParams(grammar=tool_call_grammar([tool])))
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {}, "$defs": {"Addr": {"type": "string"}}}}}
+    with pytest.raises(ValueError, match="differs from another tool's"):
+        tool_call_grammar([tool, other])
