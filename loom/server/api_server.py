@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -12,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from loom import __version__ as loom_version
 from loom.engine.async_engine import AsyncLLMEngine
@@ -26,6 +27,8 @@ from loom.server.serving_common import RETRY_AFTER_S, ServingContext, check_mode
 from loom.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
+
+CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 500: "internal_server_error", 503: "service_unavailable"}
@@ -99,6 +102,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     _install_error_handlers(app)
     install_security(app, security or SecurityConfig())
     created = int(time.time())
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> Response:  # a browser chat over the API (as llama-server has): one static file
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> Response:

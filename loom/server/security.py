@@ -4,7 +4,7 @@ Pure ASGI middleware (no per-request Python beyond a header lookup), installed b
 
 | option                      | what it does                                                                    |
 |-----------------------------|---------------------------------------------------------------------------------|
-| api_key (`--api-key`, env   | every route but /health needs `Authorization: Bearer <key>`, compared in        |
+| api_key (`--api-key`, env   | every route but /health and / needs `Authorization: Bearer <key>`, compared in  |
 | LOOM_API_KEY)               | constant time (hmac.compare_digest); else 401 in OpenAI's error shape           |
 | allowed_origins             | CORS: browsers at these origins may call the API (preflight answered); none by  |
 | (`--allowed-origins`)       | default, so a web page elsewhere cannot read responses                          |
@@ -26,7 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_KEY_ENV = "LOOM_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # 32 MiB: a max_model_len prompt is ~100x smaller; batches of prompts fit
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (liveness probes)
+OPEN_PATHS = frozenset({"/health", "/"})  # reachable without the API key: liveness probes, and the chat page
+# (static; it asks for the key and sends it with its API calls)
 
 
 @dataclass(slots=True)
