@@ -24,12 +24,14 @@ stacks them only at load), so the result is an ordinary checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from loom.model.arch import ModelArchConfig
 from loom.quant.hadamard import rotate, rotation_block
+from loom.quant.layout import dequantize
+from loom.quant.rtn import quantize_q8
 
 # loom's stacked layers whose input statistics calibration records
 SMOOTHED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -48,25 +50,15 @@ def collect_input_absmax(model: torch.nn.Module, arch: ModelArchConfig,
     Returns:
         loom layer name (e.g. "model.layers.0.self_attn.qkv_proj") -> float32 [input_size].
     """
-    from loom.bench.quality import window_logits
-
     stats: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in SMOOTHED_LAYERS:
-            continue
 
-        def hook(_module: torch.nn.Module, args: tuple, name: str = name) -> None:
+    def hook_for(name: str, _module: torch.nn.Module) -> Callable[..., None]:
+        def hook(_m: torch.nn.Module, args: tuple) -> None:
             amax = args[0].detach().abs().float().reshape(-1, args[0].shape[-1]).amax(dim=0)
             stats[name] = amax if name not in stats else torch.maximum(stats[name], amax)
+        return hook
 
-        handles.append(module.register_forward_pre_hook(hook))
-    try:
-        for tokens in windows:
-            window_logits(model, arch, tokens)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_with_input_hooks(model, arch, windows, hook_for)
     if not stats:
         raise ValueError("no smoothable layer (qkv_proj, o_proj, gate_up_proj, down_proj) saw a calibration token")
     return stats
@@ -122,8 +114,6 @@ def smooth_weights(weights: dict[str, torch.Tensor], act_absmax: dict[str, torch
     def alpha_of(name: str) -> float:
         return alpha if isinstance(alpha, (int, float)) else alpha.get(name, 0.5)
 
-    rep = arch.num_heads // arch.num_kv_heads
-    d = arch.head_dim
     for i in range(arch.num_layers):
         p = f"model.layers.{i}"
         # q/k/v read input_layernorm's output
@@ -146,40 +136,64 @@ def smooth_weights(weights: dict[str, torch.Tensor], act_absmax: dict[str, torch
         s = smoothing_factors(stat(f"{p}.mlp.down_proj"), down.abs().amax(dim=0), alpha_of(f"{p}.mlp.down_proj"))
         out[f"{p}.mlp.up_proj.weight"] = up / s[:, None]
         out[f"{p}.mlp.down_proj.weight"] = down * s
-        # o reads attention's output, linear in V: divide v's rows; a V channel serves `rep` query heads
+        # o reads attention's output, linear in V: divide v's rows; a V channel serves its group's query heads
         o = get(f"{p}.self_attn.o_proj.weight")
-        act = stat(f"{p}.self_attn.o_proj").reshape(arch.num_kv_heads, rep, d).amax(dim=1).reshape(-1)
-        wt = o.abs().amax(dim=0).reshape(arch.num_kv_heads, rep, d).amax(dim=1).reshape(-1)
-        s_v = smoothing_factors(act, wt, alpha_of(f"{p}.self_attn.o_proj"))
+        s_v = _v_scales(stat(f"{p}.self_attn.o_proj"), o, arch, alpha_of(f"{p}.self_attn.o_proj"))
         v_name = f"{p}.self_attn.v_proj"
         out[f"{v_name}.weight"] = out[f"{v_name}.weight"] / s_v[:, None]
         if f"{v_name}.bias" in out:
             out[f"{v_name}.bias"] = get(f"{v_name}.bias") / s_v
-        s_o = s_v.reshape(arch.num_kv_heads, 1, d).expand(arch.num_kv_heads, rep, d).reshape(-1)
-        out[f"{p}.self_attn.o_proj.weight"] = o * s_o
+        out[f"{p}.self_attn.o_proj.weight"] = o * _o_scales(s_v, arch)
     return out
 
 
-def _fake_quant_rows(x: torch.Tensor, group: int, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Symmetric int8 round trip of x [R, K] in groups of `group` along K (K = one scale per row): the grid of
-    loom/quant/rtn.py quantize_q8 (weights, float16 scales) and of the per-token activations (float32 scales)."""
-    r, k = x.shape
-    g = x.reshape(r, k // group, group)
-    s = (g.abs().amax(dim=2, keepdim=True) / 127).to(scale_dtype).float()
-    q = torch.where(s > 0, (g / s.clamp_min(1e-30)).round().clamp(-127, 127), torch.zeros_like(g))
-    return (q * s).reshape(r, k)
+def _run_with_input_hooks(model: torch.nn.Module, arch: ModelArchConfig, windows: Iterable[list[int]],
+                          hook_for: Callable[[str, torch.nn.Module], Callable[..., None] | None]) -> None:
+    """Run each window as one prefill with `hook_for(name, module)`'s forward pre-hook (None: none) on every
+    smoothed layer; the hooks are removed afterwards, whatever happens."""
+    from loom.bench.quality import window_logits
+
+    handles = []
+    try:
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in SMOOTHED_LAYERS:
+                hook = hook_for(name, module)
+                if hook is not None:
+                    handles.append(module.register_forward_pre_hook(hook))
+        for tokens in windows:
+            window_logits(model, arch, tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Per-token symmetric int8 round trip of x [R, K]: w8a8's activation grid (float32 scale max|x| / 127)."""
+    s = x.abs().amax(dim=1, keepdim=True) / 127
+    q = torch.where(s > 0, (x / s.clamp_min(1e-30)).round().clamp(-127, 127), torch.zeros_like(x))
+    return q * s
+
+
+def _v_scales(act: torch.Tensor, o_weight: torch.Tensor, arch: ModelArchConfig, alpha: float) -> torch.Tensor:
+    """o_proj's smoothing factors per V channel [kv_size]: one V channel feeds one o_proj column per query head of
+    its group, so the group's statistics (act [q_size], o_weight [hidden, q_size]) are maxed together."""
+    kv, rep, d = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
+    return smoothing_factors(act.float().reshape(kv, rep, d).amax(dim=1).reshape(-1),
+                             o_weight.abs().amax(dim=0).float().reshape(kv, rep, d).amax(dim=1).reshape(-1), alpha)
+
+
+def _o_scales(s_v: torch.Tensor, arch: ModelArchConfig) -> torch.Tensor:
+    """The V-channel factors [kv_size] spread over o_proj's input columns [q_size]."""
+    kv, rep, d = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
+    return s_v.reshape(kv, 1, d).expand(kv, rep, d).reshape(-1)
 
 
 def _layer_scales(name: str, act: torch.Tensor, weight: torch.Tensor, arch: ModelArchConfig,
                   alpha: float) -> torch.Tensor:
     """The s [input_size] smooth_weights would give the loom layer `name` (weight [N, K], its dense weight)."""
-    wt = weight.abs().amax(dim=0).float()
-    if not name.endswith("o_proj"):
-        return smoothing_factors(act, wt, alpha)
-    kv, rep, d = arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
-    s_v = smoothing_factors(act.reshape(kv, rep, d).amax(dim=1).reshape(-1),
-                            wt.reshape(kv, rep, d).amax(dim=1).reshape(-1), alpha)
-    return s_v.reshape(kv, 1, d).expand(kv, rep, d).reshape(-1)
+    if name.endswith("o_proj"):
+        return _o_scales(_v_scales(act, weight, arch, alpha), arch)
+    return smoothing_factors(act, weight.abs().amax(dim=0).float(), alpha)
 
 
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -194,8 +208,8 @@ def search_alpha(model: torch.nn.Module, arch: ModelArchConfig, windows: Iterabl
     For each smoothed layer and alpha: Y = X W^T (float) against Q(R(X / s)) Q(R(W s))^T, with per-token
     int8 X, symmetric int8 W in groups of `weight_group` columns (None: per output channel) and R the block
     Hadamard rotation of loom's w8a8 (identity when not `rotated`); the squared error is summed over the
-    windows. Defaults: loom's w8a8 (loom/quant/methods.py). SmoothQuant picks one alpha per model; choosing per layer by the layer's own output error is
-    the search AWQ (Lin et al. 2023, arXiv:2306.00978) runs for its scales, applied to SmoothQuant's family.
+    windows. Defaults: loom's w8a8 (loom/quant/methods.py). SmoothQuant picks one alpha per model; choosing
+    per layer by the layer's own output error is the search AWQ (Lin et al. 2023, arXiv:2306.00978) runs for its scales, applied to SmoothQuant's family.
 
     Args:
         model: the dense float model the statistics came from (quantization "none").
@@ -207,35 +221,27 @@ def search_alpha(model: torch.nn.Module, arch: ModelArchConfig, windows: Iterabl
     Returns:
         loom layer name -> the best alpha.
     """
-    from loom.bench.quality import window_logits
-
     grid = tuple(grid)
     errors: dict[str, torch.Tensor] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in SMOOTHED_LAYERS or name not in act_absmax:
-            continue
+
+    def hook_for(name: str, module: torch.nn.Module) -> Callable[..., None] | None:
+        if name not in act_absmax:
+            return None
         weight = module.weight.detach().float()
         group = weight.shape[1] if weight_group is None else weight_group
         block = rotation_block(weight.shape[1]) if rotated else 1
-        quantized = []  # (s, Q(R(W s))) per alpha, built once per layer
+        quantized = []  # (s, Q(R(W s))) per alpha, built once per layer: the kernel's own int8 grid
         for a in grid:
-            s = _layer_scales(name, act_absmax[name], weight, arch, a)
-            quantized.append((s, _fake_quant_rows(rotate(weight * s, block), group, torch.float16)))
+            scales = _layer_scales(name, act_absmax[name], weight, arch, a)
+            quantized.append((scales, dequantize(quantize_q8(rotate(weight * scales, block), group))))
 
-        def hook(_module: torch.nn.Module, args: tuple, name: str = name, weight: torch.Tensor = weight,
-                 quantized: list = quantized, block: int = block) -> None:
+        def hook(_m: torch.nn.Module, args: tuple) -> None:
             x = args[0].detach().float().reshape(-1, weight.shape[1])
             y = x @ weight.T
-            err = torch.stack([((_fake_quant_rows(rotate(x / s, block), x.shape[1], torch.float32) @ wq.T) - y)
-                               .square().sum() for s, wq in quantized])
+            err = torch.stack([((_fake_quant_tokens(rotate(x / sc, block)) @ wq.T) - y).square().sum()
+                               for sc, wq in quantized])
             errors[name] = err if name not in errors else errors[name] + err
+        return hook
 
-        handles.append(module.register_forward_pre_hook(hook))
-    try:
-        for tokens in windows:
-            window_logits(model, arch, tokens)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_with_input_hooks(model, arch, windows, hook_for)
     return {name: grid[int(err.argmin())] for name, err in errors.items()}

@@ -207,7 +207,7 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-_STRUCTURED_KEYS = {"json", "json_object", "regex", "choice", "grammar"}
+_STRUCTURED_KEYS = frozenset(StructuredOutputParams.__dataclass_fields__)  # json, json_object, regex, ...
 
 
 def structured_output_of(req: _SamplingFields) -> tuple[StructuredOutputParams | None, str | None]:

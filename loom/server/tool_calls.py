@@ -27,7 +27,6 @@ import re
 import uuid
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes",)
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
 
@@ -212,5 +211,5 @@ def held_back(text: str) -> int:
     return 0
 
 
-__all__ = ["TOOL_CALL_PARSERS", "template_takes_tools", "fallback_messages", "arguments_as_objects", "parse_hermes",
+__all__ = ["template_takes_tools", "fallback_messages", "arguments_as_objects", "parse_hermes",
            "check_tools", "check_tool_history", "tool_call_grammar", "held_back"]

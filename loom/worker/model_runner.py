@@ -117,8 +117,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if self.structured is not None:
-            self.structured.free(scheduler_output.finished_req_ids)
         self._copy_host_blocks(scheduler_output)
         self._copy_branch_context(scheduler_output.scheduled)
         if scheduler_output.is_empty:
