@@ -59,6 +59,12 @@ class Request:
     # draft tokens being verified this step (speculative decoding): their K/V are computed with the step's
     # tokens, and num_computed_tokens counts them until the runner's answer rolls the rejected ones back
     spec_token_ids: list[int] = field(default_factory=list)
+    # beam search (loom/engine/beam_search.py): the group this beam belongs to (never drafted for), the
+    # running seats it stands for (a group's first request holds its whole width), and whether it waits for
+    # the rest of its group (a held request is not scheduled)
+    beam_group: str | None = None
+    num_seats: int = 1
+    hold: bool = False
 
     @property
     def num_tokens_with_spec(self) -> int:

@@ -83,6 +83,9 @@ class KVCacheManager:
         self.num_blocks_recomputed = 0  # computed blocks dropped by preemptions (not swapped), cumulative
         # blocks lent for one step (the private tails of tree-candidate branches), never hashed
         self._scratch: list[KVBlock] = []
+        # (source block id, destination block id): copy-on-write copies of shared partial blocks (beam search
+        # forks) recorded by allocate_slots, for the runner to run before the next forward
+        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -197,8 +200,11 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = _cdiv(num_tokens, bs) - len(held) - len(hits)
         num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
-        if max(num_needed, 0) + num_hits_free > self.block_pool.num_free_blocks:
+        shared_tail = self._shared_partial_block(request) if num_new_tokens else None
+        if max(num_needed, 0) + num_hits_free + (shared_tail is not None) > self.block_pool.num_free_blocks:
             return None
+        if shared_tail is not None:
+            self._copy_on_write(request.request_id, shared_tail)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         self.block_pool.touch(hits)
         blocks.extend(hits)
@@ -213,6 +219,49 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_tokens)
         self._free_outside_window(request.request_id, request.num_computed_tokens + num_new_computed_tokens)
         return [b.block_id for b in new_blocks]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Let `child_id` hold the blocks of `parent_id` too (one more reference each; beam search).
+
+        The two share every block, the partial last one included, until one of them writes into that block:
+        `allocate_slots` then gives the writer a private copy (copy on write; see take_block_copies). Full
+        blocks stay shared for good: their contents never change. The child must hold no blocks yet.
+        """
+        assert child_id not in self.req_to_blocks, f"request {child_id} already holds blocks"
+        blocks = list(self.req_to_blocks.get(parent_id, []))
+        self.block_pool.touch([b for b in blocks if b is not None])
+        self.req_to_blocks[child_id] = blocks
+        if parent_id in self._num_cached_blocks:
+            self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+
+    def _shared_partial_block(self, request: Request) -> int | None:
+        """Index of the request's block that its next computed token writes into, when that block already
+        holds computed rows and another request holds it too (a fork); None otherwise."""
+        position = request.num_computed_tokens
+        if position % self.block_size == 0:
+            return None  # the next token starts a fresh block
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        index = position // self.block_size
+        if index >= len(blocks) or blocks[index] is None or blocks[index].ref_cnt <= 1:
+            return None
+        return index
+
+    def _copy_on_write(self, request_id: str, index: int) -> None:
+        """Replace the request's shared block `index` by a fresh block holding a copy of its rows (recorded for
+        the runner); the shared one loses this reference. Never hashed: it is a partial block."""
+        blocks = self.req_to_blocks[request_id]
+        shared = blocks[index]
+        assert shared is not None and shared.block_hash is None
+        (fresh,) = self.block_pool.get_new_blocks(1)
+        self._block_copies.append((shared.block_id, fresh.block_id))
+        blocks[index] = fresh
+        self.block_pool.free_blocks([shared])
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write copies recorded since the last call: (source block id, destination block id), to run
+        before the step's forward pass (after the host tier's copies)."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def _free_outside_window(self, request_id: str, first_query_position: int) -> None:
         """Release the request's blocks that no query at or after `first_query_position` can see.

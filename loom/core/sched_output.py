@@ -38,6 +38,9 @@ class SchedulerOutput:
     # block is read before anything this step overwrites it), then restores.
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block id, host slot)
     blocks_to_restore: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block id)
+    # Copy-on-write copies of shared partial blocks (beam search), run after the host-tier copies:
+    # (source block id, destination block id), whole blocks
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

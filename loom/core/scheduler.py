@@ -196,7 +196,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or request.hold:
                 i += 1
                 continue
             branches = proposed.get(request.request_id, []) if num_new == 1 else []
@@ -217,6 +217,7 @@ class Scheduler:
             preempted_req_ids=preempted,
             blocks_to_offload=copies.blocks_to_offload,
             blocks_to_restore=copies.blocks_to_restore,
+            blocks_to_copy=self.kv_cache_manager.take_block_copies(),
         )
         self._finished_req_ids = []
         return out
@@ -280,8 +281,14 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         manager = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
+        held: list[Request] = []  # beams waiting for their group: passed over, their place in the queue kept
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.hold:
+                held.append(self.waiting.popleft())
+                continue
+            if self.num_seats_used + request.num_seats > self.scheduler_config.max_num_seqs:
+                break
             prefix = manager.find_computed_prefix(request)
             num_hit = prefix.num_tokens
             num_new = min(request.num_tokens - num_hit, budget)
@@ -295,6 +302,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._schedule_one(request, num_new, is_new=True))
             budget -= num_new
+        self.waiting.extendleft(reversed(held))
         return budget
 
     def _propose_all(self, budget: int) -> dict[str, list[list[int]]]:
@@ -307,8 +315,8 @@ class Scheduler:
             return {}
         asks, wide = [], []
         for request in self.running:
-            if request.num_tokens - request.num_computed_tokens != 1:
-                continue  # prefilling: no drafts
+            if request.num_tokens - request.num_computed_tokens != 1 or request.beam_group is not None:
+                continue  # prefilling (no drafts yet), or a beam (its group takes one token per step)
             n = self._num_drafts(request, budget)
             if n > 0:
                 ask = DraftRequest(request.request_id, request.token_ids_slice(0, request.num_tokens), n)
@@ -372,6 +380,42 @@ class Scheduler:
             spec_token_ids=drafts or [],
             spec_branches=branches or [],
         )
+
+    def fork_request(self, parent: Request, child_id: str, last_token_id: int) -> Request:
+        """Beam search: a new request that equals `parent` but for its last output token, which becomes
+        `last_token_id` (that token's K/V is not computed yet, so the two share every computed position).
+
+        A running parent's KV blocks are shared with the child by reference count (KVCacheManager.fork: the
+        block both would write next is copied on write when the child is scheduled); a waiting one's child
+        waits just before it and computes its prefix again (prefix-cache hits where they exist). The child takes
+        one running seat and is not held.
+
+        Raises:
+            ValueError: the parent is not in the scheduler or has no output token; child_id is in use.
+        """
+        if self.requests.get(parent.request_id) is not parent or not parent.output_token_ids:
+            raise ValueError(f"request {parent.request_id!r} cannot be forked (unknown or without output)")
+        if child_id in self.requests:
+            raise ValueError(f"request_id {child_id!r} is already in the engine")
+        bs = self.cache_config.block_size
+        running = parent.status == RequestStatus.RUNNING
+        child = Request(
+            request_id=child_id, prompt_token_ids=parent.prompt_token_ids, sampling_params=parent.sampling_params,
+            eos_token_ids=parent.eos_token_ids, arrival_time=parent.arrival_time, max_tokens=parent.max_tokens,
+            cache_salt=parent.cache_salt, group_id=parent.group_id, beam_group=parent.beam_group,
+            output_token_ids=parent.output_token_ids[:-1] + [last_token_id],
+            num_computed_tokens=parent.num_computed_tokens if running else 0,
+            num_cached_tokens=parent.num_cached_tokens, status=parent.status,
+            block_hashes=parent.block_hashes[: (parent.num_tokens - 1) // bs],
+        )
+        self.kv_cache_manager.update_block_hashes(child)
+        self.requests[child_id] = child
+        if running:
+            self.kv_cache_manager.fork(parent.request_id, child_id)
+            self.running.append(child)
+        else:
+            self.waiting.insert(self.waiting.index(parent), child)
+        return child
 
     # ---- update ----------------------------------------------------------------------------------
 
@@ -497,7 +541,7 @@ class Scheduler:
         self._prompt_logprobs_seen.pop(request.request_id, None)
         self._spec_backoff.pop(request.request_id, None)
         self._spec_accept.pop(request.request_id, None)
-        if self.proposer is not None:
+        if self.proposer is not None and request.beam_group is None:  # a beam's tokens are not an output
             self.proposer.request_finished(request.request_id, request.output_token_ids)
         self._finished_req_ids.append(request.request_id)
 
@@ -511,6 +555,12 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_seats_used(self) -> int:
+        """Running seats taken (max_num_seqs bounds them): one per running request, a beam group's first
+        request holds its whole width."""
+        return sum(r.num_seats for r in self.running)
 
     @property
     def num_waiting(self) -> int:
@@ -560,7 +610,7 @@ class Scheduler:
         assert len(set(running_ids)) == len(running_ids) and len(set(waiting_ids)) == len(waiting_ids)
         assert not set(running_ids) & set(waiting_ids)
         assert set(running_ids) | set(waiting_ids) == set(self.requests)
-        assert len(self.running) <= self.scheduler_config.max_num_seqs
+        assert self.num_seats_used <= self.scheduler_config.max_num_seqs
         holders = set(self.kv_cache_manager.req_to_blocks)
         assert holders <= set(running_ids), f"waiting requests hold blocks: {holders - set(running_ids)}"
         bs = self.cache_config.block_size

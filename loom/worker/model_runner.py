@@ -118,6 +118,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._copy_host_blocks(scheduler_output)
+        self._copy_blocks(scheduler_output.blocks_to_copy)
         self._copy_branch_context(scheduler_output.scheduled)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
@@ -137,6 +138,13 @@ class ModelRunner:
             return
         self.host_kv_cache.offload(self.kv_caches, scheduler_output.blocks_to_offload)
         self.host_kv_cache.restore(self.kv_caches, scheduler_output.blocks_to_restore)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy whole blocks (every layer's K and V) from source to destination block ids, in
+        order (a block freed by a later preemption of the step may be both a source and then a destination)."""
+        bs = self.block_size
+        for src, dst in copies:
+            copy_kv_slots(self.kv_caches, [src * bs + o for o in range(bs)], [dst * bs + o for o in range(bs)])
 
     def _copy_branch_context(self, scheduled: list[ScheduledRequest]) -> None:
         """Tree candidates: copy the rows before each extra branch's root, in the block that holds the root,

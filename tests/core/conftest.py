@@ -60,6 +60,10 @@ class FakeRunner:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
+        for src, dst in sched.blocks_to_copy:  # copy on write (beam search forks), before the forward
+            for offset in range(self.block_size):
+                if src * self.block_size + offset in self.kv:
+                    self.kv[dst * self.block_size + offset] = self.kv[src * self.block_size + offset]
         out = ModelRunnerOutput(sampled_token_ids={})
         for req in sched.scheduled:
             start = req.start_position
