@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from loom.config import EngineArgs
+from loom.engine.beam_search import BeamSearchParams
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams
 
@@ -11,7 +12,7 @@ try:
 except PackageNotFoundError:  # run from a source tree that is not installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "LLM"]
+__all__ = ["__version__", "EngineArgs", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "LLM"]
 
 
 def __getattr__(name: str):  # LLM pulls in torch; keep `import loom` light for the core tests

@@ -207,7 +207,7 @@ class Scheduler:
             budget -= num_new + len(drafts) + sum(len(tokens) + 1 for tokens, _ in extra)
             i += 1
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, preempted)
         total = self.scheduler_config.max_num_batched_tokens - budget
         copies = self.kv_cache_manager.take_step_copies()
         out = SchedulerOutput(
@@ -279,7 +279,11 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
+        """Admit waiting requests in FIFO order (held ones are passed over). When the head cannot get its
+        blocks while held requests sit in running (beams waiting for a sibling, maybe this very head), those
+        are preempted instead, and the head is admitted in a later step: otherwise a beam group whose held
+        beams fill the pool would wait for ever for its last beam."""
         manager = self.kv_cache_manager
         held: list[Request] = []  # beams waiting for their group: passed over, their place in the queue kept
         while self.waiting and budget > 0:
@@ -293,6 +297,10 @@ class Scheduler:
             num_hit = prefix.num_tokens
             num_new = min(request.num_tokens - num_hit, budget)
             if manager.allocate_slots(request, num_new, prefix.blocks, num_hit, prefix.restore_slots) is None:
+                for victim in [r for r in reversed(self.running) if r.hold]:
+                    self.running.remove(victim)
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
                 break  # FIFO: nothing overtakes the head of the queue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption

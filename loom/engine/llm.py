@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from loom.config import EngineArgs
+from loom.engine.beam_search import BeamSearchParams
 from loom.engine.llm_engine import LLMEngine
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
@@ -48,6 +49,31 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
+                ids.append(self._add(prompt, params))
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt (transformers' algorithm; loom/engine/beam_search.py): one finished
+        RequestOutput per prompt whose outputs are the params.n best sequences, best score first, each with
+        its cumulative_logprob. Beams share their prefix's KV blocks.
+
+        Raises:
+            ValueError: a prompt or parameter is invalid (nothing is left queued).
+        """
+        params = params or BeamSearchParams()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        ids: list[str] = []
+        try:
+            for prompt in _as_prompt_list(prompts):
                 ids.append(self._add(prompt, params))
         except BaseException:
             self.engine.abort_request(ids)
@@ -99,7 +125,7 @@ class LLM:
             if not finished:
                 self.engine.abort_request([request_id])
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> str:
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, prompt, params)
         return request_id

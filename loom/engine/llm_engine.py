@@ -17,6 +17,7 @@ from loom.attention.kv_quant import describe_kv_format
 from loom.config import EngineArgs
 from loom.core.scheduler import Scheduler
 from loom.core.sched_output import EngineCoreOutput, SchedulerOutput
+from loom.engine.beam_search import BeamSearchManager, BeamSearchParams
 from loom.engine.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
 from loom.sample.structured import StructuredOutputManager
@@ -110,6 +111,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.structured = self.structured
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
+        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, self.eos_token_ids)
         logger.info(
             "loaded %s (%s, %s) in %.1f s; KV cache (%s): %d bytes/token, %d blocks of %d tokens = %d tokens max; "
             "host tier: %d blocks = %d tokens",
@@ -216,12 +218,14 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request (n > 1 becomes n engine requests, merged back into one RequestOutput).
+        """Queue a request (n > 1 becomes n engine requests, merged back into one RequestOutput). With
+        BeamSearchParams it is a beam search (loom/engine/beam_search.py): one RequestOutput, when it ends,
+        with the n best sequences.
 
         `prompt_token_ids`: `tokenize(prompt)` of a text prompt, when the caller already ran it (the async
         front tokenizes off the engine thread, so a huge prompt does not stall every other request).
@@ -230,8 +234,11 @@ class LLMEngine:
             ValueError: the request can never run (names the parameter); nothing is kept.
             QueueFullError: the waiting queue is full.
         """
-        if request_id in self._children:
+        if request_id in self._children or request_id in self.beam_search:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(params, BeamSearchParams):
+            self._add_beam_search(request_id, prompt, params, arrival_time, cache_salt, prompt_token_ids)
+            return
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.verify()  # again: fields may have been changed since construction
@@ -285,9 +292,28 @@ class LLMEngine:
             )
         self._children[request_id] = child_ids
 
+    def _add_beam_search(self, request_id: str, prompt: str | list[int], params: BeamSearchParams,
+                         arrival_time: float | None, cache_salt: str | None,
+                         prompt_token_ids: list[int] | None) -> None:
+        params.verify()
+        if prompt_token_ids is None or not isinstance(prompt, str):
+            prompt_token_ids = self.tokenize(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.beam_search.add(request_id, prompt if isinstance(prompt, str) else None, list(prompt_token_ids),
+                             params, max_tokens, time.monotonic() if arrival_time is None else arrival_time,
+                             cache_salt)
+
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests by their user-facing ids; unknown ids are ignored. Frees their KV blocks."""
         for request_id in request_ids:
+            if self.beam_search.abort(request_id):
+                continue
             child_ids = self._children.get(request_id)
             if child_ids is None:
                 continue
@@ -315,6 +341,7 @@ class LLMEngine:
         return self._process(core_outputs)
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        core_outputs, beam_outputs = self.beam_search.process(core_outputs)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:  # stop strings matched on text
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
@@ -322,7 +349,7 @@ class LLMEngine:
             if out.finished:
                 self._children.pop(out.request_id, None)
         self.structured.free(self.scheduler.finished_request_ids)  # grammar matchers of ended requests
-        return processed.request_outputs
+        return processed.request_outputs + beam_outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         ids = [r.request_id for r in scheduler_output.scheduled]
