@@ -109,7 +109,6 @@ class LLMEngine:
                         "at every batch size" if spec.disable_by_batch_size is None
                         else f"off while >= {spec.disable_by_batch_size} requests run")
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.speculative = spec is not None
         self.runner.structured = self.structured
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         logger.info(
