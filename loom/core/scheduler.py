@@ -32,7 +32,7 @@ from loom.core.sched_output import (
 )
 from loom.core.stop import check_stop
 from loom.request import Request, RequestStatus
-from loom.spec.proposer import DraftRequest, Proposer
+from loom.spec.proposer import DraftGrammar, DraftRequest, Proposer
 
 
 class QueueFullError(RuntimeError):
@@ -93,6 +93,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         spec_disable_by_batch_size: int | None = None,
         spec_tree_width: int = 1,
+        draft_grammar: DraftGrammar | None = None,
     ) -> None:
         """Args:
         num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
@@ -102,6 +103,8 @@ class Scheduler:
         num_speculative_tokens: most drafts per request and step (k).
         spec_disable_by_batch_size: no drafts in a step while at least this many requests run; None = never.
         spec_tree_width: most candidate branches per greedy request and step (tree candidates); 1 = one chain.
+        draft_grammar: truncates a structured-output request's drafts to the prefix its grammar accepts;
+            None = such requests get no drafts.
         """
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -126,6 +129,7 @@ class Scheduler:
         self._spec_backoff: dict[str, tuple[int, int]] = {}
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.spec_tree_width = spec_tree_width
+        self.draft_grammar = draft_grammar
         # request_id -> decayed (accepted drafts, trials): a verify pass that kept j of d drafts is j
         # acceptances and, when j < d, one rejection; their ratio estimates the per-token acceptance a
         # that sets the request's k (see _draft_limit)
@@ -329,19 +333,34 @@ class Scheduler:
             if n > 0:
                 ask = DraftRequest(request.request_id, request.token_ids_slice(0, request.num_tokens), n)
                 # several branches are verified exactly only for greedy requests (the longest kept run
-                # of any branch is the greedy output); a sampled one gets one branch
-                (wide if self.spec_tree_width > 1 and request.sampling_params.greedy else asks).append(ask)
+                # of any branch is the greedy output); a sampled one gets one branch, and so does a
+                # structured-output one (its grammar masks follow one run of drafts)
+                params = request.sampling_params
+                tree = self.spec_tree_width > 1 and params.greedy and params.structured_output is None
+                (wide if tree else asks).append(ask)
         out: dict[str, list[list[int]]] = {}
         if asks:
             for ask, d in zip(asks, self.proposer.propose_batch(asks), strict=True):
+                d = self._grammar_prefix(ask.request_id, d[: ask.max_tokens])
                 if d:
-                    out[ask.request_id] = [d[: ask.max_tokens]]
+                    out[ask.request_id] = [d]
         if wide:
             for ask, branches in zip(wide, self.proposer.propose_branches(wide, self.spec_tree_width), strict=True):
                 kept = [b[: ask.max_tokens] for b in branches[: self.spec_tree_width] if b]
                 if kept:
                     out[ask.request_id] = kept
         return out
+
+    def _grammar_prefix(self, request_id: str, drafts: list[int]) -> list[int]:
+        """A structured-output request's drafts cut to the longest prefix its grammar accepts (all of them for
+        another request; none without a draft_grammar)."""
+        request = self.requests[request_id]
+        spec = request.sampling_params.structured_output
+        if spec is None or not drafts:
+            return drafts
+        if self.draft_grammar is None:
+            return []
+        return drafts[: self.draft_grammar.valid_draft_len(request_id, spec, request.output_token_ids, drafts)]
 
     def _num_drafts(self, request: Request, budget: int) -> int:
         """Most drafts for a decoding request: k from its acceptance, within the step's budget, the request's

@@ -80,6 +80,9 @@ class LLMEngine:
         self.num_kv_blocks = self.runner.num_blocks
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token
         spec = args.speculative_config()
+        # grammar matchers of structured-output requests (built on first use: llguidance wraps the tokenizer);
+        # the scheduler checks such requests' drafts against them
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(
             args.scheduler_config(self.max_model_len), cache_config, self.num_kv_blocks,
             num_host_blocks=self.runner.num_host_blocks, sliding_window=arch.sliding_window,
@@ -91,6 +94,7 @@ class LLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
             spec_tree_width=spec.tree_width if spec is not None else 1,
+            draft_grammar=self.structured,
         )
         if spec is not None:
             options = {
@@ -106,9 +110,6 @@ class LLMEngine:
                         "at every batch size" if spec.disable_by_batch_size is None
                         else f"off while >= {spec.disable_by_batch_size} requests run")
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.speculative = spec is not None
-        # grammar matchers of structured-output requests (built on first use: llguidance wraps the tokenizer)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.structured = self.structured
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, self.eos_token_ids)
@@ -160,13 +161,10 @@ class LLMEngine:
         """Compile a request's structured-output constraint now (cached), so a bad one fails at the edge.
 
         Raises:
-            ValueError: the constraint is invalid, or speculative decoding is on (drafts are not yet checked
-                against a grammar).
+            ValueError: the constraint is invalid.
         """
         if params.structured_output is None:
             return
-        if self.speculative:
-            raise ValueError("structured_output is not supported with speculative decoding yet")
         self.structured.compile(params.structured_output)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -12,6 +12,13 @@ Matchers follow the output lazily: before computing a mask, the matcher consumes
 not seen yet. That keeps it right across preemption (a recomputed request keeps its output tokens) and needs no
 hook where tokens are appended. A request's matcher is dropped when the request finishes.
 
+With speculative decoding (docs/speculative.md, "Structured output"), the scheduler first truncates a request's
+drafts to the longest prefix its grammar accepts (`valid_draft_len`, llguidance's validate_tokens); the verify
+pass then masks each of its k + 1 positions with the grammar's state after the drafts before it (`bitmasks`:
+the matcher consumes the drafts, a mask after each, and rolls back), so the target's token at every position is
+one the grammar allows there, exactly as if it had been decoded alone. The tokens kept are consumed lazily, as
+any output token.
+
 Constraints are compiled when a request is added (`compile`), so a bad schema is a ValueError at the edge (a
 400 naming the parameter on the server), and cached by their canonical text.
 """
@@ -121,15 +128,10 @@ class StructuredOutputManager:
             self._compiled.popitem(last=False)
         return grammar
 
-    def bitmask(self, request_id: str, spec: StructuredOutputParams, output_token_ids: list[int]) -> torch.Tensor:
-        """The allowed tokens after `output_token_ids`, as int32 [ceil(vocab_size / 32)] (bit t % 32 of word
-        t // 32). Creates the request's matcher on first use; consumes the tokens it has not seen.
-
-        Raises:
-            RuntimeError: the output left the grammar (a token the mask forbade was appended).
-        """
+    def _matcher(self, request_id: str, spec: StructuredOutputParams, output_token_ids: list[int]) -> Any:
+        """The request's matcher, created on first use, after it consumed every output token. A token the
+        grammar refuses leaves it in llguidance's error state (it never leaves it): `bitmasks` raises then."""
         import llguidance
-        import llguidance.numpy  # not llguidance.torch: it pulls in torch.jit (deprecated) for the same buffer
 
         state = self._matchers.get(request_id)
         if state is not None and state[1] > len(output_token_ids):  # the id of a finished request, reused
@@ -139,12 +141,71 @@ class StructuredOutputManager:
             state = self._matchers[request_id] = [matcher, 0]
         matcher, consumed = state
         if consumed < len(output_token_ids):
-            if not matcher.consume_tokens(output_token_ids[consumed:]):
-                raise RuntimeError(f"request {request_id}: output left its grammar: {matcher.get_error()}")
+            matcher.consume_tokens(output_token_ids[consumed:])
             state[1] = len(output_token_ids)
-        mask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
-        return torch.from_numpy(mask[0])
+        return matcher
+
+    def valid_draft_len(self, request_id: str, spec: StructuredOutputParams, output_token_ids: list[int],
+                        draft_token_ids: list[int]) -> int:
+        """How many leading drafts the grammar accepts after `output_token_ids` (speculative decoding: the
+        scheduler truncates each request's drafts to that prefix before verification). The matcher's state is
+        unchanged but for the output tokens it had not seen; an end-of-sequence draft counts only while the
+        grammar may still continue (a finished grammar's EOS is forced: the target emits it anyway). Never
+        raises for a matcher in error (0: `bitmasks` reports it inside the step)."""
+        matcher = self._matcher(request_id, spec, output_token_ids)
+        if matcher.is_error():
+            return 0
+        # llguidance puts a matcher in its error state for an id past its vocabulary even when only validating
+        vocab = self._ll_tokenizer().vocab_size
+        in_vocab = next((i for i, t in enumerate(draft_token_ids) if not 0 <= t < vocab), len(draft_token_ids))
+        return int(matcher.validate_tokens(list(draft_token_ids[:in_vocab]))) if in_vocab else 0
+
+    def bitmask(self, request_id: str, spec: StructuredOutputParams, output_token_ids: list[int]) -> torch.Tensor:
+        """The allowed tokens after `output_token_ids`, as int32 [ceil(vocab_size / 32)] (bit t % 32 of word
+        t // 32). Creates the request's matcher on first use; consumes the tokens it has not seen.
+
+        Raises:
+            RuntimeError: the output left the grammar (a token the mask forbade was appended).
+        """
+        masks, _ = self.bitmasks(request_id, spec, output_token_ids, [])
+        return masks[0]
+
+    def bitmasks(self, request_id: str, spec: StructuredOutputParams, output_token_ids: list[int],
+                 draft_token_ids: list[int]) -> tuple[torch.Tensor, int]:
+        """The allowed tokens at each position of a verify pass: row j is the mask after `output_token_ids`
+        and the first j drafts, int32 [len(draft_token_ids) + 1, ceil(vocab_size / 32)], and how many leading
+        drafts the grammar accepts (rows past that one repeat its mask; they are never kept, see the runner).
+
+        The matcher walks the valid drafts and rolls back, so its state afterwards is as before but for
+        output tokens it had not seen (it follows the output lazily; the kept tokens are consumed at the next
+        call). Only a token consumed while the matcher was not stopped is rolled back: a stopped matcher (the
+        grammar is complete) takes EOS without recording it.
+
+        Raises:
+            RuntimeError: the output left the grammar, or the rollback failed.
+        """
+        import llguidance.numpy  # not llguidance.torch: it pulls in torch.jit (deprecated) for the same buffer
+
+        matcher = self._matcher(request_id, spec, output_token_ids)
+        if matcher.is_error():
+            raise RuntimeError(f"request {request_id}: output left its grammar: {matcher.get_error()}")
+        num_valid = self.valid_draft_len(request_id, spec, output_token_ids, draft_token_ids) if draft_token_ids else 0
+        masks = llguidance.numpy.allocate_token_bitmask(len(draft_token_ids) + 1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(matcher, masks, 0)
+        recorded = 0
+        try:
+            for j, token in enumerate(draft_token_ids[:num_valid]):
+                stopped = matcher.is_stopped()
+                if not matcher.consume_token(token):
+                    raise RuntimeError(f"request {request_id}: a validated draft left the grammar: "
+                                       f"{matcher.get_error()}")
+                recorded += 0 if stopped else 1
+                llguidance.numpy.fill_next_token_bitmask(matcher, masks, j + 1)
+        finally:
+            if recorded and not matcher.rollback(recorded):
+                raise RuntimeError(f"request {request_id}: grammar rollback failed: {matcher.get_error()}")
+        masks[num_valid + 1 :] = masks[num_valid]
+        return torch.from_numpy(masks), num_valid
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Drop the matchers of finished requests (unknown ids are ignored)."""

@@ -21,7 +21,7 @@ from loom.server.tool_calls import (
 )
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
-    check_structured_output, collect, prompt_logprobs_body, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
 
@@ -229,12 +229,16 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
     with_usage = body.stream_options is not None and body.stream_options.include_usage
     null_usage = {"usage": None} if with_usage else {}  # OpenAI: every chunk but the last carries usage null
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None) -> str:
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any, finish: str | None,
+              extra: dict[str, Any] | None = None) -> str:
         return sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
                     "model": ctx.model_name,
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                    **null_usage})
+                    **null_usage, **(extra or {})})
 
+    # prompt_logprobs: in the stream's first chunk, top-level as in the non-streamed body; that chunk waits
+    # until all of them have arrived (chunked prefill delivers them over several steps)
+    prompt_top = body.prompt_logprobs
     try:
         async for out in stream:
             last = out
@@ -243,8 +247,16 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
                 if s.finished:
                     continue
                 if not s.started:
+                    if prompt_top is not None and not prompt_logprobs_done(out) and c.finish_reason is None:
+                        continue  # nothing sent for this choice yet, so nothing is lost by waiting
                     s.started = True
-                    yield chunk(c.index, {"role": "assistant", "content": ""}, None, None)
+                    extra = None
+                    if prompt_top is not None:
+                        extra = {"prompt_logprobs": await asyncio.to_thread(
+                            prompt_logprobs_body, ctx.engine.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
+                            prompt_top)}
+                        prompt_top = None
+                    yield chunk(c.index, {"role": "assistant", "content": ""}, None, None, extra)
                 finished = c.finish_reason is not None
                 delta: dict[str, Any] = {}
                 finish = c.finish_reason

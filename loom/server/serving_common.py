@@ -228,14 +228,19 @@ def prompt_logprobs_body(tokenizer: Any, token_ids: Sequence[int], entries: Sequ
 
 
 def check_prompt_logprobs(body: Any) -> None:
-    """Raise RequestError unless `prompt_logprobs` is in range and the request is not streamed."""
+    """Raise RequestError unless `prompt_logprobs` is in range. Streamed requests get them in their first chunk
+    (`prompt_logprobs_done`); vLLM refuses prompt_logprobs > 0 with stream=true."""
     if body.prompt_logprobs is None:
         return
     if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
         raise RequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {body.prompt_logprobs}",
                            "prompt_logprobs")
-    if body.stream:
-        raise RequestError("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
+
+
+def prompt_logprobs_done(out: RequestOutput) -> bool:
+    """Every prompt position's logprobs has arrived (a chunked prefill delivers them over several steps; the
+    first generated token comes with the last of them)."""
+    return out.prompt_logprobs is not None and len(out.prompt_logprobs) >= len(out.prompt_token_ids)
 
 
 def completion_logprobs(tokenizer: Any, token_ids: Sequence[int],

@@ -18,7 +18,7 @@ from loom.sampling_params import MAX_N
 from loom.server.protocol import CompletionRequest, RequestError, check_token_ids, to_sampling_params
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_prompt_logprobs, check_room,
-    check_structured_output, collect, prompt_logprobs_body,
+    check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done,
     completion_logprobs, merge, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
@@ -220,6 +220,10 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, prompts: list[_P
     tok = ctx.engine.tokenizer
     with_usage = body.stream_options is not None and body.stream_options.include_usage
     null_usage = {"usage": None} if with_usage else {}  # OpenAI: every chunk but the last carries usage null
+    # a choice's first chunk carries the prompt's logprobs (`prompt_logprobs`, as in the non-streamed choice;
+    # echo with logprobs, in its `logprobs`): it waits until all of them have arrived (a chunked prefill
+    # delivers them over several steps)
+    wants_prompt = body.prompt_logprobs is not None or (body.echo and body.logprobs is not None)
     try:
         async for i, out in merge(streams):
             st.finals[i] = out
@@ -228,6 +232,8 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, prompts: list[_P
                 cs = st.choices.setdefault(index, _ChoiceState())
                 if cs.finished:
                     continue
+                if not cs.started and wants_prompt and not prompt_logprobs_done(out) and c.finish_reason is None:
+                    continue  # nothing sent for this choice yet, so nothing is lost by waiting
                 text, logprobs = c.text[cs.chars:], None
                 if not cs.started and body.echo:
                     text = prompts[i].text + text
@@ -243,11 +249,14 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, prompts: list[_P
                 cs.finished = c.finish_reason is not None
                 if not text and not cs.finished and not (logprobs and logprobs["tokens"]):
                     continue
+                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
+                if not cs.started and body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = await asyncio.to_thread(
+                        prompt_logprobs_body, tok, out.prompt_token_ids, out.prompt_logprobs, body.prompt_logprobs)
                 cs.started = True
                 yield sse({"id": response_id, "object": "text_completion", "created": created,
                            "model": ctx.model_name,
-                           "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                           "choices": [{**choice, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
                            **null_usage})
         if with_usage:
             yield sse({"id": response_id, "object": "text_completion", "created": created,

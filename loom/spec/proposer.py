@@ -137,6 +137,18 @@ class Proposer(Protocol):
         ...
 
 
+class DraftGrammar(Protocol):
+    """Checks the drafts of a structured-output request against its grammar before they are verified
+    (loom/sample/structured.py's StructuredOutputManager is the one implementation): a draft the grammar
+    forbids could never be kept, so verifying it would only cost a row."""
+
+    def valid_draft_len(self, request_id: str, spec: Any, output_token_ids: list[int],
+                        draft_token_ids: list[int]) -> int:
+        """How many leading drafts the grammar of `spec` (a StructuredOutputParams) accepts after the request's
+        output so far; never raises for a request whose output already left its grammar (0)."""
+        ...
+
+
 class PerRequestProposer:
     """Base of the proposers that draft for one request at a time: a batch is a loop."""
 

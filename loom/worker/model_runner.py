@@ -259,15 +259,17 @@ class ModelRunner:
         rows = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         sampling_inputs = []
+        num_valid: dict[str, int] = {}  # structured-output request -> drafts its grammar accepts
         for r in inputs.sample_reqs:
             # a verify pass samples after the last token and after each draft of each branch, each row with
-            # the output it would follow (penalties, min_tokens, and a seeded request's uniform for that
-            # position)
+            # the output it would follow (penalties, min_tokens, a seeded request's uniform for that
+            # position, and a structured-output request's grammar mask after the drafts before it)
             spec = r.sampling_params.structured_output
-            bitmask = None
-            if spec is not None:  # no drafts: the engine refuses structured output with speculative decoding
-                assert self.structured is not None and not r.spec_token_ids
-                bitmask = self.structured.bitmask(r.request_id, spec, r.output_token_ids)
+            masks = None
+            if spec is not None:  # one branch: the scheduler gives structured-output requests no tree
+                assert self.structured is not None and not r.spec_branches
+                masks, num_valid[r.request_id] = self.structured.bitmasks(
+                    r.request_id, spec, r.output_token_ids, r.spec_token_ids)
             for drafts in _branches(r):
                 for j in range(len(drafts) + 1):
                     sampling_inputs.append(SamplingInput(
@@ -275,7 +277,7 @@ class ModelRunner:
                         prompt_token_ids=r.prompt_token_ids,
                         output_token_ids=r.output_token_ids + drafts[:j] if j else r.output_token_ids,
                         eos_token_ids=self.eos_token_ids,
-                        token_bitmask=bitmask,
+                        token_bitmask=masks[j] if masks is not None else None,
                     ))
         result = sample(logits, sampling_inputs, self.default_generator)
         token_ids = result.sampled_token_ids.tolist()
@@ -285,6 +287,8 @@ class ModelRunner:
             for branch, drafts in enumerate(_branches(req)):
                 n = len(drafts) + 1
                 kept = accept_sampled(drafts, token_ids[row : row + n]) if n > 1 else token_ids[row : row + 1]
+                if req.request_id in num_valid:  # never past a draft the grammar refused (its rows' masks
+                    kept = kept[: num_valid[req.request_id] + 1]  # repeat the last valid state's)
                 if best is None or len(kept) > len(best[0]):
                     best = (kept, row, branch)
                 row += n

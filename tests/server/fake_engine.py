@@ -77,6 +77,7 @@ class _Req:
     rngs: list[random.Random] = field(default_factory=list)
     running: bool = False
     sent_prompt_logprobs: bool = False
+    prompt_done: int = 0  # prompt positions prefilled (with prompt_chunk)
 
 
 class FakeEngine:
@@ -85,7 +86,10 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 256, vocab_size: int = 300, num_kv_blocks: int = 64,
                  block_size: int = 16, max_num_seqs: int = 8, max_waiting_requests: int | None = None,
                  step_delay_s: float = 0.0, large_text_delay_s: float = 0.0,
-                 prompt_char_limit: int | None = None, fim: bool = False) -> None:
+                 prompt_char_limit: int | None = None, fim: bool = False, prompt_chunk: int | None = None) -> None:
+        # chunked prefill's stand-in: this many prompt positions a step, their prompt logprobs delivered as they
+        # come (cumulative, as the output processor gives them) and no token before the prompt is done
+        self.prompt_chunk = prompt_chunk
         self.prompt_char_limit = prompt_char_limit  # LLMEngine.max_prompt_chars's stand-in; None: no bound
         self.tokenizer = FakeTokenizer(vocab_size, large_text_delay_s, fim)
         self.model_name = "fake-model"
@@ -208,6 +212,12 @@ class FakeEngine:
 
     # -- generation --
     def _advance(self, r: _Req, now: float) -> RequestOutput:
+        if self.prompt_chunk is not None:
+            r.prompt_done = min(len(r.prompt_token_ids), r.prompt_done + self.prompt_chunk)
+            if r.prompt_done < len(r.prompt_token_ids):  # still prefilling
+                for o in r.outs:
+                    o.delta_text, o.delta_token_ids = "", []
+                return self._output(r, self._prompt_logprobs(r, r.prompt_done), False)
         for o, rng in zip(r.outs, r.rngs):
             o.delta_text, o.delta_token_ids = "", []
             if o.finish_reason is not None:
@@ -247,10 +257,18 @@ class FakeEngine:
         if finished:
             r.metrics.finished_time = now
         prompt_logprobs = None
-        if r.params.prompt_logprobs is not None and not r.sent_prompt_logprobs:
+        if r.params.prompt_logprobs is not None and (self.prompt_chunk is not None or not r.sent_prompt_logprobs):
             r.sent_prompt_logprobs = True
-            prompt_logprobs = [None] + [self._position_logprobs(t, r.params.prompt_logprobs)
-                                        for t in r.prompt_token_ids[1:]]
+            prompt_logprobs = self._prompt_logprobs(r, len(r.prompt_token_ids))
+        return self._output(r, prompt_logprobs, finished)
+
+    def _prompt_logprobs(self, r: _Req, upto: int) -> list[dict[int, Logprob] | None] | None:
+        """[None] + an entry for each prompt position 1 .. upto - 1; None when the request asked for none."""
+        if r.params.prompt_logprobs is None:
+            return None
+        return [None] + [self._position_logprobs(t, r.params.prompt_logprobs) for t in r.prompt_token_ids[1:upto]]
+
+    def _output(self, r: _Req, prompt_logprobs: list | None, finished: bool) -> RequestOutput:
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
             prompt_logprobs=prompt_logprobs,

@@ -468,3 +468,39 @@ def test_bad_tool_definitions_are_400_naming_tools(client: httpx.Client) -> None
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                   "tools": [tool, tool]})
     assert_error(r, 400, "tools")
+
+
+def test_streamed_prompt_logprobs_come_whole_in_the_first_chunk() -> None:
+    """prompt_logprobs with stream=true (vLLM refuses them): completions put them in each choice's first chunk,
+    chat top-level in the stream's first chunk, as the non-streamed bodies carry them; with a chunked prefill
+    (3 prompt positions a step) that chunk waits for all of them, and so does echo's prompt in `logprobs`."""
+    front, _ = make_fake_front(step_delay_s=0.002, prompt_chunk=3)
+    with serve(front) as live, httpx.Client(base_url=live.base_url, timeout=30) as client:
+        prompt = "the quick brown fox jumps"
+        body = {"prompt": prompt, "max_tokens": 4, "n": 2, "temperature": 0, "prompt_logprobs": 2}
+        full = client.post("/v1/completions", json=body).json()
+        expected = full["choices"][0]["prompt_logprobs"]
+        assert expected[0] is None and len(expected) == full["usage"]["prompt_tokens"] > 6
+        assert all(entry is not None for entry in expected[1:])
+        events = sse_events(client.post("/v1/completions", json={**body, "stream": True}).text)
+        firsts: dict[int, dict] = {}
+        for ev in events:
+            for ch in ev["choices"]:
+                if ch["index"] not in firsts:
+                    firsts[ch["index"]] = ch
+                else:
+                    assert "prompt_logprobs" not in ch
+        assert sorted(firsts) == [0, 1] and all(ch["prompt_logprobs"] == expected for ch in firsts.values())
+
+        echo = sse_events(client.post("/v1/completions", json={
+            "prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True}).text)
+        first = echo[0]["choices"][0]["logprobs"]
+        assert len(first["tokens"]) >= full["usage"]["prompt_tokens"]
+        assert first["token_logprobs"][0] is None and None not in first["token_logprobs"][1:]
+
+        chat = {"messages": CHAT, "max_tokens": 3, "n": 2, "temperature": 0, "prompt_logprobs": 1}
+        full = client.post("/v1/chat/completions", json=chat).json()
+        events = sse_events(client.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+        assert events[0]["prompt_logprobs"] == full["prompt_logprobs"] and full["prompt_logprobs"][0] is None
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert not any("prompt_logprobs" in ev for ev in events[1:])
