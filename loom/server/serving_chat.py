@@ -16,8 +16,8 @@ from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
 from loom.server.tool_calls import (
-    CallStream, arguments_as_objects, check_tool_history, check_tools, fallback_messages, openai_call, read_calls,
-    template_takes_tools, tool_call_grammar,
+    CallStream, arguments_as_objects, check_tool_history, check_tools, fallback_messages, is_special_token,
+    openai_call, read_calls, template_takes_tools, tool_call_grammar,
 )
 from loom.server.tool_parsers import ToolCallParser
 from loom.server.serving_common import (
@@ -167,17 +167,11 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
             ctx.engine.check_structured_output(params)
         except ValueError as e:
             raise RequestError(str(e), "tools") from e
-    if tools.reading and _is_special_token(ctx.engine.tokenizer, ctx.tool_parser.marker):
+    if tools.reading and is_special_token(ctx.engine.tokenizer, ctx.tool_parser.marker):
         params.skip_special_tokens = False  # the marker that begins calls (Mistral's [TOOL_CALLS]) must stay
     prompt_ids = chat_prompt_ids(ctx, body.messages, body, tools.tools)
     check_room(ctx, len(prompt_ids), max_tokens, name, prompt_name="messages")
     return prompt_ids, params, num_top, tools
-
-
-def _is_special_token(tokenizer: Any, text: str) -> bool:
-    """Whether `text` is one of the tokenizer's special added tokens (detokenizing drops those by default)."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return any(getattr(t, "content", None) == text and getattr(t, "special", False) for t in added.values())
 
 
 def _logprobs(ctx: ServingContext, c: CompletionOutput, start: int, num_top: int | None) -> dict[str, Any] | None:

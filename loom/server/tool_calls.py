@@ -36,6 +36,12 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+def is_special_token(tokenizer: Any, text: str) -> bool:
+    """Whether `text` is one of the tokenizer's special added tokens (detokenizing drops those by default)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return any(getattr(t, "content", None) == text and getattr(t, "special", False) for t in added.values())
+
+
 def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       parser: ToolCallParser) -> list[dict[str, Any]]:
     """For a template that knows nothing of tools: the tools described in a system message (merged into the
@@ -237,5 +243,5 @@ class CallStream:
         return new_text, new_calls
 
 
-__all__ = ["template_takes_tools", "fallback_messages", "arguments_as_objects", "check_tools", "check_tool_history",
-           "tool_call_grammar", "read_calls", "openai_call", "CallStream"]
+__all__ = ["template_takes_tools", "is_special_token", "fallback_messages", "arguments_as_objects", "check_tools",
+           "check_tool_history", "tool_call_grammar", "read_calls", "openai_call", "CallStream"]

@@ -2,12 +2,12 @@
 
 Each parser owns one call format (vLLM's parser names; formats as vLLM reads them):
 
-| name          | the model writes                                                                  | models            |
-|---------------|-----------------------------------------------------------------------------------|-------------------|
-| `hermes`      | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call    | Hermes, Qwen 2.5  |
-| `llama3_json` | `{"name": ..., "parameters": {...}}` as the whole answer (or after                 | Llama 3.1 / 3.2   |
-|               | `<|python_tag|>`), several separated by `;`                                       |                   |
-| `mistral`     | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content           | Mistral 7B v0.3   |
+| name          | the model writes                                                                | models          |
+|---------------|---------------------------------------------------------------------------------|-----------------|
+| `hermes`      | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call  | Hermes, Qwen2.5 |
+| `llama3_json` | `{"name": ..., "parameters": {...}}` as the whole answer (or after               | Llama 3.1 / 3.2 |
+|               | `<|python_tag|>`), several separated by `;`                                     |                 |
+| `mistral`     | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content         | Mistral 7B v0.3 |
 
 A parser reads a text left to right into a `Scan`: content pieces, the calls complete so far, and a pending tail
 that may still become a call. The same scan serves the whole response and every streamed prefix
@@ -58,6 +58,7 @@ class ToolCallParser(Protocol):
     name: str  # the --tool-call-parser name
     marker: str  # the text that begins calls; when the tokenizer has it as a special token, the server keeps
     # special tokens in the output text (else detokenizing would drop it)
+    arguments_key: str  # "arguments" or "parameters": the key of a call's arguments object in this format
 
     def scan(self, text: str, names: set[str] | None) -> Scan:
         """Read `text` so far: every complete call, the content around them, and a pending tail that more text
@@ -73,8 +74,6 @@ class ToolCallParser(Protocol):
         """A Lark grammar (llguidance) of 1..`most` calls in this format; `call_schema` is a JSON schema of one
         call object whose arguments key is `arguments_key`."""
         ...
-
-    arguments_key: str  # "arguments" or "parameters": the key of a call's arguments object in this format
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         """The tools and this format described for a chat template that does not render tools."""

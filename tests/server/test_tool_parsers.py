@@ -146,10 +146,10 @@ def test_fallback_prompts_describe_each_format() -> None:
 def test_a_marker_that_is_a_special_token_is_recognised() -> None:
     """Such a marker keeps special tokens in the output (else detokenizing drops it and no call is read)."""
     from loom.model.loader import load_tokenizer
-    from loom.server.serving_chat import _is_special_token
+    from loom.server.tool_calls import is_special_token
 
     tokenizer = load_tokenizer(None)
-    assert _is_special_token(tokenizer, "<|im_start|>") and not _is_special_token(tokenizer, M.marker)
+    assert is_special_token(tokenizer, "<|im_start|>") and not is_special_token(tokenizer, M.marker)
 
 
 def test_ids_and_unknown_names() -> None:
