@@ -22,9 +22,10 @@ from loom.server.security import SecurityConfig, install_security
 from loom.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest, check_token_ids,
 )
-from loom.server.serving_chat import chat_prompt_ids, create_chat_completion
+from loom.server.serving_chat import chat_prompt_ids, create_chat_completion, tool_dicts
 from loom.server.serving_common import RETRY_AFTER_S, ServingContext, check_model
 from loom.server.serving_completion import create_completion
+from loom.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, get_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +86,20 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
-              disconnect_poll_s: float = 0.05, security: SecurityConfig | None = None) -> FastAPI:
+              disconnect_poll_s: float = 0.05, security: SecurityConfig | None = None,
+              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> FastAPI:
     """Build the OpenAI-compatible app over a started AsyncLLMEngine.
 
     The app has its own Prometheus registry (app.state.metrics). It does not start or stop the
     engine: the caller owns its lifecycle (see loom.server.cli). `security`: API key, CORS, trusted
     hosts and the body limit (loom/server/security.py); None = its defaults (no key, no CORS, any host,
-    32 MiB bodies).
+    32 MiB bodies). `tool_call_parser`: the format of tool calls (loom/server/tool_parsers.py).
+
+    Raises:
+        ValueError: an unknown tool_call_parser.
     """
-    ctx = ServingContext(engine, served_model_name or engine.model_name, disconnect_poll_s)
+    ctx = ServingContext(engine, served_model_name or engine.model_name, disconnect_poll_s,
+                         get_tool_call_parser(tool_call_parser))
     metrics = ServerMetrics(ctx.model_name)
     engine.add_listener(metrics)
     app = FastAPI(title="loom", description="OpenAI-compatible LLM server")
@@ -157,10 +163,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         check_model(ctx, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of prompt and messages", "prompt")
+        if body.tools is not None and body.messages is None:
+            raise RequestError("tools go with messages (the chat prompt they are rendered into)", "tools")
 
         def work() -> Response:  # templating and tokenizing are CPU work: in a worker thread
             if body.messages is not None:
-                tokens = chat_prompt_ids(ctx, body.messages, body)
+                tokens = chat_prompt_ids(ctx, body.messages, body, tool_dicts(body.tools))
             else:
                 try:  # the same character bound as a completion prompt: refused before it is tokenized
                     engine.check_prompt_chars(body.prompt)

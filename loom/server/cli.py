@@ -16,6 +16,7 @@ import uvicorn
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.server.security import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, SecurityConfig
+from loom.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS, get_tool_call_parser
 
 logger = logging.getLogger("loom.server")
 
@@ -40,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="largest request body accepted, bytes (default: %(default)s)")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, metavar="NAME",
+                   help="how the model writes tool calls: " + ", ".join(TOOL_CALL_PARSERS) +
+                   " (default: %(default)s; docs/serving.md)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -115,12 +119,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     security = security_config(ns, os.environ)
+    get_tool_call_parser(ns.tool_call_parser)  # an unknown name fails here, before the model loads
     args = engine_args_from_namespace(ns)
     check_listen_address(ns.host, ns.port)  # before the model loads, not after
     t0 = time.monotonic()
     engine = AsyncLLMEngine.from_engine_args(args)
     try:
-        app = build_app(engine, served_model_name=ns.served_model_name, security=security)
+        app = build_app(engine, served_model_name=ns.served_model_name, security=security,
+                        tool_call_parser=ns.tool_call_parser)
         inner = engine.engine
         kv_tokens = inner.num_kv_blocks * inner.block_size
         if security.api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):

@@ -199,6 +199,7 @@ class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None  # alternative to prompt: tokenize the chat prompt
+    tools: list[ToolDefinition] | None = None  # with messages: rendered as a chat request's tools are (vLLM's)
     add_special_tokens: bool = True
 
 

@@ -16,9 +16,10 @@ from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
 from loom.server.tool_calls import (
-    arguments_as_objects, check_tool_history, check_tools, fallback_messages, held_back, parse_hermes, template_takes_tools,
-    tool_call_grammar,
+    CallStream, arguments_as_objects, check_tool_history, check_tools, fallback_messages, is_special_token,
+    openai_call, read_calls, template_takes_tools, tool_call_grammar,
 )
+from loom.server.tool_parsers import ToolCallParser
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
     check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
@@ -65,13 +66,19 @@ class _Tools:
     def names(self) -> set[str]:
         return {t["function"]["name"] for t in self.tools or []}
 
+    @property
+    def reading(self) -> bool:
+        """Calls are read out of the output."""
+        return self.tools is not None and self.parse
 
-def _tools_of(body: ChatCompletionRequest) -> _Tools:
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    try:
-        check_tools(tools or [])
-    except ValueError as e:
-        raise RequestError(str(e), "tools") from e
+    @property
+    def forced(self) -> bool:
+        """The grammar makes the whole output calls (tool_choice required or named)."""
+        return self.grammar is not None
+
+
+def _tools_of(body: ChatCompletionRequest, parser: ToolCallParser) -> _Tools:
+    tools = tool_dicts(body.tools)
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none" or (choice == "auto" and not tools):
         # "none": the model still sees the tools (as OpenAI and vLLM do) but nothing is parsed or forced
@@ -83,24 +90,34 @@ def _tools_of(body: ChatCompletionRequest) -> _Tools:
         return _Tools(tools, None, parallel)
     only = None if choice == "required" else choice.function.name
     try:
-        return _Tools(tools, tool_call_grammar(tools, only, parallel), parallel)
+        return _Tools(tools, tool_call_grammar(tools, parser, only, parallel), parallel)
     except ValueError as e:
         raise RequestError(str(e), "tool_choice") from e
+
+
+def tool_dicts(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """A request's tool definitions as plain dicts, checked. Raises RequestError (param "tools")."""
+    dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    try:
+        check_tools(dicts or [])
+    except ValueError as e:
+        raise RequestError(str(e), "tools") from e
+    return dicts
 
 
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any = None,
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of the templated conversation, with the template options of `body` (a request with
     add_generation_prompt, continue_final_message, chat_template_kwargs) when given, and `tools` (through the
-    template when it takes them, else tool_calls.fallback_messages). Raises RequestError when the options or
-    the template refuse it."""
+    template when it takes them, else tool_calls.fallback_messages in the server's tool-call format). Raises
+    RequestError when the options or the template refuse it."""
     dicts = messages_to_dicts(messages)
     try:
         dicts = arguments_as_objects(dicts)
         check_tool_history(dicts)
         if not template_takes_tools(ctx.engine.tokenizer) and (
                 tools or any("tool_calls" in d or d["role"] == "tool" for d in dicts)):
-            dicts, tools = fallback_messages(dicts, tools), None
+            dicts, tools = fallback_messages(dicts, tools, ctx.tool_parser), None
     except ValueError as e:
         raise RequestError(str(e), "messages") from e
     options: dict[str, Any] = {}
@@ -125,7 +142,7 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any 
 def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None,
                                                                       _Tools]:
     check_model(ctx, body.model)
-    tools = _tools_of(body)
+    tools = _tools_of(body, ctx.tool_parser)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -150,6 +167,8 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
             ctx.engine.check_structured_output(params)
         except ValueError as e:
             raise RequestError(str(e), "tools") from e
+    if tools.reading and is_special_token(ctx.engine.tokenizer, ctx.tool_parser.marker):
+        params.skip_special_tokens = False  # the marker that begins calls (Mistral's [TOOL_CALLS]) must stay
     prompt_ids = chat_prompt_ids(ctx, body.messages, body, tools.tools)
     check_room(ctx, len(prompt_ids), max_tokens, name, prompt_name="messages")
     return prompt_ids, params, num_top, tools
@@ -180,17 +199,18 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     return await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top, body.prompt_logprobs, tools)
 
 
-def _message(c: CompletionOutput, tools: _Tools | None) -> tuple[dict[str, Any], str | None]:
+def _message(ctx: ServingContext, c: CompletionOutput, tools: _Tools | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a choice and its finish reason: tool calls parsed out when tools are on."""
-    if tools is None or tools.tools is None or not tools.parse:
+    if tools is None or not tools.reading:
         return {"role": "assistant", "content": c.text}, c.finish_reason
-    content, calls = parse_hermes(c.text, tools.names)
+    content, calls = read_calls(ctx.tool_parser, c.text, tools.names, tools.forced)
     if not calls:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
+        return {"role": "assistant", "content": content}, c.finish_reason
     if not tools.parallel:
         calls = calls[:1]
     finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, finish
+    return {"role": "assistant", "content": content,
+            "tool_calls": [openai_call(ctx.tool_parser, call) for call in calls]}, finish
 
 
 def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: int | None,
@@ -198,7 +218,7 @@ def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: 
     """The non-streamed chat.completion body (logprobs decoded, JSON encoded): run in a worker thread."""
     choices = []
     for c in out.outputs:
-        message, finish = _message(c, tools)
+        message, finish = _message(ctx, c, tools)
         choices.append({"index": c.index, "message": message, "logprobs": _logprobs(ctx, c, 0, num_top),
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({
@@ -212,17 +232,28 @@ def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: 
 
 @dataclass(slots=True)
 class _Sent:
-    chars: int = 0  # characters of the cumulative text sent
+    chars: int = 0  # characters of the cumulative text sent (without tools)
     tokens: int = 0  # generated tokens whose logprobs were sent
     started: bool = False  # the role chunk went out
     finished: bool = False
+    calls: CallStream | None = None  # with tools: what of the content and calls went out
+
+
+def _tool_delta(ctx: ServingContext, s: _Sent, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+    """(content, tool call deltas) newly readable in a choice's text; each call whole, in OpenAI's delta shape
+    (index, id, type, function name and arguments), as soon as it is complete."""
+    assert s.calls is not None
+    first = s.calls.calls_sent
+    content, calls = (s.calls.finish if finished else s.calls.step)(text)
+    return content, [{"index": first + k, **openai_call(ctx.tool_parser, call)} for k, call in enumerate(calls)]
 
 
 async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: RequestStream, response_id: str,
                   num_top: int | None, tools: _Tools | None = None) -> AsyncIterator[str]:
-    """SSE chunks. With tools on, content streams until a "<tool_call>" could begin (a possible start is held
-    back); the calls go out parsed, whole, in the choice's last chunk (one delta per call, OpenAI's shape)."""
-    reading_tools = tools is not None and tools.tools is not None and tools.parse
+    """SSE chunks. With tools on, content streams as soon as no later text can change it (never call markup; the
+    whitespace before a possible call waits), and each call goes out whole as soon as it is complete; the
+    content and calls add up to the non-streamed message (tool_calls.CallStream)."""
+    reading = tools is not None and tools.reading
     created = now_unix()
     sent: dict[int, _Sent] = {}
     last = None
@@ -256,24 +287,19 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
                             prompt_logprobs_body, ctx.engine.tokenizer, out.prompt_token_ids, out.prompt_logprobs,
                             prompt_top)}
                         prompt_top = None
+                    if reading:
+                        assert tools is not None
+                        s.calls = CallStream(ctx.tool_parser, tools.names, tools.parallel, tools.forced)
                     yield chunk(c.index, {"role": "assistant", "content": ""}, None, None, extra)
                 finished = c.finish_reason is not None
                 delta: dict[str, Any] = {}
                 finish = c.finish_reason
-                if reading_tools:
-                    if not finished:
-                        cut = c.text.find("<tool_call>")
-                        end = cut if cut >= 0 else len(c.text) - held_back(c.text)
-                        text = c.text[s.chars:max(end, s.chars)]
-                        s.chars += len(text)
-                    else:  # the rest, with the calls parsed out of it
-                        rest, calls = parse_hermes(c.text[s.chars:], tools.names)
-                        text = rest or ""
-                        if calls:
-                            calls = calls if tools.parallel else calls[:1]
-                            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
-                            finish = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-                        s.chars = len(c.text)
+                if s.calls is not None:
+                    text, calls = _tool_delta(ctx, s, c.text, finished)
+                    if calls:
+                        delta["tool_calls"] = calls
+                    if finished and s.calls.any_calls and c.finish_reason == "stop":
+                        finish = "tool_calls"
                 else:
                     text = c.text[s.chars:]
                     s.chars = len(c.text)
@@ -294,4 +320,4 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
         stream.close()
 
 
-__all__ = ["create_chat_completion", "chat_prompt_ids", "messages_to_dicts"]
+__all__ = ["create_chat_completion", "chat_prompt_ids", "messages_to_dicts", "tool_dicts"]

@@ -8,7 +8,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -19,6 +19,7 @@ from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullE
 from loom.outputs import PositionLogprobs, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 from loom.server.protocol import RequestError, param_of, structured_output_of
+from loom.server.tool_parsers import HermesParser, ToolCallParser
 
 NEG_INF_LOGPROB = -9999.0  # what -inf (and NaN) logprobs become: JSON has no infinities
 RETRY_AFTER_S = 1  # Retry-After of a 503 when the waiting queue is full, seconds
@@ -31,6 +32,7 @@ class ServingContext:
     engine: AsyncLLMEngine  # the shared async engine front
     model_name: str  # served model name (the `model` field of requests and responses)
     disconnect_poll_s: float  # how often a non-streaming handler checks for a gone client, seconds
+    tool_parser: ToolCallParser = field(default_factory=HermesParser)  # the tool-call format (--tool-call-parser)
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:

@@ -1,34 +1,33 @@
 """Tool calling: tools into the prompt, tool calls out of the generated text, and a grammar for tool_choice.
 
-Format: Hermes / Qwen 2.5 (NousResearch's Hermes function calling, which Qwen2.5's chat template uses): the
-model writes each call as
+The call format belongs to the server's tool-call parser (loom/server/tool_parsers.py, `--tool-call-parser`);
+this module does the rest, the same for every format:
 
-    <tool_call>
-    {"name": "<function name>", "arguments": {<JSON arguments>}}
-    </tool_call>
+| piece             | what it does                                                                               |
+|-------------------|--------------------------------------------------------------------------------------------|
+| prompt            | a chat template that takes `tools` (it mentions them) gets them as they are; for one that  |
+|                   | does not (SmolLM2's), a system message lists the tools and the parser's format, and the     |
+|                   | history's assistant tool calls and tool results are rendered as the parser writes them      |
+| read_calls        | a whole generated text -> (content outside the calls or None, the calls)                    |
+| CallStream        | the same, streamed: content as soon as no call can change it, each call once complete       |
+| tool_call_grammar | tool_choice "required" or a named function: a Lark grammar (llguidance, with its %json     |
+|                   | schema rules) that only lets the model write well-formed calls of the allowed functions     |
 
-| piece            | what it does                                                                                |
-|------------------|---------------------------------------------------------------------------------------------|
-| prompt           | a chat template that takes `tools` (it mentions them) gets them as they are; for one that   |
-|                  | does not (SmolLM2's), a system message lists the tools and the format above, and the        |
-|                  | history's assistant tool calls and tool results are rendered as that text                   |
-| parse_hermes     | the generated text -> (content outside the calls or None, the calls in OpenAI's shape)      |
-| tool_call_grammar| tool_choice "required" or a named function: a Lark grammar (llguidance, with its %json     |
-|                  | schema rules) that only lets the model write well-formed calls of the allowed functions     |
+Content around calls: the whitespace next to a call is dropped, pieces between calls are joined by a newline, and
+a text without calls is its content unchanged. A streamed prefix's content is what the whole text's content
+must start with (a piece's trailing whitespace waits until text follows it), so streamed and whole responses agree.
 
-tool_choice "none" leaves the tools out of the prompt and parses nothing; "auto" (the default with tools) puts them
-in and parses what the model writes.
+tool_choice "none" keeps the tools in the prompt but parses nothing; "auto" (the default with tools) parses what
+the model writes.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
+from dataclasses import dataclass
 from typing import Any
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_OPEN = "<tool_call>"
+from loom.server.tool_parsers import ParsedCall, Scan, ToolCallParser
 
 
 def template_takes_tools(tokenizer: Any) -> bool:
@@ -37,32 +36,31 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def _tool_json(tools: list[dict[str, Any]]) -> str:
-    return "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+def is_special_token(tokenizer: Any, text: str) -> bool:
+    """Whether `text` is one of the tokenizer's special added tokens (detokenizing drops those by default)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return any(getattr(t, "content", None) == text and getattr(t, "special", False) for t in added.values())
 
 
-def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      parser: ToolCallParser) -> list[dict[str, Any]]:
     """For a template that knows nothing of tools: the tools described in a system message (merged into the
-    conversation's own system message if it has one), assistant tool calls and tool results as Hermes text.
-    The calls' arguments are objects (arguments_as_objects first), as the model is told to write them."""
+    conversation's own system message if it has one), assistant tool calls and tool results as `parser` writes
+    them. The calls' arguments are objects (arguments_as_objects first), as the model is told to write them."""
     out: list[dict[str, Any]] = []
     for m in messages:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if m.get("role") == "assistant" and calls:
-            text = "\n".join(f"{_OPEN}\n" + json.dumps({"name": c["function"]["name"],
-                                                        "arguments": c["function"]["arguments"]},  # an object
-                                                       ensure_ascii=False) + "\n</tool_call>" for c in calls)
+            text = parser.render_calls([ParsedCall(c["function"]["name"], c["function"]["arguments"])
+                                        for c in calls])
             m["content"] = ((m.get("content") or "") + "\n" + text).strip()
         if m.get("role") == "tool":
             m.pop("tool_call_id", None)
-            m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            m["content"] = parser.render_result(m.get("content") or "")
         out.append(m)
     if tools:
-        system = ("You may call one or more functions to assist with the user query. The functions are, one "
-                  "JSON signature per line:\n<tools>\n" + _tool_json(tools) + "\n</tools>\nFor each function "
-                  "call, return a JSON object with the function name and its arguments within <tool_call></tool_call> "
-                  "tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+        system = parser.system_prompt(tools)
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
         else:
@@ -96,45 +94,6 @@ def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
             m = {**m, "tool_calls": fixed}
         out.append(m)
     return out
-
-
-def parse_hermes(text: str, names: set[str] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a generated text. A call is a <tool_call> block holding a JSON object with a string
-    "name" and an object "arguments"; a block that is not is left in the content. A last block cut before its
-    closing tag counts when its JSON is complete. Calls get fresh ids, arguments as a JSON string (OpenAI's shape).
-    With `names`, a call of a function not among them stays content too (the model made it up).
-    """
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    pos = 0
-    blocks = [(m.start(), m.end(), m.group(1)) for m in _CALL.finditer(text)]
-    tail = text.rfind(_OPEN)
-    if tail >= 0 and (not blocks or tail >= blocks[-1][1]):
-        blocks.append((tail, len(text), text[tail + len(_OPEN):].strip()))
-    for start, end, body in blocks:
-        call = _call_of(body)
-        if call is None or (names is not None and call["function"]["name"] not in names):
-            continue
-        kept.append(text[pos:start])
-        calls.append(call)
-        pos = end
-    kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
-
-
-def _call_of(body: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, dict):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
 def check_tools(tools: list[dict[str, Any]]) -> None:
@@ -175,14 +134,14 @@ def _hoist_defs(schema: dict[str, Any], defs: dict[str, Any], function: str) -> 
     return schema
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], only: str | None = None, parallel: bool = True) -> str:
+
+def tool_call_grammar(tools: list[dict[str, Any]], parser: ToolCallParser, only: str | None = None,
+                      parallel: bool = True) -> str:
     """A Lark grammar (llguidance) of one call, or up to one per function when `parallel`, of the tools (or only
-    the named one):
-    each `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` with the arguments held to the function's
-    JSON schema.
+    the named one), in `parser`'s format, each call's arguments held to the function's JSON schema.
 
     Raises:
-        ValueError: `only` names no tool.
+        ValueError: `only` names no tool; two tools define one $defs name differently.
     """
     functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
     if not functions:
@@ -190,26 +149,99 @@ def tool_call_grammar(tools: list[dict[str, Any]], only: str | None = None, para
     defs: dict[str, Any] = {}
     options = [{"type": "object", "properties": {
         "name": {"const": f["name"]},
-        "arguments": _hoist_defs(f.get("parameters") or {"type": "object"}, defs, f["name"])},
-        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+        parser.arguments_key: _hoist_defs(f.get("parameters") or {"type": "object"}, defs, f["name"])},
+        "required": ["name", parser.arguments_key], "additionalProperties": False} for f in functions]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": {"whitespace_pattern": r"[\x20]{0,1}"}}
     if defs:  # the schema's own refs say #/$defs/... or #/definitions/...: both point here
         schema["$defs"] = defs
         schema["definitions"] = defs
     # at most one call per function: a small model, free to add calls, repeats one until max_tokens
-    most = len(functions) if parallel else 1
-    return (f'start: (call "\\n"?) ~ 1..{most}\ncall: "<tool_call>\\n" args "\\n</tool_call>"\n'
-            f"args: %json {json.dumps(schema)}\n")
+    return parser.grammar(schema, len(functions) if parallel else 1)
 
 
-def held_back(text: str) -> int:
-    """Characters at the end of a streamed text that could begin "<tool_call>" (not sent until they cannot)."""
-    for size in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if _OPEN.startswith(text[-size:]):
-            return size
-    return 0
+def _content(pieces: list[str], open_end: bool) -> str:
+    """The content of a scan's pieces: whitespace next to a call dropped, pieces joined by a newline; with
+    `open_end` (more text may come) the last piece's trailing whitespace too, as a call may follow it."""
+    parts = []
+    for k, piece in enumerate(pieces):
+        if k > 0:
+            piece = piece.lstrip()
+        if k < len(pieces) - 1 or open_end:
+            piece = piece.rstrip()
+        if piece:
+            parts.append(piece)
+    return "\n".join(parts)
 
 
-__all__ = ["template_takes_tools", "fallback_messages", "arguments_as_objects", "parse_hermes",
-           "check_tools", "check_tool_history", "tool_call_grammar", "held_back"]
+def read_calls(parser: ToolCallParser, text: str, names: set[str] | None,
+               forced: bool = False) -> tuple[str | None, list[ParsedCall]]:
+    """(content or None, calls) of a whole generated text. A text without calls is its content unchanged. A call
+    left unfinished at the end (max_tokens) is content, unless `forced` (tool_choice required or named: the
+    grammar made the whole output calls), when it is dropped: the finish reason ("length") tells the client."""
+    scan = parser.scan(text, names)
+    _close(parser, scan, names, forced)
+    if not scan.calls:
+        content = "".join(scan.pieces)
+        return (content or None) if forced else content, []
+    return _content(scan.pieces, open_end=False) or None, scan.calls
+
+
+def _close(parser: ToolCallParser, scan: Scan, names: set[str] | None, forced: bool) -> None:
+    """Settle a scan's pending tail once the text has ended: a call, dropped (forced), or content."""
+    if scan.pending:
+        call = parser.close(scan.pending, names)
+        if call is not None:
+            scan.call(call)
+        elif not forced:
+            scan.content(scan.pending)
+        scan.pending = ""
+
+
+def openai_call(parser: ToolCallParser, call: ParsedCall) -> dict[str, Any]:
+    """A call in OpenAI's shape: fresh id, arguments as a JSON string."""
+    return {"id": parser.new_id(), "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+
+
+@dataclass(slots=True)
+class CallStream:
+    """One streamed choice read as it grows: content once no later text can change it, each call once complete.
+
+    The content sent is always a prefix of read_calls' content of the whole text, and the calls sent are its
+    calls (the first only, unless `parallel`)."""
+
+    parser: ToolCallParser  # the call format
+    names: set[str]  # the functions offered
+    parallel: bool  # more than one call allowed
+    forced: bool  # tool_choice required / named: an unfinished call at the end is dropped
+    sent: str = ""  # content sent so far
+    calls_sent: int = 0  # calls sent so far
+
+    def step(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(new content, newly complete calls) for the text so far."""
+        scan = self.parser.scan(text, self.names)
+        return self._advance(_content(scan.pieces, open_end=True), scan.calls)
+
+    def finish(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(the rest of the content, the calls not yet sent) of the whole text."""
+        content, calls = read_calls(self.parser, text, self.names, self.forced)
+        return self._advance(content or "", calls)
+
+    @property
+    def any_calls(self) -> bool:
+        return self.calls_sent > 0
+
+    def _advance(self, content: str, calls: list[ParsedCall]) -> tuple[str, list[ParsedCall]]:
+        new_text = ""
+        if content.startswith(self.sent):  # always, by the scans' construction; never send a contradiction
+            new_text = content[len(self.sent):]
+            self.sent = content
+        limit = len(calls) if self.parallel else min(1, len(calls))
+        new_calls = calls[self.calls_sent:limit]
+        self.calls_sent = max(self.calls_sent, limit)
+        return new_text, new_calls
+
+
+__all__ = ["template_takes_tools", "is_special_token", "fallback_messages", "arguments_as_objects", "check_tools",
+           "check_tool_history", "tool_call_grammar", "read_calls", "openai_call", "CallStream"]

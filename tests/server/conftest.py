@@ -39,6 +39,17 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serve(engine: AsyncLLMEngine, **app_kwargs: Any) -> Iterator[LiveServer]:
     """Run build_app(engine) under uvicorn in a thread; stop it (and the engine) afterwards."""
+    try:
+        with serve_app(engine, **app_kwargs) as live:
+            yield live
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(engine: AsyncLLMEngine, **app_kwargs: Any) -> Iterator[LiveServer]:
+    """Run build_app(engine) under uvicorn in a thread; stop it afterwards, leaving the engine running (several
+    apps may share one engine)."""
     app = build_app(engine, **app_kwargs)
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
@@ -55,7 +66,6 @@ def serve(engine: AsyncLLMEngine, **app_kwargs: Any) -> Iterator[LiveServer]:
     finally:
         server.should_exit = True
         thread.join(15)
-        engine.shutdown()
 
 
 def wait_for(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:

@@ -6,6 +6,7 @@ Bounded for 2 CPU cores: small max_tokens, 60 fuzz examples, 32 concurrent strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import LiveServer, serve, wait_for
+from tests.server.conftest import LiveServer, serve, serve_app, wait_for
 from tests.server.fuzz_bodies import chat_bodies, completion_bodies, resolve_model
 
 openai = pytest.importorskip("openai")
@@ -417,3 +418,77 @@ def test_a_pydantic_tool_with_a_nested_model_under_required(oai: "openai.OpenAI"
                                     parallel_tool_calls=False)
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "Lookup" and Lookup.model_validate_json(call.function.arguments)
+
+
+@pytest.fixture(scope="module")
+def parser_servers(live: LiveServer) -> Iterator[dict[str, LiveServer]]:
+    """A server per tool-call parser, all on the live engine (the live server itself is hermes', the default)."""
+    with contextlib.ExitStack() as stack:
+        servers = {"hermes": live}
+        for name in ("llama3_json", "mistral"):
+            servers[name] = stack.enter_context(serve_app(live.engine, tool_call_parser=name))
+        yield servers
+
+
+def _required_call(server: LiveServer, stream: bool) -> tuple[str | None, list[tuple[str, dict]], str, bool]:
+    """(content, calls, finish_reason, whether every call went out before the last chunk) of one greedy
+    tool_choice="required" request."""
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model=_model(server), messages=ASK_WEATHER, tools=[WEATHER, TIME], tool_choice="required",
+              parallel_tool_calls=False, max_tokens=80, temperature=0)
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason, True
+    content, calls, finish, early = "", {}, None, True
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                assert d.index not in calls and d.id and d.type == "function"  # each call whole, in one delta
+                calls[d.index] = (d.function.name, json.loads(d.function.arguments))
+                early &= ch.finish_reason is None
+    return content or None, [calls[k] for k in sorted(calls)], finish, early
+
+
+def test_each_tool_call_parser_end_to_end_streamed_and_not(parser_servers: dict[str, LiveServer]) -> None:
+    """Per parser (its fallback prompt and its grammar on SmolLM2), tool_choice required gives schema-valid calls
+    of offered functions; streamed, each call goes out as soon as it is complete, and the content and calls
+    equal the non-streamed ones. The six requests run together (greedy float32 is batch invariant)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jsonschema = pytest.importorskip("jsonschema")
+    specs = {"get_weather": WEATHER, "get_time": TIME}
+    with ThreadPoolExecutor(6) as pool:
+        runs = {(name, stream): pool.submit(_required_call, server, stream)
+                for name, server in parser_servers.items() for stream in (False, True)}
+        results = {key: future.result() for key, future in runs.items()}
+    for name in parser_servers:
+        whole, streamed = results[(name, False)], results[(name, True)]
+        assert streamed == whole, name
+        content, calls, finish, early = streamed
+        assert finish == "tool_calls" and len(calls) == 1 and early, (name, streamed)
+        for fn, args in calls:
+            jsonschema.validate(args, specs[fn]["function"]["parameters"])
+
+
+def test_a_required_call_cut_by_max_tokens_is_no_content(oai: "openai.OpenAI", live: LiveServer) -> None:
+    """Before, the cut markup came back as content; now the finish reason alone says the call was cut."""
+    kw = dict(model=_model(live), messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", max_tokens=6,
+              temperature=0)
+    choice = oai.chat.completions.create(**kw).choices[0]
+    assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == ("length", None, None)
+    deltas = [ch.delta for chunk in oai.chat.completions.create(**kw, stream=True) for ch in chunk.choices]
+    assert not any(d.content or d.tool_calls for d in deltas)
+
+
+def test_tokenize_takes_tools_like_the_chat_endpoint(oai: "openai.OpenAI", live: LiveServer) -> None:
+    r = oai.chat.completions.create(model=_model(live), messages=ASK_WEATHER, tools=[WEATHER], max_tokens=1,
+                                    temperature=0)
+    with httpx.Client(base_url=live.base_url) as c:
+        counted = c.post("/tokenize", json={"messages": ASK_WEATHER, "tools": [WEATHER]}).json()["count"]
+        bare = c.post("/tokenize", json={"messages": ASK_WEATHER}).json()["count"]
+        refused = c.post("/tokenize", json={"prompt": "hi", "tools": [WEATHER]})
+    assert counted == r.usage.prompt_tokens > bare
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
