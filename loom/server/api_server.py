@@ -34,11 +34,17 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405:
                 500: "internal_server_error", 503: "service_unavailable"}
 
 
+def escaped(text: str) -> str:
+    """`text` with any lone UTF-16 surrogate written as its \\uXXXX escape (as the client's JSON had it), so an
+    error that quotes a request string can always be encoded as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     """An OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    body = {"error": {"message": escaped(message), "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else escaped(param), "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -52,6 +58,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"Malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
+    if first.get("type") == "string_unicode" and isinstance(first.get("input"), str):
+        # pydantic reads a model's keys as Rust strings, which a lone surrogate cannot be; values are checked by
+        # protocol.check_unicode. A top-level key is a parameter name: named as the client wrote it.
+        key = escaped(first["input"])
+        if not loc:
+            return f"{key}: unknown parameter whose name contains a lone UTF-16 surrogate: not valid Unicode", key
+        return f"{where}: the key '{key}' contains a lone UTF-16 surrogate: not valid Unicode", param
     if first.get("type") == "extra_forbidden":
         return (f"{where}: unknown parameter; loom does not implement it (docs/serving.md lists the "
                 "parameters)"), param

@@ -287,6 +287,14 @@ def test_model_retrieve_version_and_tokenizer_info(client: httpx.Client, fake_se
      '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}], "max_tokens": 2}',
      "messages"),
     ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    # in a key: a top-level one is an unknown parameter, named as the client wrote it (escaped)
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "\\ud800x": 1}', "\\ud800x"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\udfff": 1}', "\\udfff"),
+    ("/tokenize", '{"prompt": "hi", "\\udbff": 1}', "\\udbff"),
+    ("/detokenize", '{"tokens": [1], "\\ud800": 1}', "\\ud800"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "\\ud800": 1}], "max_tokens": 2}',
+     "messages"),
+    ("/v1/completions", '{"prompt": "hi", "stream_options": {"\\ud800": true}, "max_tokens": 2}', "stream_options"),
 ])
 def test_lone_surrogates_are_400_naming_the_field_and_the_connection_stays(client: httpx.Client, path: str,
                                                                            raw: str, param: str) -> None:
