@@ -44,6 +44,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None) -> None:
     ({"prompt": []}, "prompt"),
     ({"prompt": "a" * 300}, "prompt"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"\u0663": 1}}, "logit_bias"),  # ARABIC-INDIC DIGIT THREE: int() reads 3
+    ({"prompt": "x", "logit_bias": {" 3_0 ": 1}}, "logit_bias"),  # int() reads 30
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "seed": 2**80}, "seed"),
     ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
