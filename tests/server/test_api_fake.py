@@ -466,6 +466,12 @@ def test_fim_tokens_of_a_real_fast_tokenizer() -> None:
     ([{"role": "user", "content": "hi", "tool_call_id": "x"}], "tool_call_id belongs to a tool message"),
     ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{x"}}]}],
      "arguments are not JSON"),
+    # valid JSON strings that decode to what is not: Python's json reads NaN, and \\ud800 to a lone surrogate
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f",
+                                                                                  "arguments": '{"a": NaN}'}}]}],
+     "arguments are not JSON: NaN"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {
+        "name": "f", "arguments": '{"\\ud800": 1}'}}]}], "arguments contain a lone UTF-16 surrogate"),
 ])
 def test_a_malformed_tool_history_is_400_naming_messages(client: httpx.Client, messages: list, match: str) -> None:
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
