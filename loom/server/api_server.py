@@ -83,6 +83,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None and not isinstance(cause, StarletteHTTPException):
+            # FastAPI's "There was an error parsing the body": JSON that Python's json refuses, say why
+            if isinstance(cause, RecursionError):
+                return error_response(400, "Malformed JSON: the request body is nested too deeply.")
+            return error_response(400, f"Malformed JSON: {str(cause).split(';')[0]}")
         return error_response(exc.status_code, str(exc.detail))
 
     async def on_any(request: Request, exc: Exception) -> Response:

@@ -76,6 +76,12 @@ def test_malformed_json_unknown_model_and_routes(client: httpx.Client) -> None:
                     headers={"content-type": "application/json"})
     assert_error(r, 400, "temperature")
     assert_error(client.post("/v1/completions", json=["x"]), 400, None)
+    # JSON that Python's json module refuses: FastAPI's answer said only "There was an error parsing the body"
+    for raw, reason in ((b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", "digits"),
+                        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply")):
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert_error(r, 400, None)
+        assert reason in r.json()["error"]["message"]
     assert_error(client.post("/v1/completions", json={"prompt": "x", "model": "gpt-5"}), 404, "model")
     assert client.get("/v1/nothing").status_code == 404
     assert client.get("/health").status_code == 200
