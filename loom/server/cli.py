@@ -15,6 +15,7 @@ import uvicorn
 
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
 from loom.engine.async_engine import AsyncLLMEngine
+from loom.server.header_timeout import DEFAULT_TIMEOUT_HEADER_S, http_protocol
 from loom.server.security import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, SecurityConfig
 
 logger = logging.getLogger("loom.server")
@@ -40,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="largest request body accepted, bytes (default: %(default)s)")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0,
                    help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    p.add_argument("--timeout-header", type=float, default=DEFAULT_TIMEOUT_HEADER_S, metavar="SECONDS",
+                   help="seconds a client has to send a request's line and headers, from the connection's opening "
+                   "or the request's first byte; then 408 and the connection is closed (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -115,6 +119,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     security = security_config(ns, os.environ)
+    http = http_protocol(ns.timeout_header)
     args = engine_args_from_namespace(ns)
     check_listen_address(ns.host, ns.port)  # before the model loads, not after
     t0 = time.monotonic()
@@ -134,7 +139,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             kv_tokens / inner.max_model_len, inner.max_model_len)
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                                 lifespan="off", timeout_graceful_shutdown=5,
-                                timeout_keep_alive=ns.timeout_keep_alive)
+                                timeout_keep_alive=ns.timeout_keep_alive, http=http)
         _run_until_signal(_Server(config, engine))
     finally:
         engine.shutdown()
