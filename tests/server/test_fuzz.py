@@ -99,17 +99,26 @@ def _poisoned(draw: st.DrawFn, base: st.SearchStrategy[Any]) -> Any:
     return body
 
 
+MAX_MODEL_LEN = 512  # of the fuzzed server
+
+# (field, cap, limit): a value in (cap, limit] is valid and costly, so it becomes cap; past limit it is a cheap 400
+_CAPS = (("max_tokens", 4, MAX_MODEL_LEN), ("max_completion_tokens", 4, MAX_MODEL_LEN), ("n", 3, 128),
+         ("best_of", 3, 128), ("logprobs", 2, 20), ("top_logprobs", 2, 20), ("prompt_logprobs", 2, 20))
+
+
 def _bounded(body: Any) -> Any:
     """Cut a generation length or copy count that poisoning made valid but large down to a few tokens."""
-    if isinstance(body, dict):
-        for name, cap in (("max_tokens", 4), ("max_completion_tokens", 4), ("n", 3), ("best_of", 3),
-                          ("min_tokens", 2), ("prompt_logprobs", 2), ("logprobs", 2), ("top_logprobs", 2)):
-            value = body.get(name)
-            if type(value) is int and value > cap:
-                body[name] = cap
-        if body.get("ignore_eos") is True and body.get("max_tokens") is None and \
-                body.get("max_completion_tokens") is None:
-            body["max_tokens"] = 4
+    if not isinstance(body, dict):
+        return body
+    for name, cap, limit in _CAPS:
+        value = body.get(name)
+        if type(value) is int and cap < value <= limit:
+            body[name] = cap
+    # no length at all (a key renamed away, or null) would generate up to max_model_len tokens
+    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_completion_tokens"] = 4
+    if "prompt" in body and "max_tokens" in body and body["max_tokens"] is None:
+        body["max_tokens"] = 4
     return body
 
 
@@ -267,7 +276,7 @@ def fuzz() -> Iterator[_Fuzz]:
     from loom.engine.async_engine import AsyncLLMEngine
     from loom.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs(max_model_len=512, max_num_seqs=16))
+    engine = LLMEngine.from_engine_args(EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=16))
     front = AsyncLLMEngine(engine)
     front.start()
     with serve(front, served_model_name=SERVED) as live, httpx.Client(base_url=live.base_url, timeout=60) as client:
@@ -308,19 +317,19 @@ def _check(r: httpx.Response, path: str, sent: _Sent) -> None:
         assert err["param"] in keys, where  # a readable object's error names what the client sent
 
 
-@settings(FUZZ, max_examples=120)
+@settings(FUZZ, max_examples=160)
 @given(sent=_encoded(_completion()))
 def test_completions(fuzz: _Fuzz, sent: _Sent) -> None:
     _post(fuzz, "/v1/completions", sent)
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=200)
 @given(sent=_encoded(_chat()))
 def test_chat_completions(fuzz: _Fuzz, sent: _Sent) -> None:
     _post(fuzz, "/v1/chat/completions", sent)
 
 
-@settings(FUZZ, max_examples=60)
+@settings(FUZZ, max_examples=80)
 @given(sent=_encoded(_tokenize()))
 def test_tokenize(fuzz: _Fuzz, sent: _Sent) -> None:
     _post(fuzz, "/tokenize", sent)
