@@ -35,11 +35,17 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405:
                 500: "internal_server_error", 503: "service_unavailable"}
 
 
+def escaped(text: str) -> str:
+    """`text` with any lone UTF-16 surrogate written as its \\uXXXX escape (as the client's JSON had it), so an
+    error that quotes a request string can always be encoded as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     """An OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    body = {"error": {"message": escaped(message), "type": _ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else escaped(param), "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -53,6 +59,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"Malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
+    if first.get("type") == "string_unicode" and isinstance(first.get("input"), str):
+        # pydantic reads a model's keys as Rust strings, which a lone surrogate cannot be; values are checked by
+        # protocol.check_unicode. A top-level key is a parameter name: named as the client wrote it.
+        key = escaped(first["input"])
+        if not loc:
+            return f"{key}: unknown parameter whose name contains a lone UTF-16 surrogate: not valid Unicode", key
+        return f"{where}: the key '{key}' contains a lone UTF-16 surrogate: not valid Unicode", param
     if first.get("type") == "extra_forbidden":
         return (f"{where}: unknown parameter; loom does not implement it (docs/serving.md lists the "
                 "parameters)"), param
@@ -71,6 +84,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        cause = exc.__cause__
+        if exc.status_code == 400 and cause is not None and not isinstance(cause, StarletteHTTPException):
+            # FastAPI's "There was an error parsing the body": JSON that Python's json refuses, say why
+            if isinstance(cause, RecursionError):
+                return error_response(400, "Malformed JSON: the request body is nested too deeply.")
+            return error_response(400, f"Malformed JSON: {str(cause).split(';')[0]}")
         return error_response(exc.status_code, str(exc.detail))
 
     async def on_any(request: Request, exc: Exception) -> Response:

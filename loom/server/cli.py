@@ -15,6 +15,7 @@ import uvicorn
 
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
 from loom.engine.async_engine import AsyncLLMEngine
+from loom.server.header_timeout import DEFAULT_TIMEOUT_HEADER_S, http_protocol
 from loom.server.security import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, SecurityConfig
 from loom.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS, get_tool_call_parser
 
@@ -44,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, metavar="NAME",
                    help="how the model writes tool calls: " + ", ".join(TOOL_CALL_PARSERS) +
                    " (default: %(default)s; docs/serving.md)")
+    p.add_argument("--timeout-header", type=float, default=DEFAULT_TIMEOUT_HEADER_S, metavar="SECONDS",
+                   help="seconds a client has to send a request's line and headers, from the connection's opening "
+                   "or the request's first byte; then 408 and the connection is closed (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -120,6 +124,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     security = security_config(ns, os.environ)
     get_tool_call_parser(ns.tool_call_parser)  # an unknown name fails here, before the model loads
+    http = http_protocol(ns.timeout_header)
     args = engine_args_from_namespace(ns)
     check_listen_address(ns.host, ns.port)  # before the model loads, not after
     t0 = time.monotonic()
@@ -140,7 +145,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             kv_tokens / inner.max_model_len, inner.max_model_len)
         config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                                 lifespan="off", timeout_graceful_shutdown=5,
-                                timeout_keep_alive=ns.timeout_keep_alive)
+                                timeout_keep_alive=ns.timeout_keep_alive, http=http)
         _run_until_signal(_Server(config, engine))
     finally:
         engine.shutdown()

@@ -335,13 +335,14 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError as e:
-            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from e
-        if not 0 <= token_id < vocab_size:
-            raise RequestError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+        # ASCII decimal digits only: int() would also read " 3_0 " as 30 and Arabic-Indic digits as theirs
+        if not (key.isascii() and key.isdigit()):
+            raise RequestError(f"logit_bias keys must be token ids in decimal digits, got {key[:40]!r}",
                                "logit_bias")
+        if len(key) > 12 or int(key) >= vocab_size:  # the length first: int() refuses 4,300+ digits
+            raise RequestError(f"logit_bias token id {key[:40]} is outside the vocabulary [0, {vocab_size})",
+                               "logit_bias")
+        token_id = int(key)
         if not -100.0 <= value <= 100.0:
             raise RequestError(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
         out[token_id] = value

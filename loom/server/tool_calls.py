@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.server.tool_parsers import ParsedCall, Scan, ToolCallParser
+from loom.server.protocol import check_unicode
 
 
 def template_takes_tools(tokenizer: Any) -> bool:
@@ -68,6 +69,11 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     return out
 
 
+def _not_json(name: str) -> Any:
+    """json.loads' hook for NaN, Infinity and -Infinity, which Python reads but JSON (RFC 8259) has not."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI sends a call's arguments as a JSON string; templates (Qwen2.5's) expect the object.
 
@@ -84,9 +90,14 @@ def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
                 args = fn.get("arguments", "{}")
                 if isinstance(args, str):
                     try:
-                        args = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError as exc:
+                        args = json.loads(args, parse_constant=_not_json) if args.strip() else {}
+                    except ValueError as exc:  # JSONDecodeError, NaN, or an integer of 4,300+ digits
                         raise ValueError(f"messages[{i}].tool_calls: arguments are not JSON: {exc}") from None
+                    try:  # a \ud800 escape in the arguments decodes to a lone surrogate
+                        check_unicode(args)
+                    except ValueError:
+                        raise ValueError(f"messages[{i}].tool_calls: arguments contain a lone UTF-16 surrogate: "
+                                         "not valid Unicode") from None
                 if not isinstance(args, dict):
                     raise ValueError(f"messages[{i}].tool_calls: arguments must be a JSON object")
                 fn["arguments"] = args

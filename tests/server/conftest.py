@@ -37,22 +37,26 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(engine: AsyncLLMEngine, **app_kwargs: Any) -> Iterator[LiveServer]:
-    """Run build_app(engine) under uvicorn in a thread; stop it (and the engine) afterwards."""
+def serve(engine: AsyncLLMEngine, uvicorn_kwargs: dict[str, Any] | None = None,
+          **app_kwargs: Any) -> Iterator[LiveServer]:
+    """Run build_app(engine) under uvicorn (with `uvicorn_kwargs` for its Config) in a thread; stop it (and the
+    engine) afterwards."""
     try:
-        with serve_app(engine, **app_kwargs) as live:
+        with serve_app(engine, uvicorn_kwargs, **app_kwargs) as live:
             yield live
     finally:
         engine.shutdown()
 
 
 @contextlib.contextmanager
-def serve_app(engine: AsyncLLMEngine, **app_kwargs: Any) -> Iterator[LiveServer]:
-    """Run build_app(engine) under uvicorn in a thread; stop it afterwards, leaving the engine running (several
-    apps may share one engine)."""
+def serve_app(engine: AsyncLLMEngine, uvicorn_kwargs: dict[str, Any] | None = None,
+              **app_kwargs: Any) -> Iterator[LiveServer]:
+    """Run build_app(engine) under uvicorn (with `uvicorn_kwargs` for its Config) in a thread; stop it afterwards,
+    leaving the engine running (several apps may share one engine)."""
     app = build_app(engine, **app_kwargs)
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                            **(uvicorn_kwargs or {}))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()

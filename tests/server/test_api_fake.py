@@ -44,6 +44,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None) -> None:
     ({"prompt": []}, "prompt"),
     ({"prompt": "a" * 300}, "prompt"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"\u0663": 1}}, "logit_bias"),  # ARABIC-INDIC DIGIT THREE: int() reads 3
+    ({"prompt": "x", "logit_bias": {" 3_0 ": 1}}, "logit_bias"),  # int() reads 30
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "x", "seed": 2**80}, "seed"),
     ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
@@ -74,6 +76,12 @@ def test_malformed_json_unknown_model_and_routes(client: httpx.Client) -> None:
                     headers={"content-type": "application/json"})
     assert_error(r, 400, "temperature")
     assert_error(client.post("/v1/completions", json=["x"]), 400, None)
+    # JSON that Python's json module refuses: FastAPI's answer said only "There was an error parsing the body"
+    for raw, reason in ((b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}", "digits"),
+                        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply")):
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert_error(r, 400, None)
+        assert reason in r.json()["error"]["message"]
     assert_error(client.post("/v1/completions", json={"prompt": "x", "model": "gpt-5"}), 404, "model")
     assert client.get("/v1/nothing").status_code == 404
     assert client.get("/health").status_code == 200
@@ -287,6 +295,14 @@ def test_model_retrieve_version_and_tokenizer_info(client: httpx.Client, fake_se
      '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}], "max_tokens": 2}',
      "messages"),
     ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    # in a key: a top-level one is an unknown parameter, named as the client wrote it (escaped)
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "\\ud800x": 1}', "\\ud800x"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\udfff": 1}', "\\udfff"),
+    ("/tokenize", '{"prompt": "hi", "\\udbff": 1}', "\\udbff"),
+    ("/detokenize", '{"tokens": [1], "\\ud800": 1}', "\\ud800"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "\\ud800": 1}], "max_tokens": 2}',
+     "messages"),
+    ("/v1/completions", '{"prompt": "hi", "stream_options": {"\\ud800": true}, "max_tokens": 2}', "stream_options"),
 ])
 def test_lone_surrogates_are_400_naming_the_field_and_the_connection_stays(client: httpx.Client, path: str,
                                                                            raw: str, param: str) -> None:
@@ -456,6 +472,12 @@ def test_fim_tokens_of_a_real_fast_tokenizer() -> None:
     ([{"role": "user", "content": "hi", "tool_call_id": "x"}], "tool_call_id belongs to a tool message"),
     ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{x"}}]}],
      "arguments are not JSON"),
+    # valid JSON strings that decode to what is not: Python's json reads NaN, and \\ud800 to a lone surrogate
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f",
+                                                                                  "arguments": '{"a": NaN}'}}]}],
+     "arguments are not JSON: NaN"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {
+        "name": "f", "arguments": '{"\\ud800": 1}'}}]}], "arguments contain a lone UTF-16 surrogate"),
 ])
 def test_a_malformed_tool_history_is_400_naming_messages(client: httpx.Client, messages: list, match: str) -> None:
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
