@@ -129,6 +129,12 @@ class AsyncLLMEngine:
         return int(self.engine.vocab_size)
 
     @property
+    def max_num_seqs(self) -> int | None:
+        """Running seats (a beam search takes one per beam); None for an engine without a scheduler config."""
+        config = getattr(getattr(self.engine, "scheduler", None), "scheduler_config", None)
+        return getattr(config, "max_num_seqs", None)
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 

@@ -4,7 +4,7 @@ Types are strict (no "0.5" for a float, no true for an int) and non-finite float
 wrong types never reach the engine. Every user error becomes `RequestError` (HTTP 400) naming the
 parameter, before the engine sees the request. A field no model here declares is refused with a 400 naming
 it (extra="forbid"): a parameter loom does not implement is never silently ignored (vLLM's `guided_json`
-and `use_beam_search` used to be). The few OpenAI fields that ask nothing of an inference server (`store`,
+and `use_beam_search` used to be; both work now). The few OpenAI fields that ask nothing of an inference server (`store`,
 `metadata`, `service_tier`, `user`) are accepted.
 """
 
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from loom.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from loom.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -113,6 +114,10 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None  # Lark syntax (llguidance)
     request_id: str | None = Field(default=None, max_length=256)  # client id echoed in the response id
     prompt_logprobs: int | None = None  # vLLM: logprobs of every prompt token plus this many top ones (0..20)
+    # beam search (vLLM's and transformers' names): width = best_of or n, the n best returned
+    use_beam_search: bool = False
+    length_penalty: Float = 1.0  # a finished beam scores cumulative logprob / length ** length_penalty
+    early_stopping: bool | Literal["never"] = False  # transformers' stopping rule (loom/engine/beam_search.py)
 
 
 class CompletionRequest(_SamplingFields):
@@ -330,6 +335,53 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
         raise RequestError(str(e), param) from e
 
 
+# fields beam search does not use: set with use_beam_search they are a 400 rather than silently ignored
+BEAM_SEARCH_REFUSED = (
+    "stream", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "stop", "min_tokens", "top_p",
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed",
+    "include_stop_str_in_output", "response_format", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "tools", "tool_choice",
+)
+
+
+def to_beam_search_params(req: _SamplingFields, max_tokens: int | None, vocab_size: int) -> BeamSearchParams | None:
+    """BeamSearchParams for a body with use_beam_search (None without): beam width = best_of when given, else n;
+    the n best sequences are returned. Raises RequestError naming the parameter: beam-search options without
+    use_beam_search, a sampling option beam search does not use (BEAM_SEARCH_REFUSED; temperature other than
+    0), a width or max_tokens out of range."""
+    if not req.use_beam_search:
+        for name in ("length_penalty", "early_stopping"):
+            if name in req.model_fields_set:
+                raise RequestError(f"{name} applies to beam search only (set use_beam_search)", name)
+        return None
+    fields = type(req).model_fields
+    for name in BEAM_SEARCH_REFUSED:
+        if name not in fields:
+            continue
+        value = getattr(req, name)
+        if value is None or value == fields[name].default or (name == "response_format" and value == {"type": "text"}):
+            continue
+        raise RequestError(f"{name} cannot be combined with use_beam_search (beam search ranks sequences by the "
+                           f"model's log-probabilities)", name)
+    if req.temperature not in (None, 0):
+        raise RequestError("temperature must be 0 or unset with use_beam_search (beam search does not sample)",
+                           "temperature")
+    best_of = getattr(req, "best_of", None)
+    width, width_name = (best_of, "best_of") if best_of is not None else (req.n, "n")
+    if not 1 <= req.n <= width:
+        raise RequestError(f"n must be in [1, best_of={width}], got {req.n}", "n")
+    if not 1 <= width <= MAX_BEAM_WIDTH:
+        raise RequestError(f"the beam width ({width_name}) must be in [1, {MAX_BEAM_WIDTH}], got {width}",
+                           width_name)
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(f"max_tokens must be >= 1 with use_beam_search, got {max_tokens}", "max_tokens")
+    stop_token_ids = list(req.stop_token_ids or [])
+    check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
+    return BeamSearchParams(beam_width=width, n=req.n, max_tokens=max_tokens, length_penalty=req.length_penalty,
+                            early_stopping=req.early_stopping, ignore_eos=req.ignore_eos,
+                            stop_token_ids=stop_token_ids, skip_special_tokens=req.skip_special_tokens)
+
+
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     if not bias:
         return None
@@ -360,6 +412,6 @@ def param_of(message: str) -> str | None:
 
 __all__ = [
     "RequestError", "StreamOptions", "CompletionRequest", "ChatMessage", "ChatCompletionRequest",
-    "TokenizeRequest", "DetokenizeRequest", "to_sampling_params", "check_token_ids", "param_of",
+    "TokenizeRequest", "DetokenizeRequest", "to_sampling_params", "to_beam_search_params", "check_token_ids", "param_of",
     "INT64_MIN", "INT64_MAX", "TokenIdList",
 ]

@@ -14,7 +14,13 @@ from starlette.responses import JSONResponse, Response
 from loom.engine.async_engine import RequestStream
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
-from loom.server.protocol import ChatCompletionRequest, ChatMessage, RequestError, to_sampling_params
+from loom.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    RequestError,
+    to_beam_search_params,
+    to_sampling_params,
+)
 from loom.server.tool_calls import (
     CallStream, arguments_as_objects, check_tool_history, check_tools, fallback_messages, is_special_token,
     openai_call, read_calls, template_takes_tools, tool_call_grammar,
@@ -22,7 +28,7 @@ from loom.server.tool_calls import (
 from loom.server.tool_parsers import ToolCallParser
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
-    check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    check_beam_width, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
 
@@ -155,6 +161,12 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
     if max_tokens is not None and max_tokens < 0:
         raise RequestError(f"{name} must be >= 0, got {max_tokens}", name)
     check_prompt_logprobs(body)
+    beam = to_beam_search_params(body, max_tokens, ctx.engine.vocab_size)
+    if beam is not None:  # tools, logprobs and streaming are refused with it
+        check_beam_width(ctx, beam, "n")
+        prompt_ids = chat_prompt_ids(ctx, body.messages, body, None)
+        check_room(ctx, len(prompt_ids), max_tokens, name, prompt_name="messages")
+        return prompt_ids, beam, None, tools
     params = to_sampling_params(body, max_tokens, ctx.engine.vocab_size, num_top, body.prompt_logprobs)
     check_structured_output(ctx, body, params)
     if tools.grammar is not None:  # tool_choice required / named: the grammar holds the output to valid calls

@@ -41,6 +41,14 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
         raise RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
 
 
+def check_beam_width(ctx: ServingContext, params: Any, param: str) -> None:
+    """A beam search wider than the engine's running seats is a 400 naming `param` (n or best_of)."""
+    seats = ctx.engine.max_num_seqs
+    if seats is not None and params.beam_width > seats:
+        raise RequestError(f"the beam width ({param} = {params.beam_width}) must be <= the server's max_num_seqs "
+                           f"({seats}): each beam takes a running seat", param)
+
+
 def check_structured_output(ctx: ServingContext, body: Any, params: SamplingParams) -> None:
     """Compile the request's structured-output constraint now (in the handler's worker thread), so a bad
     schema, regex or grammar is a 400 naming the field that carried it."""

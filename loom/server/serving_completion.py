@@ -15,10 +15,16 @@ from starlette.responses import JSONResponse, Response
 from loom.engine.async_engine import RequestStream
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_N
-from loom.server.protocol import CompletionRequest, RequestError, check_token_ids, to_sampling_params
+from loom.server.protocol import (
+    CompletionRequest,
+    RequestError,
+    check_token_ids,
+    to_beam_search_params,
+    to_sampling_params,
+)
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_prompt_logprobs, check_room,
-    check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done,
+    check_beam_width, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done,
     completion_logprobs, merge, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
@@ -106,6 +112,10 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[_Prompt]:
 
 def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Prompt], Any]:
     check_model(ctx, body.model)
+    beam = to_beam_search_params(body, body.max_tokens, ctx.engine.vocab_size)
+    if beam is not None:
+        check_beam_width(ctx, beam, "best_of" if body.best_of is not None else "n")
+        return _prompts(ctx, body), beam
     if body.best_of is not None:
         if not body.n <= body.best_of <= MAX_N:
             raise RequestError(f"best_of must be in [n, {MAX_N}] (n = {body.n}), got {body.best_of}", "best_of")
@@ -159,7 +169,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
 
 def _ranks(body: CompletionRequest) -> bool:
     """best_of > n: the server samples best_of candidates per prompt and returns the n best."""
-    return body.best_of is not None and body.best_of > body.n
+    return body.best_of is not None and body.best_of > body.n and not body.use_beam_search
 
 
 def _best(out: RequestOutput, n: int) -> RequestOutput:

@@ -492,3 +492,62 @@ def test_tokenize_takes_tools_like_the_chat_endpoint(oai: "openai.OpenAI", live:
         refused = c.post("/tokenize", json={"prompt": "hi", "tools": [WEATHER]})
     assert counted == r.usage.prompt_tokens > bare
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+# ---- beam search -------------------------------------------------------------------------------------------
+
+
+def test_beam_search_completions_equal_transformers(oai: "openai.OpenAI", live: LiveServer, hf_gguf_model,
+                                                    hf_tokenizer) -> None:
+    from tests.e2e.test_beam_search import hf_beam_search
+
+    prompt = "The quick brown fox"
+    eos = sorted(live.engine.engine.eos_token_ids)
+    reference = hf_beam_search(hf_gguf_model, hf_tokenizer.encode(prompt), eos, 3, 1.0, False, 12)
+    r = oai.completions.create(model=_model(live), prompt=prompt, max_tokens=12, n=2, best_of=3,
+                               extra_body={"use_beam_search": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [hf_tokenizer.decode(t, skip_special_tokens=True) for t in reference[:2]]
+    assert r.usage.completion_tokens == sum(len(t) for t in reference[:2])
+
+
+def test_beam_search_chat(oai: "openai.OpenAI", live: LiveServer) -> None:
+    r = oai.chat.completions.create(model=_model(live), messages=CHAT, max_tokens=10, n=2,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.5,
+                                                "early_stopping": "never"})
+    assert len(r.choices) == 2 and r.choices[0].message.content != r.choices[1].message.content
+    assert all(c.finish_reason in ("stop", "length") for c in r.choices)
+    assert live.engine.engine.scheduler.num_free_blocks == live.engine.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"use_beam_search": True, "stream": True}, "stream"),
+    ({"use_beam_search": True, "logprobs": 0}, "logprobs"),
+    ({"use_beam_search": True, "temperature": 0.7}, "temperature"),
+    ({"use_beam_search": True, "stop": ["."]}, "stop"),
+    ({"use_beam_search": True, "n": 3, "best_of": 2}, "n"),
+    ({"use_beam_search": True, "n": 40}, "n"),
+    ({"use_beam_search": True, "max_tokens": 0}, "max_tokens"),
+    ({"length_penalty": 2.0}, "length_penalty"),
+    ({"early_stopping": True}, "early_stopping"),
+    ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+])
+def test_beam_search_refusals_name_the_parameter(live: LiveServer, body: dict, param: str) -> None:
+    with httpx.Client(base_url=live.base_url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_beam_wider_than_the_seats_is_a_400() -> None:
+    from types import SimpleNamespace
+
+    from loom.engine.beam_search import BeamSearchParams
+    from loom.server.protocol import RequestError
+    from loom.server.serving_common import check_beam_width
+
+    ctx = SimpleNamespace(engine=SimpleNamespace(max_num_seqs=4))
+    check_beam_width(ctx, BeamSearchParams(beam_width=4), "n")
+    with pytest.raises(RequestError) as e:
+        check_beam_width(ctx, BeamSearchParams(beam_width=5, n=1), "best_of")
+    assert e.value.param == "best_of" and "max_num_seqs" in e.value.message
