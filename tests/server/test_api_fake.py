@@ -249,7 +249,7 @@ def test_server_healthy_after_fuzz(client: httpx.Client, fake_server: LiveServer
 
 @pytest.mark.parametrize(("path", "body", "field"), [
     ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "documents": []}, "documents"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "bogus": 1}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
