@@ -171,3 +171,24 @@ def test_a_beam_wider_than_the_seats_is_refused(llm) -> None:
     finally:
         scheduler.scheduler_config = config
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_beam_search_with_speculative_decoding_on_is_unchanged(hf_tokenizer, references) -> None:
+    """Beams are never drafted for (a draft would let one run ahead of its group); a greedy request beside them
+    still speculates, and the beam search still equals transformers'."""
+    from loom import LLM
+
+    spec = LLM(dtype="float32", quantization="none", speculative_method="ngram", num_speculative_tokens=3,
+               speculative_disable_by_batch_size=None)
+    engine = spec.engine
+    engine.add_request("beam", _ids(hf_tokenizer, CASES[1][-1]), _params(CASES[1]))
+    engine.add_request("plain", "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3",
+                       SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    finals = {}
+    for _ in range(500):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert [o.token_ids for o in finals["beam"].outputs] == references[1]
+    assert engine.get_stats().spec_num_drafts > 0  # the plain request did speculate
+    assert engine.scheduler.num_free_blocks == engine.num_kv_blocks
