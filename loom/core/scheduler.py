@@ -181,7 +181,7 @@ class Scheduler:
         groups = {r.group_id or r.request_id for r in self.waiting}
         if (request.group_id or request.request_id) in groups:
             return False  # a copy of a request already counted
-        free_seats = max(0, self.scheduler_config.max_num_seqs - len(self.running))
+        free_seats = max(0, self.scheduler_config.max_num_seqs - self.num_seats_used)
         return len(groups) >= limit + free_seats
 
     # ---- schedule --------------------------------------------------------------------------------
@@ -264,15 +264,24 @@ class Scheduler:
         Returns False when `request` itself had to be preempted.
         """
         while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-            victim = self.running.pop()
+            victim = self._pop_held() or self.running.pop()  # idle held beams go first
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
 
+    def _pop_held(self) -> Request | None:
+        """Take the last held request (a beam waiting for its group) out of running, or None."""
+        for i in range(len(self.running) - 1, -1, -1):
+            if self.running[i].hold:
+                return self.running.pop(i)
+        return None
+
     def _preempt(self, request: Request) -> None:
-        swap = self.scheduler_config.preemption_mode == "swap"
+        # A held beam is recomputed, never swapped: its children are forked from it while it waits, and a
+        # child of a waiting parent computes its prefix again (fork_request), so a host copy would go unused.
+        swap = self.scheduler_config.preemption_mode == "swap" and not request.hold
         if not self.kv_cache_manager.preempt(request, swap):
             # Recomputed prompt positions produce their logprobs again; _new_prompt_logprobs drops them.
             self._prompt_logprobs_seen.pop(request.request_id, None)
@@ -285,9 +294,9 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
         """Admit waiting requests in FIFO order (held ones are passed over). When the head cannot get its
-        blocks while held requests sit in running (beams waiting for a sibling, maybe this very head), those
-        are preempted instead, and the head is admitted in a later step: otherwise a beam group whose held
-        beams fill the pool would wait for ever for its last beam."""
+        blocks while held requests sit in running (beams waiting for a sibling, maybe this very head), held
+        ones are preempted, last first, until it fits: otherwise a beam group whose held beams fill the pool
+        would wait for ever for its last beam."""
         manager = self.kv_cache_manager
         held: list[Request] = []  # beams waiting for their group: passed over, their place in the queue kept
         while self.waiting and budget > 0:
@@ -300,11 +309,16 @@ class Scheduler:
             prefix = manager.find_computed_prefix(request)
             num_hit = prefix.num_tokens
             num_new = min(request.num_tokens - num_hit, budget)
-            if manager.allocate_slots(request, num_new, prefix.blocks, num_hit, prefix.restore_slots) is None:
-                for victim in [r for r in reversed(self.running) if r.hold]:
-                    self.running.remove(victim)
-                    self._preempt(victim)
-                    preempted.append(victim.request_id)
+            allocated = manager.allocate_slots(request, num_new, prefix.blocks, num_hit, prefix.restore_slots)
+            while allocated is None and (victim := self._pop_held()) is not None:
+                self._preempt(victim)  # idle while its group waits; held beams filling the pool would stall it
+                held.append(self.waiting.popleft())  # the victim, queued in front of the head: keep the head first
+                preempted.append(victim.request_id)
+                prefix = manager.find_computed_prefix(request)  # the victim's blocks may have been hits
+                num_hit = prefix.num_tokens
+                num_new = min(request.num_tokens - num_hit, budget)
+                allocated = manager.allocate_slots(request, num_new, prefix.blocks, num_hit, prefix.restore_slots)
+            if allocated is None:
                 break  # FIFO: nothing overtakes the head of the queue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from loom.core.scheduler import QueueFullError
 from loom.outputs import CompletionOutput, RequestOutput
+from loom.engine.beam_search import BeamSearchParams
 from loom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class _Add:
     request_id: str  # engine-unique id
     prompt: str | list[int]  # text or token ids
     prompt_token_ids: list[int] | None  # the text already tokenized (off the engine thread), or None
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     arrival_time: float  # time.monotonic() seconds
     cache_salt: str | None
     stream: _Stream
@@ -202,7 +203,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> "RequestStream":
@@ -233,7 +234,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:

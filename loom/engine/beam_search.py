@@ -4,7 +4,8 @@ KV blocks.
 The algorithm is transformers' (`GenerationMixin._beam_search`, v4.50+ vectorised form; Hugging Face,
 generation/utils.py), kept step for step so that the output equals it in float32:
 
-  * K = max(2, 1 + number of end-of-sequence ids) x beam_width candidates are taken each step: the top K of
+  * K = max(2, 1 + number of ids that end a sequence: end-of-sequence ids and stop_token_ids) x beam_width
+    candidates are taken each step (transformers counts its eos_token_id list): the top K of
     (a beam's cumulative log-probability + the log-softmax of its next-token logits) over all live beams;
   * a candidate "hits the stopping criteria" when its token ends the sequence or it reaches max_tokens;
   * the beam_width best candidates that do not hit go on; among the first beam_width candidates, those that hit
@@ -41,6 +42,7 @@ from loom.request import Request, RequestStatus
 from loom.sampling_params import SamplingParams
 
 MAX_BEAM_WIDTH = 32
+MAX_BEAM_STOP_TOKEN_IDS = 16  # each stop id widens the candidates per step by beam_width (see K below)
 
 
 @dataclass(slots=True)
@@ -55,7 +57,7 @@ class BeamSearchParams:
     | length_penalty | a finished sequence scores cumulative logprob / length ** length_penalty | finite | 1.0 |
     | early_stopping | True, False or "never" (transformers' meanings; see the module docstring) | | False |
     | ignore_eos | do not end sequences on the end-of-sequence ids | bool | False |
-    | stop_token_ids | more ids that end a sequence (as end-of-sequence ids do) | list of int >= 0 | [] |
+    | stop_token_ids | more ids that end a sequence (as end-of-sequence ids do) | at most 16 ids >= 0 | [] |
     | skip_special_tokens | drop special tokens from the text | bool | True |
     """
 
@@ -94,6 +96,9 @@ class BeamSearchParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if len(self.stop_token_ids) > MAX_BEAM_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must have at most {MAX_BEAM_STOP_TOKEN_IDS} ids with beam search "
+                             f"(each widens every step's candidates), got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be integers >= 0, got {t!r}")
@@ -260,6 +265,8 @@ class BeamSearchManager:
         group.beams, group.tokens, group.reported = {}, {}, {}
         for c in running:
             child_id = f"{group.request_id}#beam{next(group.ids)}"
+            while self.scheduler.get_request(child_id) is not None:  # an engine-API caller's own id
+                child_id = f"{group.request_id}#beam{next(group.ids)}"
             self.scheduler.fork_request(self.scheduler.get_request(c.parent), child_id, c.token_id)
             group.beams[child_id] = c.score
             group.tokens[child_id] = parent_tokens[c.parent] + [c.token_id]

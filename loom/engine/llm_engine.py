@@ -294,6 +294,9 @@ class LLMEngine:
                          arrival_time: float | None, cache_salt: str | None,
                          prompt_token_ids: list[int] | None) -> None:
         params.verify()
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if prompt_token_ids is None or not isinstance(prompt, str):
             prompt_token_ids = self.tokenize(prompt)
         if not prompt_token_ids:

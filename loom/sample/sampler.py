@@ -216,8 +216,10 @@ def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_to
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
     chosen_rank = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # sorted, descending
-    # Anything strictly larger than the j-th top value is itself among the top values.
-    top_ranks = (top_values.unsqueeze(1) > top_values.unsqueeze(2)).sum(dim=-1) + 1
+    # Anything strictly larger than the j-th top value is itself among the top values, which are sorted: its
+    # rank is 1 + its first position among them (a binary search, not a num_top^2 comparison).
+    descending = (-top_values).contiguous()
+    top_ranks = torch.searchsorted(descending, descending, right=False) + 1
     ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1).tolist()
     values = torch.cat([chosen, top_values], dim=1).tolist()
     ranks = torch.cat([chosen_rank, top_ranks], dim=1).tolist()

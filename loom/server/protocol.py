@@ -377,9 +377,13 @@ def to_beam_search_params(req: _SamplingFields, max_tokens: int | None, vocab_si
         raise RequestError(f"max_tokens must be >= 1 with use_beam_search, got {max_tokens}", "max_tokens")
     stop_token_ids = list(req.stop_token_ids or [])
     check_token_ids("stop_token_ids", stop_token_ids, vocab_size)
-    return BeamSearchParams(beam_width=width, n=req.n, max_tokens=max_tokens, length_penalty=req.length_penalty,
-                            early_stopping=req.early_stopping, ignore_eos=req.ignore_eos,
-                            stop_token_ids=stop_token_ids, skip_special_tokens=req.skip_special_tokens)
+    try:
+        return BeamSearchParams(beam_width=width, n=req.n, max_tokens=max_tokens,
+                                length_penalty=req.length_penalty, early_stopping=req.early_stopping,
+                                ignore_eos=req.ignore_eos, stop_token_ids=stop_token_ids,
+                                skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:  # BeamSearchParams' own checks: their messages start with the parameter name
+        raise RequestError(str(e), param_of(str(e))) from e
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -128,3 +128,25 @@ def test_fork_refuses_unknown_parents_and_used_ids(
     _step(scheduler, runner)
     with pytest.raises(ValueError, match="already in the engine"):
         scheduler.fork_request(parent, "p", 1)
+
+
+def test_held_requests_are_preempted_before_a_working_one(
+    make_scheduler: Callable[..., Scheduler], make_request: Callable[..., Request], fake_runner,
+) -> None:
+    """When a running request needs a block, an idle held request (a beam waiting for its group) is preempted,
+    not the last admitted request that is working."""
+    scheduler = make_scheduler(num_blocks=4, block_size=BS)
+    runner = fake_runner(BS)
+    held, busy = make_request("held", [1, 2, 3, 4, 5, 6], max_tokens=8), make_request("busy", [7, 8, 9], max_tokens=8)
+    scheduler.add_request(held)
+    scheduler.add_request(busy)
+    _step(scheduler, runner)  # held: 2 blocks, busy: 1 block; one free
+    held.hold = True
+    _step(scheduler, runner)  # busy fills its block
+    sched = scheduler.schedule()  # busy needs a second block, and then a third: held must make room
+    scheduler.check_invariants()
+    while not sched.preempted_req_ids:
+        scheduler.update_from_output(sched, runner.execute(sched))
+        sched = scheduler.schedule()
+    assert sched.preempted_req_ids == ["held"] and [r.request_id for r in sched.scheduled] == ["busy"]
+    assert held.num_computed_tokens == 0 and busy.status == RequestStatus.RUNNING

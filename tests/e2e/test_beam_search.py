@@ -152,7 +152,7 @@ def test_beam_search_under_preemption_equals_transformers(hf_tokenizer, referenc
     ({"beam_width": 2, "n": 3}, "n must"), ({"max_tokens": 0}, "max_tokens"),
     ({"length_penalty": float("nan")}, "length_penalty"), ({"early_stopping": "sometimes"}, "early_stopping"),
     ({"early_stopping": 1}, "early_stopping"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"ignore_eos": "no"}, "ignore_eos"), ({"stop_token_ids": list(range(17))}, "stop_token_ids"),
 ])
 def test_bad_beam_search_params_name_the_parameter(kwargs, match: str) -> None:
     with pytest.raises(ValueError, match=match):

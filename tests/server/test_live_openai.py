@@ -528,6 +528,7 @@ def test_beam_search_chat(oai: "openai.OpenAI", live: LiveServer) -> None:
     ({"use_beam_search": True, "n": 3, "best_of": 2}, "n"),
     ({"use_beam_search": True, "n": 40}, "n"),
     ({"use_beam_search": True, "max_tokens": 0}, "max_tokens"),
+    ({"use_beam_search": True, "stop_token_ids": list(range(17))}, "stop_token_ids"),  # each widens every step
     ({"length_penalty": 2.0}, "length_penalty"),
     ({"early_stopping": True}, "early_stopping"),
     ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),

@@ -52,7 +52,12 @@ def test_each_row_is_the_mask_after_the_drafts_before_it_and_the_matcher_is_unch
         assert num_valid == valid and masks.shape == (len(drafts) + 1, VOCAB // 32)
         for j in range(valid + 1):
             reference.free(["q"])
-            expected = reference.bitmask("q", spec, out + drafts[:j]) if j < len(tokens) - split else masks[j]
+            if j < len(tokens) - split:
+                expected = reference.bitmask("q", spec, out + drafts[:j])
+            else:  # after the final EOS the grammar is done: only EOS stays allowed
+                expected = torch.zeros_like(masks[j])
+                bit = 1 << (eos % 32)
+                expected[eos // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit  # the int32 word's bit pattern
             assert torch.equal(masks[j], expected), (split, j)
         assert all(torch.equal(masks[j], masks[valid]) for j in range(valid + 1, len(drafts) + 1))
         assert torch.equal(manager.bitmask("r", spec, out), masks[0])  # rolled back: the same state as before
