@@ -123,16 +123,19 @@ def test_aborting_a_beam_search_frees_every_block(llm, hf_tokenizer) -> None:
         engine.step()
 
 
-def test_beam_search_under_preemption_equals_transformers(hf_tokenizer, references) -> None:
-    """A KV pool too small for every beam: beams are preempted, recomputed and copied on write, and the
-    output is still transformers'."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_under_preemption_equals_transformers(hf_tokenizer, references, mode: str) -> None:
+    """A KV pool too small for every beam: beams are preempted (in swap mode too, with a host tier), recomputed
+    and copied on write, and the output is still transformers'."""
     from loom import LLM
 
     case = CASES[0]
     prompt = _ids(hf_tokenizer, case[-1])
     # the fewest blocks one sequence of max_tokens needs: four beams cannot all fit for long
     num_blocks = -(-(len(prompt) + case[3]) // 4)
-    small = LLM(dtype="float32", quantization="none", block_size=4, num_kv_blocks=num_blocks, max_num_seqs=8)
+    swap = {"preemption_mode": "swap", "kv_offload_memory_gb": 0.01} if mode == "swap" else {}
+    small = LLM(dtype="float32", quantization="none", block_size=4, num_kv_blocks=num_blocks, max_num_seqs=8,
+                **swap)
     engine = small.engine
     engine.add_request("tight", prompt, _params(case))
     finals = []
