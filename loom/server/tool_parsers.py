@@ -234,33 +234,7 @@ class Llama3JsonParser:
 
     def _calls(self, text: str, pos: int, names: set[str] | None, scan: Scan, start: int | None = None) -> Scan:
         """Calls from text[pos:] on; `start`: where the markup began (content if no call follows)."""
-        begin = pos if start is None else start
-        while True:
-            if pos >= len(text):
-                scan.pending = text[begin:]
-                return scan
-            if text[pos] != "{":
-                scan.content(text[begin:])
-                return scan
-            decoded = _decode_object(text, pos)
-            if decoded is None:  # incomplete (or malformed: known only at the end)
-                scan.pending = text[begin:]
-                return scan
-            call = call_of(decoded[0], names)
-            if call is None:
-                scan.content(text[begin:])
-                return scan
-            scan.call(call)
-            end = decoded[1]
-            after = _skip_space(text, end)
-            if after < len(text) and text[after] == ";":  # the separator is markup: dropped
-                begin = pos = _skip_space(text, after + 1)
-                continue
-            if after < len(text):  # something else follows the calls: content
-                scan.content(text[end:])
-            else:
-                scan.pending = text[end:]  # spaces: a ";" may still come
-            return scan
+        return _read_calls(text, pos, pos if start is None else start, names, scan, separator=";")
 
     def close(self, pending: str, names: set[str] | None) -> ParsedCall | None:
         return None  # a call is taken as soon as its JSON is complete: a pending tail is never one
@@ -312,36 +286,8 @@ class MistralParser:
         if text[pos] != "[":
             scan.content(text[start:])
             return scan
-        begin, pos = start, _skip_space(text, pos + 1)
-        while True:
-            if pos >= len(text):
-                scan.pending = text[begin:]
-                return scan
-            if text[pos] != "{":
-                scan.content(text[begin:])
-                return scan
-            decoded = _decode_object(text, pos)
-            if decoded is None:
-                scan.pending = text[begin:]
-                return scan
-            call = call_of(decoded[0], names, keys=("arguments",))
-            if call is None:
-                scan.content(text[begin:])
-                return scan
-            scan.call(call)
-            begin = decoded[1]
-            after = _skip_space(text, begin)
-            if after >= len(text):
-                scan.pending = text[begin:]
-                return scan
-            if text[after] == ",":  # the separator is markup: dropped
-                begin = pos = _skip_space(text, after + 1)
-                continue
-            if text[after] == "]":
-                scan.content(text[after + 1:])
-                return scan
-            scan.content(text[begin:])
-            return scan
+        return _read_calls(text, _skip_space(text, pos + 1), start, names, scan, separator=",", end="]",
+                           keys=("arguments",))
 
     def close(self, pending: str, names: set[str] | None) -> ParsedCall | None:
         return None  # each call is taken once its object is complete; a cut array's tail holds none
@@ -366,6 +312,42 @@ class MistralParser:
     def new_id(self) -> str:
         alphabet = string.ascii_letters + string.digits
         return "".join(secrets.choice(alphabet) for _ in range(9))
+
+
+def _read_calls(text: str, pos: int, begin: int, names: set[str] | None, scan: Scan, separator: str,
+                end: str | None = None, keys: tuple[str, ...] = ("arguments", "parameters")) -> Scan:
+    """Read a list of JSON call objects from text[pos:] into `scan`: objects joined by `separator` (markup,
+    dropped) and, for a bracketed list, closed by `end` (text after it is content). `begin`: where the markup not
+    yet taken begins; it becomes content if what follows is no call, and stays pending while a call may still be
+    completing. `keys`: call_of's argument keys."""
+    while True:
+        if pos >= len(text):
+            scan.pending = text[begin:]
+            return scan
+        if text[pos] != "{":
+            scan.content(text[begin:])
+            return scan
+        decoded = _decode_object(text, pos)
+        if decoded is None:  # incomplete (or malformed: known only at the end)
+            scan.pending = text[begin:]
+            return scan
+        call = call_of(decoded[0], names, keys=keys)
+        if call is None:
+            scan.content(text[begin:])
+            return scan
+        scan.call(call)
+        stop = decoded[1]
+        after = _skip_space(text, stop)
+        if after < len(text) and text[after] == separator:
+            begin = pos = _skip_space(text, after + 1)
+            continue
+        if after < len(text) and end is not None and text[after] == end:
+            scan.content(text[after + 1:])
+        elif after < len(text):  # something else follows the calls: content
+            scan.content(text[stop:])
+        else:
+            scan.pending = text[stop:]  # spaces: a separator may still come
+        return scan
 
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
