@@ -29,6 +29,7 @@ Plain Python and numpy (float32 sums, as transformers' tensors); no torch.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,8 @@ from loom.core.scheduler import Scheduler
 from loom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from loom.request import Request, RequestStatus
 from loom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 MAX_BEAM_WIDTH = 32
 MAX_BEAM_STOP_TOKEN_IDS = 16  # each stop id widens the candidates per step by beam_width (see K below)
@@ -165,6 +168,13 @@ class BeamSearchManager:
         if params.beam_width > seats:
             raise ValueError(f"beam_width ({params.beam_width}) must be <= max_num_seqs ({seats})")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        bs = self.scheduler.cache_config.block_size
+        # the prompt's blocks once, then each beam's own: a search the pool cannot hold would only thrash
+        blocks = -(-len(prompt_token_ids) // bs) + params.beam_width * (-(-max_tokens // bs) + 1)
+        if blocks > self.scheduler.num_blocks:
+            raise ValueError(f"beam_width={params.beam_width} x max_tokens={max_tokens} needs about {blocks} KV "
+                             f"blocks of {bs} tokens with this prompt, more than the whole pool "
+                             f"(num_kv_blocks={self.scheduler.num_blocks}): lower the width or max_tokens")
         num_candidates = max(2, 1 + len(stop_ids)) * params.beam_width
         beam_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                      skip_special_tokens=params.skip_special_tokens)
@@ -212,7 +222,11 @@ class BeamSearchManager:
         results = [self._fail(group) for group in failed.values()]
         for group_id, group in touched.items():
             if group_id not in failed and set(group.reported) >= set(group.beams):
-                result = self._step(group)
+                try:
+                    result = self._step(group)
+                except Exception:  # noqa: BLE001 - a bug or an odd input fails this search, never the step
+                    logger.exception("beam search %s failed; ending it", group_id)
+                    result = self._fail(group)
                 if result is not None:
                     results.append(result)
         return others, results
@@ -238,7 +252,7 @@ class BeamSearchManager:
         running = [c for c, hit in zip(top_k, hits) if not hit][:width]
         # the first beam_width candidates that end become hypotheses, unless the search is already settled
         if group.improvable and not (len(group.finished) == width and params.early_stopping is True):
-            penalty = np.float32(length ** params.length_penalty)
+            penalty = _length_factor(length, params.length_penalty)
             for c, hit in zip(top_k[:width], hits[:width]):
                 if hit:
                     tokens = group.tokens[c.parent] + [c.token_id]
@@ -249,7 +263,7 @@ class BeamSearchManager:
         if running and len(group.finished) == width:
             best_length = group.max_tokens if params.early_stopping == "never" and params.length_penalty > 0 \
                 else length
-            best_possible = np.float32(running[0].score / np.float32(best_length ** params.length_penalty))
+            best_possible = np.float32(running[0].score / _length_factor(best_length, params.length_penalty))
             group.improvable = group.improvable and bool(best_possible > min(h.score for h in group.finished))
         elif not running:
             group.improvable = False
@@ -287,9 +301,11 @@ class BeamSearchManager:
         for index, hyp in enumerate(group.finished[: group.params.n]):
             last = hyp.token_ids[-1] if hyp.token_ids else None
             stopped = last in group.stop_ids
+            # a stop_token_id stays in the token ids but not in the text, as without beam search
+            shown = hyp.token_ids[:-1] if stopped and last in group.params.stop_token_ids else hyp.token_ids
             outputs.append(CompletionOutput(
                 index=index,
-                text=self.tokenizer.decode(hyp.token_ids, skip_special_tokens=group.params.skip_special_tokens),
+                text=self.tokenizer.decode(shown, skip_special_tokens=group.params.skip_special_tokens),
                 token_ids=list(hyp.token_ids),
                 cumulative_logprob=hyp.cumulative_logprob,
                 finish_reason="stop" if stopped else "length",
@@ -311,6 +327,13 @@ class BeamSearchManager:
             metrics=RequestMetrics(arrival_time=group.arrival_time, first_token_time=group.first_token_time,
                                    last_token_time=now, finished_time=now),
         )
+
+
+def _length_factor(length: int, length_penalty: float) -> np.float32:
+    """length ** length_penalty as transformers divides by it (a float32 divisor); inf, not OverflowError, when
+    it exceeds float range (a large length_penalty: every finished score is then 0)."""
+    with np.errstate(over="ignore"):
+        return np.float32(np.float64(length) ** length_penalty)
 
 
 __all__ = ["BeamSearchManager", "BeamSearchParams", "MAX_BEAM_WIDTH"]

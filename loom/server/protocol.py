@@ -10,7 +10,7 @@ and `use_beam_search` used to be; both work now). The few OpenAI fields that ask
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -77,8 +77,30 @@ Stop = str | list[str] | None
 TokenIdList = list[int]
 
 
+def _admits_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in get_args(annotation)
+
+
 class _SamplingFields(_Strict):
     """Parameters shared by /v1/completions and /v1/chat/completions (OpenAI names plus extras)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # OpenAI's API marks n, stream, logprobs, ... nullable: null there means "the default". A field whose
+        # own type admits None keeps it (max_tokens: null = until max_model_len).
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and not _admits_none(fields[k].annotation))}
+        return data
+
+    @field_validator("early_stopping", mode="before", check_fields=False)
+    @classmethod
+    def _early_stopping(cls, value: Any) -> Any:
+        if value is True or value is False or value == "never":
+            return value
+        raise ValueError(f'early_stopping must be true, false or "never", got {value!r}')
 
     model: str | None = None  # served model name; None = the one model served
     n: int = 1  # samples per prompt
@@ -338,10 +360,16 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
 # fields beam search does not use: set with use_beam_search they are a 400 rather than silently ignored
 BEAM_SEARCH_REFUSED = (
     "stream", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "stop", "min_tokens", "top_p",
-    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed",
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "response_format", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "tools", "tool_choice",
 )
+# values of those fields that change nothing (sent explicitly by some clients): accepted with beam search
+BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,), "stop": ([], ""), "logit_bias": ({},), "min_tokens": (0,), "tools": ([],),
+    "tool_choice": ("none",), "response_format": ({"type": "text"},), "stream": (False,), "echo": (False,),
+}
 
 
 def to_beam_search_params(req: _SamplingFields, max_tokens: int | None, vocab_size: int) -> BeamSearchParams | None:
@@ -359,7 +387,7 @@ def to_beam_search_params(req: _SamplingFields, max_tokens: int | None, vocab_si
         if name not in fields:
             continue
         value = getattr(req, name)
-        if value is None or value == fields[name].default or (name == "response_format" and value == {"type": "text"}):
+        if value is None or value == fields[name].default or value in BEAM_SEARCH_NEUTRAL.get(name, ()):
             continue
         raise RequestError(f"{name} cannot be combined with use_beam_search (beam search ranks sequences by the "
                            f"model's log-probabilities)", name)
@@ -368,11 +396,11 @@ def to_beam_search_params(req: _SamplingFields, max_tokens: int | None, vocab_si
                            "temperature")
     best_of = getattr(req, "best_of", None)
     width, width_name = (best_of, "best_of") if best_of is not None else (req.n, "n")
-    if not 1 <= req.n <= width:
-        raise RequestError(f"n must be in [1, best_of={width}], got {req.n}", "n")
     if not 1 <= width <= MAX_BEAM_WIDTH:
         raise RequestError(f"the beam width ({width_name}) must be in [1, {MAX_BEAM_WIDTH}], got {width}",
                            width_name)
+    if not 1 <= req.n <= width:
+        raise RequestError(f"n must be in [1, best_of={width}], got {req.n}", "n")
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"max_tokens must be >= 1 with use_beam_search, got {max_tokens}", "max_tokens")
     stop_token_ids = list(req.stop_token_ids or [])

@@ -552,3 +552,50 @@ def test_a_beam_wider_than_the_seats_is_a_400() -> None:
     with pytest.raises(RequestError) as e:
         check_beam_width(ctx, BeamSearchParams(beam_width=5, n=1), "best_of")
     assert e.value.param == "best_of" and "max_num_seqs" in e.value.message
+
+
+def test_beam_search_survives_a_huge_length_penalty_and_other_requests_too(live: LiveServer) -> None:
+    """length ** length_penalty beyond float range raised OverflowError inside the engine step, which failed
+    every request in flight; now such a search ends normally (every finished score is 0)."""
+    with httpx.Client(base_url=live.base_url, timeout=120) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "n": 2, "use_beam_search": True,
+                                            "length_penalty": 2000.0, "early_stopping": "never"})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 2
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"use_beam_search": True, "n": 0}, "n"),
+    ({"use_beam_search": True, "early_stopping": "Never"}, "early_stopping"),
+])
+def test_beam_search_errors_say_what_is_allowed(live: LiveServer, body: dict, param: str) -> None:
+    with httpx.Client(base_url=live.base_url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert "best_of=0" not in r.json()["error"]["message"]
+    assert body.get("early_stopping") is None or "never" in r.json()["error"]["message"]
+
+
+def test_beam_search_takes_values_that_change_nothing_and_hides_stop_token_text(live: LiveServer) -> None:
+    tokenizer = live.engine.tokenizer
+    period = tokenizer.encode(".", add_special_tokens=False)[0]
+    with httpx.Client(base_url=live.base_url, timeout=120) as c:
+        r = c.post("/v1/completions", json={
+            "prompt": "The capital of Italy is", "max_tokens": 8, "n": 2, "use_beam_search": True,
+            "top_p": 1.0, "top_k": -1, "presence_penalty": 0.0, "repetition_penalty": 1.0, "stop": [], "seed": 3,
+            "stop_token_ids": [period]})
+        assert r.status_code == 200, r.text
+        assert all("." not in choice["text"] for choice in r.json()["choices"])
+        r = c.post("/v1/chat/completions", json={"messages": CHAT, "n": None, "stream": None, "logprobs": None,
+                                                 "max_tokens": 4})
+        assert r.status_code == 200, r.text  # null is the default, as in OpenAI's API
+
+
+def test_a_beam_search_the_pool_cannot_hold_is_refused(live: LiveServer) -> None:
+    engine = live.engine.engine
+    tokens = (engine.num_kv_blocks // 32 + 1) * engine.block_size  # 32 beams x this many tokens: past the pool
+    assert tokens < engine.max_model_len - 8, "the fixture's pool is larger than this test assumes"
+    with httpx.Client(base_url=live.base_url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": tokens, "n": 32, "use_beam_search": True})
+    assert r.status_code == 400 and "num_kv_blocks" in r.json()["error"]["message"], r.text
