@@ -169,11 +169,12 @@ class BeamSearchManager:
             raise ValueError(f"beam_width ({params.beam_width}) must be <= max_num_seqs ({seats})")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         bs = self.scheduler.cache_config.block_size
-        # the prompt's blocks once, then each beam's own: a search the pool cannot hold would only thrash
-        blocks = -(-len(prompt_token_ids) // bs) + params.beam_width * (-(-max_tokens // bs) + 1)
+        # at least one whole sequence plus a partial last block per beam (beams that share all but their last
+        # block): a search the pool cannot hold even so would only thrash, preempting a beam at every step
+        blocks = -(-(len(prompt_token_ids) + max_tokens) // bs) + params.beam_width
         if blocks > self.scheduler.num_blocks:
-            raise ValueError(f"beam_width={params.beam_width} x max_tokens={max_tokens} needs about {blocks} KV "
-                             f"blocks of {bs} tokens with this prompt, more than the whole pool "
+            raise ValueError(f"beam_width={params.beam_width} with max_tokens={max_tokens} needs at least {blocks} "
+                             f"KV blocks of {bs} tokens with this prompt, more than the whole pool "
                              f"(num_kv_blocks={self.scheduler.num_blocks}): lower the width or max_tokens")
         num_candidates = max(2, 1 + len(stop_ids)) * params.beam_width
         beam_params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,

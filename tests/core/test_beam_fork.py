@@ -150,3 +150,18 @@ def test_held_requests_are_preempted_before_a_working_one(
         sched = scheduler.schedule()
     assert sched.preempted_req_ids == ["held"] and [r.request_id for r in sched.scheduled] == ["busy"]
     assert held.num_computed_tokens == 0 and busy.status == RequestStatus.RUNNING
+
+
+def test_a_beam_search_the_pool_cannot_hold_is_refused(make_scheduler: Callable[..., Scheduler]) -> None:
+    """One whole sequence plus a block per beam must fit the pool, or the search would preempt a beam at every
+    step; what fits is admitted."""
+    from loom.engine.beam_search import BeamSearchManager, BeamSearchParams
+
+    scheduler = make_scheduler(num_blocks=8, block_size=BS)
+    manager = BeamSearchManager(scheduler, tokenizer=None, eos_token_ids=frozenset({0}))
+    prompt = list(range(1, 9))  # 2 blocks
+    with pytest.raises(ValueError, match="num_kv_blocks=8"):  # 2 + 3 + 4 beams = 9 > 8
+        manager.add("wide", None, prompt, BeamSearchParams(beam_width=4, max_tokens=12), 12, 0.0, None)
+    assert not scheduler.has_unfinished_requests()
+    manager.add("fits", None, prompt, BeamSearchParams(beam_width=3, max_tokens=12), 12, 0.0, None)  # 2 + 3 + 3
+    assert "fits" in manager and scheduler.num_waiting == 1

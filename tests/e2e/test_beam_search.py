@@ -123,31 +123,40 @@ def test_aborting_a_beam_search_frees_every_block(llm, hf_tokenizer) -> None:
         engine.step()
 
 
+TIGHT = (4, 1.0, False, 32, "def fibonacci(n):")  # diverging beams: 32 preemptions in the smallest pool admitted
+
+
+@pytest.fixture(scope="module")
+def tight_reference(hf_gguf_model, hf_tokenizer, llm) -> list[list[int]]:
+    width, length_penalty, early_stopping, max_tokens, prompt = TIGHT
+    return hf_beam_search(hf_gguf_model, _ids(hf_tokenizer, prompt), sorted(llm.engine.eos_token_ids), width,
+                          length_penalty, early_stopping, max_tokens)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_beam_search_under_preemption_equals_transformers(hf_tokenizer, references, mode: str) -> None:
-    """A KV pool too small for every beam: beams are preempted (in swap mode too, with a host tier), recomputed
-    and copied on write, and the output is still transformers'."""
+def test_beam_search_under_preemption_equals_transformers(hf_tokenizer, tight_reference, mode: str) -> None:
+    """The smallest KV pool a search is admitted with (one whole sequence plus a block per beam): beams are
+    preempted (in swap mode too, with a host tier), recomputed and copied on write, and the output is still
+    transformers'."""
     from loom import LLM
 
-    case = CASES[0]
-    prompt = _ids(hf_tokenizer, case[-1])
-    # the fewest blocks one sequence of max_tokens needs: four beams cannot all fit for long
-    num_blocks = -(-(len(prompt) + case[3]) // 4)
+    prompt = _ids(hf_tokenizer, TIGHT[-1])
+    num_blocks = -(-(len(prompt) + TIGHT[3]) // 4) + TIGHT[0]
     swap = {"preemption_mode": "swap", "kv_offload_memory_gb": 0.01} if mode == "swap" else {}
     small = LLM(dtype="float32", quantization="none", block_size=4, num_kv_blocks=num_blocks, max_num_seqs=8,
                 **swap)
     engine = small.engine
-    engine.add_request("tight", prompt, _params(case))
+    engine.add_request("tight", prompt, _params(TIGHT))
     finals = []
-    for _ in range(500):  # a livelock (held beams filling the pool while their sibling waits) fails, not hangs
+    for _ in range(1000):  # a livelock (held beams filling the pool while their sibling waits) fails, not hangs
         finals += [o for o in engine.step() if o.finished]
         engine.scheduler.check_invariants()
         if not engine.has_unfinished_requests():
             break
     (out,) = finals
     assert engine.scheduler.num_preemptions_total > 0
-    assert [o.token_ids for o in out.outputs] == references[0]
-    assert small.engine.scheduler.num_free_blocks == small.engine.num_kv_blocks
+    assert [o.token_ids for o in out.outputs] == tight_reference
+    assert engine.scheduler.num_free_blocks == engine.num_kv_blocks
 
 
 @pytest.mark.parametrize("kwargs, match", [
