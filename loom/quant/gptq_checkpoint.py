@@ -63,11 +63,13 @@ class GPTQSettings:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
     def quantization_config(self, calibration: str, tokens: int) -> dict[str, Any]:
-        """config.json's quantization_config (the keys transformers' GPTQConfig and GPTQModel read)."""
+        """config.json's quantization_config (the keys transformers' GPTQConfig and GPTQModel read; the format
+        under both its current name, "format", and the legacy "checkpoint_format")."""
         return {
             "quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
             "sym": self.sym, "damp_percent": self.damp_percent, "true_sequential": True, "static_groups": False,
-            "lm_head": False, "checkpoint_format": "gptq", "model_file_base_name": "model",
+            "act_group_aware": False, "lm_head": False, "format": "gptq", "checkpoint_format": "gptq",
+            "model_file_base_name": "model",
             "meta": {"quantizer": ["loom"], "method": self.method, "calibration": calibration,
                      "calibration_tokens": tokens, "block_size": self.block_size},
         }

@@ -42,7 +42,9 @@ def read_gptq_checkpoint(quantization_config: dict[str, Any], tensor_names: set[
     bits = quantization_config.get("bits")
     if bits not in BITS:
         raise ValueError(f"quantization_config.bits must be one of {BITS} for loom's kernels, got {bits!r}")
-    fmt = quantization_config.get("checkpoint_format", "gptq")
+    # "checkpoint_format" (AutoGPTQ, older transformers) wins over "format" (transformers 5, GPTQModel), as
+    # transformers reads them
+    fmt = quantization_config.get("checkpoint_format") or quantization_config.get("format") or "gptq"
     if fmt not in FORMATS:
         raise ValueError(f"quantization_config.checkpoint_format must be one of {FORMATS}, got {fmt!r}")
     quantized = frozenset(name.removesuffix(".qweight") for name in tensor_names if name.endswith(".qweight"))

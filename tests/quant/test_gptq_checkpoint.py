@@ -50,6 +50,11 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
         "quant_method": "gptq", "bits": settings.bits, "group_size": settings.group_size,
         "desc_act": settings.desc_act, "sym": settings.sym, "checkpoint_format": "gptq"}
     assert qc["damp_percent"] == 0.01 and qc["true_sequential"] is True and qc["static_groups"] is False
+    from transformers import GPTQConfig  # transformers' own reading of the config
+
+    hf = GPTQConfig.from_dict(qc)
+    assert (hf.bits, hf.group_size, hf.desc_act, hf.sym, hf.format) == (
+        settings.bits, settings.group_size, settings.desc_act, settings.sym, "gptq")
     assert result.calibration_tokens == (4 * 48 if settings.method == "gptq" else 0)
     h, inter = tiny.hf.config.hidden_size, tiny.hf.config.intermediate_size
     groups = 1 if settings.group_size == -1 else h // settings.group_size
@@ -147,3 +152,29 @@ def test_other_quantization_of_a_gptq_checkpoint_is_refused(tiny_models, tmp_pat
         write_gptq_checkpoint(str(tiny.path), str(tmp_path / "x"), GPTQSettings("rtn", 4, 32, True, True), [])
     with pytest.raises(ValueError, match="group_size"):
         GPTQSettings("gptq", 4, 48, True, False).check()
+
+
+def test_gptq_v2_checkpoint_loads_the_same(tiny_models, tmp_path) -> None:
+    """checkpoint_format gptq_v2 stores the zero points themselves (v1: zero - 1)."""
+    from safetensors.torch import save_file
+
+    from loom.quant.gptq_format import pack_int32, unpack_int32
+
+    tiny = tiny_models["llama_gqa"]
+    v1 = tmp_path / "v1"
+    write_gptq_checkpoint(str(tiny.path), str(v1), GPTQSettings("rtn", 4, 32, False, False), [])
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    with safe_open(str(v1 / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for k, t in tensors.items():
+        if k.endswith(".qzeros"):
+            tensors[k] = pack_int32(unpack_int32(t, 4, 1) + 1, 4, 1)
+    save_file(tensors, str(v2 / "model.safetensors"))
+    config = json.loads((v1 / "config.json").read_text())
+    del config["quantization_config"]["checkpoint_format"]
+    config["quantization_config"]["format"] = "gptq_v2"
+    (v2 / "config.json").write_text(json.dumps(config))
+    tokens = _windows(tiny.hf.config.vocab_size, 1, 24, seed=3)[0]
+    a, b = (_logits(load_model(str(p), torch.float32, CPU), tokens) for p in (v1, v2))
+    assert torch.equal(a, b)
