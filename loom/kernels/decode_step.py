@@ -161,6 +161,6 @@ def supports_model(model: torch.nn.Module) -> bool:
         for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
             method = getattr(lin, "quant_method", None)
             if not isinstance(method, PackedLinearMethod) or method.scheme.activations != "float" \
-                    or lin.dense_weight is not None:
+                    or lin.dense_weight is not None or lin.input_perm is not None:
                 return False
     return True

@@ -31,21 +31,55 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
     from loom.quant.quantize import quantize
 
     result = quantize(ns.model, ns.output, ns.method, alpha=ns.alpha, calibration_file=ns.calibration_file,
-                      num_windows=ns.calibration_windows, window_len=ns.calibration_window_len)
+                      num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
+                      group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent)
+    if result.quantization_config is not None:
+        qc = result.quantization_config
+        calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
+                      if result.calibration_tokens else "")
+        print(f"wrote {result.output} ({result.method}, {qc['bits']} bits, group size {qc['group_size']}, "
+              f"{'sym' if qc['sym'] else 'asym'}{', desc_act' if qc['desc_act'] else ''}{calibrated}) in "
+              f"{result.seconds:.1f} s; a GPTQ-format checkpoint, run by loom's packed kernels: "
+              f"loom generate --model {result.output} ...")
+        return 0
     print(f"wrote {result.output} ({result.method}, alpha {result.alpha}, {result.calibration_tokens} calibration "
           f"tokens of {result.calibration}) in {result.seconds:.1f} s; it runs as w8a8 by default: "
           f"loom generate --model {result.output} ...")
     return 0
 
 
+def _group_size(value: str) -> int:
+    from loom.quant.gptq_checkpoint import GROUP_SIZES
+
+    try:
+        size = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if size not in GROUP_SIZES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(str, GROUP_SIZES))}, got {size}")
+    return size
+
+
+def _fraction(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 0.0 < x < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {value}")
+    return x
+
+
 def register_quantize(sub: argparse._SubParsersAction) -> None:
     """Add `loom quantize` to loom's subcommands."""
     from loom.quant.quantize import QUANTIZE_METHODS
 
-    p = sub.add_parser("quantize", help="write a checkpoint prepared for a quantization method (SmoothQuant)",
-                       description="Write a checkpoint prepared for a quantization method. smoothquant: fold "
-                       "SmoothQuant's per-channel scales (Xiao et al. 2022) into the weights, calibrated on "
-                       "ShareGPT conversations or a text file; the output runs as w8a8 by default.")
+    p = sub.add_parser("quantize", help="write a quantized checkpoint (RTN, GPTQ) or one prepared for W8A8 "
+                       "(SmoothQuant)",
+                       description="Write a quantized checkpoint. rtn / gptq: a Hugging Face GPTQ-format checkpoint "
+                       "(4 or 8 bits; GPTQ, Frantar et al. 2022, calibrated on ShareGPT conversations or a text "
+                       "file), run by loom's packed kernels. smoothquant: fold SmoothQuant's per-channel scales "
+                       "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default.")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write (must not exist, or be empty)")
     p.add_argument("--method", choices=QUANTIZE_METHODS, default="smoothquant", help="(default: %(default)s)")
@@ -58,4 +92,16 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="calibration windows, one prefill each (default: %(default)s)")
     p.add_argument("--calibration-window-len", type=_positive, default=512,
                    help="tokens per calibration window (default: %(default)s)")
+    g = p.add_argument_group("rtn / gptq")
+    g.add_argument("--bits", type=int, choices=(4, 8), default=4, help="(default: %(default)s)")
+    g.add_argument("--group-size", type=_group_size, default=128,
+                   help="input columns per scale: 32, 64, 128, or -1 for one per output channel "
+                   "(default: %(default)s)")
+    g.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
+                   help="symmetric grid (--no-sym / --asym: with a zero point) (default: symmetric)")
+    g.add_argument("--asym", dest="sym", action="store_false", help=argparse.SUPPRESS)
+    g.add_argument("--desc-act", action="store_true",
+                   help="GPTQ act-order: quantize columns by decreasing Hessian diagonal (g_idx in the file)")
+    g.add_argument("--damp-percent", type=_fraction, default=0.01,
+                   help="GPTQ dampening, a fraction of the Hessian's mean diagonal (default: %(default)s)")
     p.set_defaults(func=cmd_quantize)

@@ -10,6 +10,7 @@ file name.
 | w4a16   | 4-bit weights (RTN, asymmetric groups of 32), float activations                               |
 | w8a8    | int8 weights (groups of 32) and int8 activations per token (dynamic), both Hadamard-rotated   |
 | fp8     | float8 e4m3 weights, a float32 scale per channel                                              |
+| gptq    | a Hugging Face GPTQ checkpoint's own 4/8-bit codes, repacked into q4g32 / q8g (gptq_method.py)   |
 
 A config answers `get_quant_method(layer, prefix)` for each linear layer (the LM head included, prefix
 "lm_head") and says whether the token embedding stays packed.
@@ -138,18 +139,30 @@ class Bf16Config:
         return False
 
 
-def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None) -> QuantizationConfig:
-    """The config for `--quantization name` (None = auto: "gguf" for a GGUF file, else "none").
+def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None,
+                     gptq: Any = None) -> QuantizationConfig:
+    """The config for `--quantization name` (None = auto: "gguf" for a GGUF file, "gptq" for a GPTQ
+    checkpoint, else "none").
 
     gguf_tensor_types: Hugging Face weight name -> GGML type name of a GGUF file, None for other checkpoints.
+    gptq: a GPTQ checkpoint's loom.quant.gptq_method.GPTQCheckpoint, None for other checkpoints.
 
     Raises:
-        ValueError: unknown name, or "gguf" for a checkpoint that is not a GGUF file.
+        ValueError: unknown name, "gguf" for a checkpoint that is not a GGUF file, "gptq" for one that is not a
+            GPTQ checkpoint, or any other method for a GPTQ checkpoint (its weights are already quantized).
     """
     if name is None:
-        name = "gguf" if gguf_tensor_types is not None else "none"
+        name = "gguf" if gguf_tensor_types is not None else "gptq" if gptq is not None else "none"
     if name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {name!r}")
+    if (name == "gptq") != (gptq is not None):
+        raise ValueError("quantization='gptq' needs a GPTQ checkpoint (quantization_config.quant_method 'gptq')"
+                         if gptq is None else f"quantization={name!r} cannot run a GPTQ checkpoint, whose "
+                         "weights are already quantized; use 'gptq' (the default for it)")
+    if name == "gptq":
+        from loom.quant.gptq_method import GPTQConfig
+
+        return GPTQConfig(gptq)
     if name == "none":
         return NoQuantConfig()
     if name == "gguf":

@@ -63,6 +63,7 @@ SCHEMES = {
     "w4a16": PackedScheme("w4a16", "float", False),
     "w8a16": PackedScheme("w8a16", "float", False),
     "w8a8": PackedScheme("w8a8", "q8_token", False, rotated=True),
+    "gptq": PackedScheme("gptq", "float", True),  # a GPTQ checkpoint's own codes (loom/quant/gptq_method.py)
 }
 
 
@@ -119,6 +120,7 @@ class PackedLinearMethod:
         layer.packed_bias = []  # float32 bias slice per PackedWeight, or None
         layer.dense_weight = None  # set instead when a stacked layer mixes packed and dense shards
         layer.rotation_block = 0  # channels per Hadamard block of a rotated scheme, 0 = no rotation
+        layer.input_perm = None  # int64 [input_size]: the packed weight multiplies x[:, input_perm] (GPTQ desc_act)
 
     @staticmethod
     def _store_shard(layer: Linear, tensor: Any, shard: int | None) -> None:
@@ -168,6 +170,8 @@ class PackedLinearMethod:
         kernels = self.kernels
         if layer.rotation_block:
             x = rotate(x, layer.rotation_block)
+        if layer.input_perm is not None:
+            x = x.index_select(-1, layer.input_perm)
         if x.shape[0] > self.dense_min_rows:
             if self.scheme.activations != "float":  # keep the int8 activations' numerics (w8a8 has no mins)
                 xa = kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")

@@ -6,6 +6,9 @@ Methods:
 |---------------|---------------------------------------------------------------------------------------------|
 | smoothquant   | the model with SmoothQuant's per-channel scales folded in (loom/quant/smoothquant.py), as   |
 |               | dense safetensors; it runs as w8a8 by default                                               |
+| rtn, gptq     | a Hugging Face GPTQ-format checkpoint (qweight / qzeros / scales / g_idx and                |
+|               | `quantization_config`), 4 or 8 bits, by round-to-nearest or GPTQ (gptq_checkpoint.py); it   |
+|               | runs as `gptq` (loom's packed kernels) by default and loads in GPTQ loaders                 |
 
 The smoothed checkpoint is the same function as the source before rounding, so any loader reads it as the plain
 model it is (transformers too); loom's marker is the `loom_quantization` key of config.json, which makes
@@ -31,7 +34,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("smoothquant",)
+QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq")
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -42,8 +45,9 @@ class QuantizeResult:
     method: str
     calibration: str  # where the calibration tokens came from
     calibration_tokens: int
-    alpha: float | str  # the migration strength, or "search"
+    alpha: float | str | None  # smoothquant's migration strength, or "search"; None for other methods
     seconds: float
+    quantization_config: dict[str, Any] | None = None  # what config.json's quantization_config says (rtn, gptq)
 
 
 def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int, window_len: int) -> tuple[
@@ -105,24 +109,32 @@ def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
 
 
 def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str = 0.5,
-             calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512) -> QuantizeResult:
+             calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512, bits: int = 4,
+             group_size: int = 128, sym: bool = True, desc_act: bool = False,
+             damp_percent: float = 0.01) -> QuantizeResult:
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
     Args:
         alpha: SmoothQuant's migration strength in [0, 1], or "search" (per layer, smoothquant.search_alpha).
-        calibration_file: UTF-8 text to calibrate on; None = ShareGPT conversations.
+        calibration_file: UTF-8 text to calibrate on; None = ShareGPT conversations (smoothquant, gptq).
         num_windows, window_len: calibration tokens, as windows run one prefill each.
+        bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
+            4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
+            grid; GPTQ act-order; GPTQ dampening.
 
     Raises:
-        ValueError: unknown method, bad alpha, an architecture without a smoothing map, an output directory
-            that exists and is not empty, a checkpoint without a tokenizer, or a calibration problem
-            (calibration_windows).
+        ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
+            output directory that exists and is not empty, a checkpoint without a tokenizer, or a calibration
+            problem (calibration_windows).
     """
     from loom.model.loader import load_tokenizer
     from loom.model.loader.model_loader import read_arch
 
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
+    if method in ("rtn", "gptq"):
+        return _quantize_gptq_format(model, output, method, calibration_file, num_windows, window_len, bits,
+                                     group_size, sym, desc_act, damp_percent)
     _check_alpha(alpha)
     context = read_arch(model).max_position_embeddings
     if window_len > context:
@@ -134,6 +146,34 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
     windows, source = calibration_windows(tokenizer, calibration_file, num_windows, window_len)
     return smoothquant_checkpoint(model, output, windows, alpha=alpha, calibration=source)
+
+
+def _quantize_gptq_format(model: str | None, output: str, method: str, calibration_file: str | None,
+                          num_windows: int, window_len: int, bits: int, group_size: int, sym: bool, desc_act: bool,
+                          damp_percent: float) -> QuantizeResult:
+    """rtn / gptq through gptq_checkpoint.write_gptq_checkpoint (calibration windows for gptq only)."""
+    from loom.model.loader import load_tokenizer
+    from loom.model.loader.model_loader import read_arch
+    from loom.quant.gptq_checkpoint import GPTQSettings, write_gptq_checkpoint
+
+    settings = GPTQSettings(method, bits, group_size, sym, desc_act, damp_percent)
+    settings.check()
+    windows: list[list[int]] = []
+    source = ""
+    if method == "gptq":
+        context = read_arch(model).max_position_embeddings
+        if window_len > context:
+            raise ValueError(f"calibration_window_len must be <= the model's context of {context} tokens, got "
+                             f"{window_len}")
+        _check_output(output)
+        tokenizer = load_tokenizer(model)
+        if tokenizer is None:
+            raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
+        windows, source = calibration_windows(tokenizer, calibration_file, num_windows, window_len)
+    result = write_gptq_checkpoint(model, output, settings, windows, calibration=source)
+    config = settings.quantization_config(result.calibration, result.calibration_tokens)
+    return QuantizeResult(result.output, method, result.calibration, result.calibration_tokens, None,
+                          result.seconds, config)
 
 
 def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,

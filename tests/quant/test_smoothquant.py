@@ -148,7 +148,7 @@ def test_quantize_refuses_bad_arguments(tmp_path) -> None:
     with pytest.raises(ValueError, match="alpha must be in"):
         quantize(None, str(tmp_path / "a"), alpha=2.0)
     with pytest.raises(ValueError, match="method must be one of"):
-        quantize(None, str(tmp_path / "a"), method="gptq")
+        quantize(None, str(tmp_path / "a"), method="awq")
     # checked before any calibration work (found by a fresh-user trial: these failed after a minute)
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -199,7 +199,8 @@ def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys) -> None:
     assert len(w8a8.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == 12
 
 
-@pytest.mark.parametrize("args", [["--alpha", "2"], ["--alpha", "x"], ["--calibration-windows", "0"]])
+@pytest.mark.parametrize("args", [["--alpha", "2"], ["--alpha", "x"], ["--calibration-windows", "0"], ["--group-size", "48"],
+                                  ["--bits", "3"], ["--damp-percent", "1.5"]])
 def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]) -> None:
     from loom.cli import main
 

@@ -21,10 +21,11 @@ from loom.model.loader.gguf import (
     open_gguf,
 )
 from loom.model.loader.hf_config import hf_arch_config, hf_eos_token_ids, read_json
-from loom.model.loader.safetensors import iter_safetensors_weights
+from loom.model.loader.safetensors import iter_safetensors_weights, safetensors_tensor_names
 from loom.model.loader.tokenizer import tokenizer_eos_ids, tokenizer_from_path
 from loom.model.registry import get_model_class
 from loom.quant.config import get_quant_config
+from loom.quant.gptq_method import read_gptq_checkpoint
 
 
 @dataclass(slots=True)
@@ -56,7 +57,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 def default_quantization(model: str | None) -> str:
     """The quantization a checkpoint runs with when none is asked for: "gguf" for a GGUF file (its own blocks),
-    the method a `loom quantize` output was prepared for (loom/quant/quantize.py), else "none".
+    "gptq" for a GPTQ checkpoint (config.json's quantization_config), the method a `loom quantize` output was
+    prepared for (loom/quant/quantize.py), else "none".
 
     Raises:
         ValueError: as resolve_model_path.
@@ -66,7 +68,16 @@ def default_quantization(model: str | None) -> str:
     path = resolve_model_path(model)
     if path.is_file():
         return "gguf"
-    return prepared_method(read_json(path / "config.json")) or "none"
+    config = read_json(path / "config.json")
+    if gptq_quantization_config(config) is not None:
+        return "gptq"
+    return prepared_method(config) or "none"
+
+
+def gptq_quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's quantization_config when it is a GPTQ one (quant_method "gptq"), else None."""
+    qc = config.get("quantization_config")
+    return qc if isinstance(qc, dict) and qc.get("quant_method") == "gptq" else None
 
 
 def read_arch(model: str | None) -> ModelArchConfig:
@@ -112,8 +123,8 @@ def load_model(
         device: where the parameters live.
         attention_backend: name in loom.attention.ATTENTION_BACKENDS; None = default_attention_backend(device).
         quantization: a name in loom.quant.config.QUANTIZATION_METHODS; None = default_quantization(model):
-            "gguf" for a GGUF file (its own quantized blocks, repacked), the method a `loom quantize` output
-            was prepared for, else "none".
+            "gguf" for a GGUF file (its own quantized blocks, repacked), "gptq" for a Hugging Face GPTQ
+            checkpoint (its codes, repacked), the method a `loom quantize` output was prepared for, else "none".
 
     Raises:
         ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
@@ -135,7 +146,9 @@ def load_model(
     else:
         config = read_json(path / "config.json")
         arch = hf_arch_config(config)
-        quant_config = get_quant_config(quantization or default_quantization(model), None)
+        gptq_qc = gptq_quantization_config(config)
+        gptq = None if gptq_qc is None else read_gptq_checkpoint(gptq_qc, safetensors_tensor_names(path))
+        quant_config = get_quant_config(quantization or default_quantization(model), None, gptq)
         weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),

@@ -39,3 +39,12 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
         with safe_open(str(path), framework="pt") as shard:
             for name in shard.keys():
                 yield name, shard.get_tensor(name)
+
+
+def safetensors_tensor_names(model_dir: Path) -> set[str]:
+    """Every tensor name of the checkpoint (headers only, no data read)."""
+    names: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as shard:
+            names.update(shard.keys())
+    return names

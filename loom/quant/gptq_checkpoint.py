@@ -1,0 +1,247 @@
+"""`loom quantize --method rtn|gptq`: a Hugging Face GPTQ-format checkpoint from a GGUF file or HF directory.
+
+RTN rounds every linear weight to the nearest point of the GPTQ grid (loom/quant/gptq.py). GPTQ (Frantar et al.
+2022, arXiv:2210.17323) quantizes the decoder layers one after another, as the paper does: the calibration
+windows' hidden states enter layer 0; within a layer the four linear groups (q/k/v, o, gate/up, down; q/k/v and
+gate/up share an input and so one Hessian) are quantized in order, each from the inputs it sees with the
+groups before it already quantized ("true sequential"); the layer's outputs, computed with its quantized
+weights, are the next layer's inputs. Embeddings, norms and the LM head stay in float32.
+
+The checkpoint (loom/quant/gptq_format.py) is checkpoint_format "gptq" (v1), the layout AutoGPTQ, GPTQModel and
+transformers read; loom loads it with `--quantization gptq`, its default for such a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from loom.quant.gptq import GPTQWeight, accumulate_hessian, gptq_quantize, rtn_quantize
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZES = (32, 64, 128, -1)
+LINEAR_GROUPS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+# loom layer -> the checkpoint projections stacked in it
+PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQSettings:
+    """What to quantize to (the quantization_config written)."""
+
+    method: str  # "rtn" or "gptq"
+    bits: int  # 4 or 8
+    group_size: int  # input columns per scale; -1 = per output channel
+    sym: bool  # symmetric grid (zero = 2^(bits-1)); else asymmetric
+    desc_act: bool  # GPTQ act-order: columns by decreasing Hessian diagonal (gptq only)
+    damp_percent: float = 0.01  # GPTQ dampening, times the Hessian's mean diagonal
+    block_size: int = 128  # GPTQ lazy-batch columns
+
+    def check(self) -> None:
+        """Raises ValueError naming the first bad field."""
+        if self.method not in ("rtn", "gptq"):
+            raise ValueError(f"method must be 'rtn' or 'gptq', got {self.method!r}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.desc_act and self.method != "gptq":
+            raise ValueError("desc_act (act-order) applies to method 'gptq' only")
+        if not 0 < self.damp_percent < 1:
+            raise ValueError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def quantization_config(self, calibration: str, tokens: int) -> dict[str, Any]:
+        """config.json's quantization_config (the keys transformers' GPTQConfig and GPTQModel read; the format
+        under both its current name, "format", and the legacy "checkpoint_format")."""
+        return {
+            "quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
+            "sym": self.sym, "damp_percent": self.damp_percent, "true_sequential": True, "static_groups": False,
+            "act_group_aware": False, "lm_head": False, "format": "gptq", "checkpoint_format": "gptq",
+            "model_file_base_name": "model",
+            "meta": {"quantizer": ["loom"], "method": self.method, "calibration": calibration,
+                     "calibration_tokens": tokens, "block_size": self.block_size},
+        }
+
+
+def quantize_model_weights(model: torch.nn.Module, arch: Any, settings: GPTQSettings,
+                           windows: list[list[int]]) -> dict[str, GPTQWeight]:
+    """Quantize every decoder linear layer of a dense float32 loom model (quantization "none"), replacing its
+    weight with the dequantized result as it goes (so later GPTQ layers see quantized inputs).
+
+    Returns:
+        loom layer name ("model.layers.0.self_attn.qkv_proj", ...) -> its GPTQWeight (stacked rows).
+    """
+    settings.check()
+    out: dict[str, GPTQWeight] = {}
+    layers = model.model.layers
+    if settings.method == "rtn":
+        for i, layer in enumerate(tqdm(layers, desc="rtn", unit="layer")):
+            for parent, name in LINEAR_GROUPS:
+                lin = getattr(getattr(layer, parent), name)
+                q = rtn_quantize(lin.weight.data, settings.bits, settings.group_size, settings.sym)
+                lin.weight.data.copy_(q.dequantize())
+                out[f"model.layers.{i}.{parent}.{name}"] = q
+        return out
+    if not windows:
+        raise ValueError("gptq needs at least one calibration window")
+    states = _embed(model, windows)
+    for i, layer in enumerate(tqdm(layers, desc="gptq", unit="layer")):
+        for parent, name in LINEAR_GROUPS:
+            lin = getattr(getattr(layer, parent), name)
+            hessian = _layer_hessian(model, arch, layer, lin, states)
+            q = gptq_quantize(lin.weight.data, hessian, settings.bits, settings.group_size, settings.sym,
+                              act_order=settings.desc_act, percdamp=settings.damp_percent,
+                              block_size=settings.block_size)
+            lin.weight.data.copy_(q.dequantize())
+            out[f"model.layers.{i}.{parent}.{name}"] = q
+        states = _run_layer(model, arch, layer, states)
+    return out
+
+
+@torch.inference_mode()
+def _embed(model: torch.nn.Module, windows: list[list[int]]) -> list[tuple[list[int], torch.Tensor, Any]]:
+    """(tokens, hidden [T, hidden], residual None) per window: the inputs of layer 0."""
+    return [(w, model.model.embed_tokens(torch.tensor(w)), None) for w in windows]
+
+
+@torch.inference_mode()
+def _run_layer(model: torch.nn.Module, arch: Any, layer: torch.nn.Module,
+               states: list[tuple[list[int], torch.Tensor, Any]]) -> list[tuple[list[int], torch.Tensor, Any]]:
+    """Each window's (hidden, residual) through one decoder layer, over a fresh one-layer paged cache."""
+    from loom.attention import build_attention_metadata
+    from loom.worker.kv_cache import allocate_kv_caches
+
+    block_size = 16
+    new = []
+    for tokens, hidden, residual in states:
+        num_blocks = -(-len(tokens) // block_size)
+        cache = allocate_kv_caches(arch, num_blocks, block_size, torch.float32, torch.device("cpu"))[0]
+        meta = build_attention_metadata([len(tokens)], [len(tokens)], [list(range(num_blocks))], block_size,
+                                        torch.device("cpu"))
+        positions = torch.arange(len(tokens))
+        hidden, residual = layer(hidden, residual, model.model.rotary_emb.cos_sin(positions), cache, meta)
+        new.append((tokens, hidden, residual))
+    return new
+
+
+def _layer_hessian(model: torch.nn.Module, arch: Any, layer: torch.nn.Module, lin: torch.nn.Module,
+                   states: list[tuple[list[int], torch.Tensor, Any]]) -> torch.Tensor:
+    """H = 2 X X^T / n of `lin`'s inputs X over every window run through `layer` as it is now."""
+    acc: dict[str, Any] = {"h": None, "n": 0}
+
+    def hook(_m: torch.nn.Module, args: tuple) -> None:
+        acc["h"], acc["n"] = accumulate_hessian(acc["h"], acc["n"], args[0])
+
+    handle = lin.register_forward_pre_hook(hook)
+    try:
+        _run_layer(model, arch, layer, states)
+    finally:
+        handle.remove()
+    return acc["h"]
+
+
+def split_rows(weight: GPTQWeight, sizes: list[int]) -> list[GPTQWeight]:
+    """A stacked layer's GPTQWeight cut into its projections' (rows of codes, columns of scales / zeros)."""
+    parts, start = [], 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        parts.append(GPTQWeight(weight.codes[rows].contiguous(), weight.scales[:, rows].contiguous(),
+                                weight.zeros[:, rows].contiguous(), weight.g_idx.clone(), weight.bits))
+        start += size
+    return parts
+
+
+def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPTQWeight], model: torch.nn.Module,
+                       ) -> dict[str, torch.Tensor]:
+    """The output's tensors: each quantized projection's GPTQ tensors in place of its weight; the rest of the
+    source (embeddings, norms, LM head, biases) in float32."""
+    from loom.quant.gptq_format import to_checkpoint
+
+    tensors = {}
+    replaced = set()
+    for name, weight in quantized.items():
+        lin = model.get_submodule(name)
+        head, _, last = name.rpartition(".")
+        for proj, part in zip(PROJECTIONS[last], split_rows(weight, lin.output_sizes), strict=True):
+            for key, t in to_checkpoint(part, "gptq").items():
+                tensors[f"{head}.{proj}.{key}"] = t
+            replaced.add(f"{head}.{proj}.weight")
+    missing = replaced - set(source)
+    if missing:
+        raise ValueError(f"the source checkpoint lacks {sorted(missing)[:4]}")
+    for name, t in source.items():
+        if name not in replaced:
+            tensors[name] = t.float().contiguous()
+    return tensors
+
+
+@dataclass(slots=True)
+class GPTQResult:
+    output: Path
+    settings: GPTQSettings
+    calibration: str  # where the calibration tokens came from ("" for rtn)
+    calibration_tokens: int
+    seconds: float  # wall time of the whole run (loading, calibration, quantization, writing)
+
+
+def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings, windows: list[list[int]], *,
+                          calibration: str = "") -> GPTQResult:
+    """Quantize `model` (GGUF file, HF directory, None = the bundled model) with `settings` and write a GPTQ
+    checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
+
+    Raises:
+        ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
+            exists and is not empty, no calibration window for gptq, or a group size beyond a layer's input.
+    """
+    from safetensors.torch import save_file
+
+    from loom.model.loader import load_model
+    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
+    from loom.model.loader.hf_config import read_json
+    from loom.model.loader.model_loader import resolve_model_path
+    from loom.model.loader.safetensors import iter_safetensors_weights
+    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of
+
+    settings.check()
+    out = _check_output(output)
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    if loaded.arch.architecture not in MODEL_TYPES:
+        raise ValueError(f"{settings.method} cannot write a config for {loaded.arch.architecture}")
+    tokens = sum(len(w) for w in windows) if settings.method == "gptq" else 0
+    quantized = quantize_model_weights(loaded.model, loaded.arch, settings, windows)
+    if path.is_file():
+        reader = open_gguf(path)
+        source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
+        config = hf_config_of(loaded.arch, set(loaded.eos_token_ids))
+    else:
+        source = dict(iter_safetensors_weights(path))
+        config = read_json(path / "config.json")
+    config.pop(CONFIG_KEY, None)
+    config["torch_dtype"] = "float32"
+    config["quantization_config"] = settings.quantization_config(calibration if tokens else "", tokens)
+    tensors = checkpoint_tensors(source, quantized, loaded.model)
+    weights_path = out / "model.safetensors"
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights_path, 0o666 & ~umask)  # safetensors writes 0600; readable like the other files
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(str(out))
+    seconds = time.perf_counter() - start
+    logger.info("wrote %s in %.1f s", out, seconds)
+    return GPTQResult(out, settings, calibration if tokens else "", tokens, seconds)

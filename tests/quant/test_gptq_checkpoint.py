@@ -1,0 +1,180 @@
+"""`loom quantize --method rtn|gptq`: GPTQ-format checkpoints written, read back by loom's GPTQ loader, run."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from loom.model.loader import load_model
+from loom.quant.gptq_checkpoint import GPTQSettings, write_gptq_checkpoint
+from loom.quant.gptq_format import from_checkpoint
+from loom.quant.gptq_method import GPTQLinearMethod
+from tests.model.model_harness import hf_logits
+
+CPU = torch.device("cpu")
+
+
+def _windows(vocab: int, n: int = 4, length: int = 48, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _logits(loaded, tokens: list[int]) -> torch.Tensor:
+    from loom.bench.quality import window_logits
+
+    return window_logits(loaded.model, loaded.arch, tokens)
+
+
+def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(other.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize(("name", "settings"), [
+    ("llama_gqa", GPTQSettings("gptq", 4, 32, True, True)),
+    ("qwen2_gqa", GPTQSettings("gptq", 8, -1, False, False)),
+    ("llama_mha_tied", GPTQSettings("rtn", 4, 32, False, False)),
+])
+def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, name: str,
+                                                       settings: GPTQSettings) -> None:
+    tiny = tiny_models[name]
+    out = tmp_path / "q"
+    vocab = tiny.hf.config.vocab_size
+    result = write_gptq_checkpoint(str(tiny.path), str(out), settings, _windows(vocab), calibration="random ids")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == {
+        "quant_method": "gptq", "bits": settings.bits, "group_size": settings.group_size,
+        "desc_act": settings.desc_act, "sym": settings.sym, "checkpoint_format": "gptq"}
+    assert qc["damp_percent"] == 0.01 and qc["true_sequential"] is True and qc["static_groups"] is False
+    from transformers import GPTQConfig  # transformers' own reading of the config
+
+    hf = GPTQConfig.from_dict(qc)
+    assert (hf.bits, hf.group_size, hf.desc_act, hf.sym, hf.format) == (
+        settings.bits, settings.group_size, settings.desc_act, settings.sym, "gptq")
+    assert result.calibration_tokens == (4 * 48 if settings.method == "gptq" else 0)
+    h, inter = tiny.hf.config.hidden_size, tiny.hf.config.intermediate_size
+    groups = 1 if settings.group_size == -1 else h // settings.group_size
+    per = 32 // settings.bits
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert not any(n.endswith("_proj.weight") for n in names)  # every projection quantized
+        assert "model.embed_tokens.weight" in names and f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+        prefix = "model.layers.1.mlp.up_proj"
+        t = {k: f.get_tensor(f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
+    assert t["qweight"].dtype == torch.int32 and t["qweight"].shape == (h // per, inter)
+    assert t["qzeros"].dtype == torch.int32 and t["qzeros"].shape == (groups, inter // per)
+    assert t["scales"].dtype == torch.float16 and t["scales"].shape == (groups, inter)
+    assert t["g_idx"].dtype == torch.int32 and t["g_idx"].shape == (h,)
+    if settings.sym:
+        zero = 2 ** (settings.bits - 1) - 1  # v1 stores zero - 1
+        assert bool((t["qzeros"] == sum(zero << (j * settings.bits) for j in range(per))).all())
+    if settings.desc_act:
+        assert bool((t["g_idx"][1:] < t["g_idx"][:-1]).any())  # a real act-order permutation
+    from_checkpoint(t, settings.bits)  # decodes
+
+    loaded = load_model(str(out), torch.float32, CPU)  # quantization "gptq" by default
+    layer = loaded.model.model.layers[0]
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(lin.quant_method, GPTQLinearMethod)
+        assert lin.dense_weight is None and lin.packed[0].layout == ("q4g32" if settings.bits == 4 else "q8g")
+    assert (layer.self_attn.qkv_proj.input_perm is not None) == settings.desc_act
+    assert not isinstance(loaded.model.lm_head.quant_method, GPTQLinearMethod)
+    fmt, _ = loaded.model.weight_report()["qkv_proj"]
+    assert "gptq" in fmt and f"GPTQ {settings.bits}-bit" in fmt
+
+    tokens = _windows(vocab, 1, 32, seed=9)[0]
+    reference = hf_logits(tiny.hf, tokens)
+    ours = _logits(loaded, tokens)
+    assert _kl(reference, ours) < (0.2 if settings.bits == 4 else 0.01)  # random weights: no outliers to spare
+    # the packed model computes what the quantized weights say (the dense model they were written from)
+    dense = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+    from loom.quant.gptq_checkpoint import quantize_model_weights
+
+    quantize_model_weights(dense.model, dense.arch, settings, _windows(vocab))
+    # (asymmetric 4-bit: the float16 min = -zero * scale is within 2^-11 of the file's; gptq_format.py)
+    torch.testing.assert_close(ours, _logits(dense, tokens), rtol=1e-3,
+                               atol=5e-3 if settings.sym or settings.bits == 8 else 2e-2)
+
+
+def test_gptq_beats_rtn_and_runs_through_llm(tiny_models, tmp_path) -> None:
+    from loom import LLM, SamplingParams
+
+    import shutil
+
+    from loom.model.loader import load_tokenizer
+
+    tiny = tiny_models["llama_gqa"]
+    vocab = tiny.hf.config.vocab_size
+    source = tmp_path / "src"  # the tiny model with a tokenizer, for the engine (its ids cover the tiny vocab)
+    shutil.copytree(tiny.path, source)
+    load_tokenizer(None).save_pretrained(str(source))
+    calib = _windows(vocab, 6, 64, seed=1)
+    outs = {}
+    for method in ("rtn", "gptq"):
+        outs[method] = tmp_path / method
+        write_gptq_checkpoint(str(source), str(outs[method]), GPTQSettings(method, 4, 32, False, False), calib)
+    held_out = _windows(vocab, 3, 48, seed=2)
+    kl = {m: sum(_kl(hf_logits(tiny.hf, w), _logits(load_model(str(p), torch.float32, CPU), w)) for w in held_out)
+          for m, p in outs.items()}
+    assert kl["gptq"] < kl["rtn"]
+
+    prompts = [w[:12] for w in held_out]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def greedy(path) -> list[list[int]]:
+        kwargs = {"quantization": "none"} if path == source else {}
+        llm = LLM(model=str(path), dtype="float32", **kwargs)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    ref = greedy(source)
+    outs["gptq8"] = tmp_path / "gptq8"
+    write_gptq_checkpoint(str(source), str(outs["gptq8"]), GPTQSettings("gptq", 8, 32, False, True), calib)
+    assert greedy(outs["gptq8"]) == ref  # 8 bits with act-order (an input permutation): the float model's tokens
+    # 4 bits: random O(1) weights leave no redundancy, and greedy paths part after a token or two; the
+    # teacher-forced KL above is the measure.
+    got = greedy(outs["gptq"])
+    assert sum(r[0] == g[0] for r, g in zip(ref, got, strict=True)) >= 2
+
+
+def test_other_quantization_of_a_gptq_checkpoint_is_refused(tiny_models, tmp_path) -> None:
+    tiny = tiny_models["llama_gqa"]
+    out = tmp_path / "q"
+    write_gptq_checkpoint(str(tiny.path), str(out), GPTQSettings("rtn", 8, 32, True, False), [])
+    with pytest.raises(ValueError, match="already quantized"):
+        load_model(str(out), torch.float32, CPU, quantization="w4a16")
+    with pytest.raises(ValueError, match="needs a GPTQ checkpoint"):
+        load_model(str(tiny.path), torch.float32, CPU, quantization="gptq")
+    with pytest.raises(ValueError, match="desc_act"):
+        write_gptq_checkpoint(str(tiny.path), str(tmp_path / "x"), GPTQSettings("rtn", 4, 32, True, True), [])
+    with pytest.raises(ValueError, match="group_size"):
+        GPTQSettings("gptq", 4, 48, True, False).check()
+
+
+def test_gptq_v2_checkpoint_loads_the_same(tiny_models, tmp_path) -> None:
+    """checkpoint_format gptq_v2 stores the zero points themselves (v1: zero - 1)."""
+    from safetensors.torch import save_file
+
+    from loom.quant.gptq_format import pack_int32, unpack_int32
+
+    tiny = tiny_models["llama_gqa"]
+    v1 = tmp_path / "v1"
+    write_gptq_checkpoint(str(tiny.path), str(v1), GPTQSettings("rtn", 4, 32, False, False), [])
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    with safe_open(str(v1 / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for k, t in tensors.items():
+        if k.endswith(".qzeros"):
+            tensors[k] = pack_int32(unpack_int32(t, 4, 1) + 1, 4, 1)
+    save_file(tensors, str(v2 / "model.safetensors"))
+    config = json.loads((v1 / "config.json").read_text())
+    del config["quantization_config"]["checkpoint_format"]
+    config["quantization_config"]["format"] = "gptq_v2"
+    (v2 / "config.json").write_text(json.dumps(config))
+    tokens = _windows(tiny.hf.config.vocab_size, 1, 24, seed=3)[0]
+    a, b = (_logits(load_model(str(p), torch.float32, CPU), tokens) for p in (v1, v2))
+    assert torch.equal(a, b)
