@@ -33,11 +33,9 @@ GRID_POINTS = 20  # alphas i / 20, i = 0..19 (the reference implementation's gri
 CLIP_STEPS = 10  # shrink factors 1 - i / 20, i = 0..9 (max shrink 0.5)
 
 
-def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    n, k = w.shape
-    if group_size < 1 or k % group_size:
-        raise ValueError(f"group_size {group_size} must divide the input size {k}")
-    return w.reshape(n, k // group_size, group_size)
+def _check_group(k: int, group_size: int) -> None:
+    if group_size < 1 or group_size > k:
+        raise ValueError(f"group_size must be in 1..{k} (the input size), got {group_size}")
 
 
 def _grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,30 +46,55 @@ def _grid(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, zero
 
 
+def _split(k: int, group_size: int) -> list[tuple[slice, int]]:
+    """(columns, group size) of the full groups and of a last, shorter group when group_size does not divide k
+    (as GPTQ's grid: SmolLM2's 576 inputs are four groups of 128 and one of 64)."""
+    main = k - k % group_size
+    parts = [(slice(0, main), group_size)] if main else []
+    return parts + ([(slice(main, k), k - main)] if main < k else [])
+
+
+def _codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes float32 [N, K], scale [N, G], zero [N, G]) of w [N, K] on the grid, G = ceil(K / group_size)."""
+    n, k = w.shape
+    _check_group(k, group_size)
+    codes, scales, zeros = [], [], []
+    for cols, size in _split(k, group_size):
+        wg = w[:, cols].float().reshape(n, -1, size)
+        scale, zero = _grid(wg)
+        codes.append(((wg / scale).round() + zero).clamp(0, MAXQ).reshape(n, -1))
+        scales.append(scale.squeeze(-1))
+        zeros.append(zero.squeeze(-1))
+    return torch.cat(codes, dim=1), torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
+
+
+def _expand(t: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
+    """Per-group values [N, G] -> per column [N, K]."""
+    return t.repeat_interleave(group_size, dim=1)[:, :k]
+
+
 def fake_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """W' [N, K] float32: w [N, K] quantized on AWQ's 4-bit asymmetric grid and dequantized.
 
     Raises:
-        ValueError: group_size does not divide K.
+        ValueError: group_size outside 1..K.
     """
-    wg = _grouped(w.float(), group_size)
-    scale, zero = _grid(wg)
-    return (((wg / scale).round() + zero).clamp(0, MAXQ) - zero).mul(scale).reshape(w.shape)
+    k = w.shape[1]
+    codes, scale, zero = _codes(w, group_size)
+    return (codes - _expand(zero, k, group_size)) * _expand(scale, k, group_size)
 
 
 def awq_quantize(w: torch.Tensor, group_size: int) -> GPTQWeight:
     """w [N, K] on AWQ's grid as codes, float16 scales and integer zeros per group (the same values as
-    fake_quantize), in the GPTQWeight form the checkpoint writers share.
+    fake_quantize), in the GPTQWeight form the checkpoint writers share; g_idx = k // group_size.
 
     Raises:
-        ValueError: group_size does not divide K.
+        ValueError: group_size outside 1..K.
     """
-    n, k = w.shape
-    wg = _grouped(w.float(), group_size)
-    scale, zero = _grid(wg)
-    codes = ((wg / scale).round() + zero).clamp(0, MAXQ).reshape(n, k).to(torch.int32)
+    k = w.shape[1]
+    codes, scale, zero = _codes(w, group_size)
     g_idx = (torch.arange(k) // group_size).to(torch.int32)
-    return GPTQWeight(codes, scale.squeeze(-1).T.half().contiguous(), zero.squeeze(-1).T.to(torch.int32).contiguous(),
+    return GPTQWeight(codes.to(torch.int32), scale.T.half().contiguous(), zero.T.to(torch.int32).contiguous(),
                       g_idx, BITS)
 
 
@@ -119,19 +142,26 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int, steps: int = 
     group output x_g w_g^T on the calibration tokens x [T, K] is closest to the float one after rounding.
 
     Returns:
-        float32 [N, K // group_size] clip bounds (w is then clamped to [-bound, bound]).
+        float32 [N, ceil(K / group_size)] clip bounds (w is then clamped to [-bound, bound]).
     """
-    wg = _grouped(w.float(), group_size)  # [N, G, gs]
-    xg = x.float().reshape(x.shape[0], wg.shape[1], group_size).transpose(0, 1)  # [G, T, gs]
-    wt = wg.transpose(0, 1)  # [G, N, gs]
-    reference = torch.bmm(xg, wt.transpose(1, 2))  # [G, T, N]
+    n, k = w.shape
+    _check_group(k, group_size)
+    return torch.cat([_search_clip(w[:, cols].float(), x[:, cols].float(), size, steps, grid_points)
+                      for cols, size in _split(k, group_size)], dim=1)
+
+
+def _search_clip(w: torch.Tensor, x: torch.Tensor, size: int, steps: int, grid_points: int) -> torch.Tensor:
+    n, k = w.shape
+    wg = w.reshape(n, k // size, size)  # [N, G, gs]
+    xg = x.reshape(x.shape[0], k // size, size).transpose(0, 1)  # [G, T, gs]
+    reference = torch.bmm(xg, wg.permute(1, 2, 0))  # [G, T, N]
     org_max = wg.abs().amax(dim=-1, keepdim=True)  # [N, G, 1]
     best_err = torch.full(org_max.shape[:2], float("inf"))
     best_max = org_max.squeeze(-1).clone()
     for i in range(steps):
         bound = org_max * (1 - i / grid_points)
-        q = fake_quantize(torch.maximum(torch.minimum(wg, bound), -bound).reshape(w.shape), group_size)
-        out = torch.bmm(xg, _grouped(q, group_size).transpose(0, 1).transpose(1, 2))
+        q = fake_quantize(torch.maximum(torch.minimum(wg, bound), -bound).reshape(n, k), size)
+        out = torch.bmm(xg, q.reshape(n, k // size, size).permute(1, 2, 0))
         err = (out - reference).square().mean(dim=1).T  # [N, G]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -140,7 +170,6 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int, steps: int = 
 
 
 def apply_clip(w: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.Tensor:
-    """w [N, K] with each group clamped to [-bound, bound] (bounds [N, K // group_size])."""
-    wg = _grouped(w.float(), group_size)
-    b = bounds.unsqueeze(-1)
-    return torch.maximum(torch.minimum(wg, b), -b).reshape(w.shape)
+    """w [N, K] with each group clamped to [-bound, bound] (bounds [N, ceil(K / group_size)])."""
+    b = _expand(bounds.float(), w.shape[1], group_size)
+    return torch.maximum(torch.minimum(w.float(), b), -b)

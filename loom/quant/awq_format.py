@@ -10,7 +10,9 @@ Per quantized linear layer `P` (weight [N, K] in PyTorch's orientation), 4 bits,
 | P.scales   | float16 | [G, N]     | scale of (g, n)                                                            |
 | P.bias     | float16 | [N]        | when the layer has one                                                     |
 
-W[n, k] = scales[k // group_size, n] * (code[k, n] - zero[k // group_size, n]). Note the transposition against
+W[n, k] = scales[k // group_size, n] * (code[k, n] - zero[k // group_size, n]). AutoAWQ needs K % group_size == 0;
+loom also writes and reads a last, shorter group (G = ceil(K / group_size), as GPTQ's format allows), which
+loaders that assume G = K / group_size (AutoAWQ, vLLM) refuse. Note the transposition against
 GPTQ: AWQ packs along the output dimension (qweight [K, N/8]), GPTQ along the input ([K/8, N]), and AWQ has no
 g_idx. config.json: `quantization_config` = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size",
 "zero_point": true, "modules_to_not_convert": null}.
@@ -68,15 +70,18 @@ def to_checkpoint(weight: GPTQWeight) -> dict[str, torch.Tensor]:
     if weight.bits != 4:
         raise ValueError(f"the AWQ gemm format holds 4-bit codes, got {weight.bits}")
     n, k = weight.codes.shape
-    groups = weight.scales.shape[0]
-    if k % groups or not torch.equal(weight.g_idx.long(), torch.arange(k) // (k // groups)):
+    size = int((weight.g_idx == 0).sum())
+    if size == 0 or not torch.equal(weight.g_idx.long(), torch.arange(k) // size):
         raise ValueError("the AWQ format needs contiguous groups (no act-order g_idx)")
     return {"qweight": pack_awq(weight.codes.T), "qzeros": pack_awq(weight.zeros),
             "scales": weight.scales.half().contiguous()}
 
 
-def from_checkpoint(tensors: dict[str, torch.Tensor]) -> GPTQWeight:
+def from_checkpoint(tensors: dict[str, torch.Tensor], group_size: int | None = None) -> GPTQWeight:
     """A layer's {"qweight", "qzeros", "scales"} -> GPTQWeight (codes [N, K], g_idx = k // group_size).
+
+    group_size: the config's; None = K / (rows of scales). A last, shorter group (K not a multiple of
+    group_size, as loom writes for SmolLM2's 576 inputs at 128) needs it given.
 
     Raises:
         ValueError: a missing tensor, or shapes that disagree.
@@ -88,10 +93,12 @@ def from_checkpoint(tensors: dict[str, torch.Tensor]) -> GPTQWeight:
     zeros = unpack_awq(tensors["qzeros"])
     scales = tensors["scales"]
     n, k = codes.shape
-    if scales.dim() != 2 or scales.shape[1] != n or zeros.shape != scales.shape or k % scales.shape[0]:
+    size = group_size if group_size is not None else k // max(1, scales.shape[0])
+    if (scales.dim() != 2 or scales.shape[1] != n or zeros.shape != scales.shape or size < 1
+            or scales.shape[0] != -(-k // size)):
         raise ValueError(f"AWQ shapes disagree: qweight -> [{n}, {k}] (N, K), qzeros -> {tuple(zeros.shape)}, "
-                         f"scales {tuple(scales.shape)}")
-    g_idx = (torch.arange(k) // (k // scales.shape[0])).to(torch.int32)
+                         f"scales {tuple(scales.shape)}, group_size {group_size}")
+    g_idx = (torch.arange(k) // size).to(torch.int32)
     return GPTQWeight(codes, scales.half(), zeros, g_idx, 4)
 
 

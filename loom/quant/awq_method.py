@@ -32,11 +32,10 @@ def awq_quant_config(name: str | None, quantization_config: dict[str, Any], tens
     if name not in (None, "awq"):
         raise ValueError(f"quantization={name!r} cannot run an AWQ checkpoint, whose weights are already "
                          "quantized; use 'awq' (the default for it)")
-    check_quantization_config(quantization_config)
     quantized = frozenset(n.removesuffix(".qweight") for n in tensor_names if n.endswith(".qweight"))
     if not quantized:
         raise ValueError("an AWQ checkpoint (quantization_config.quant_method 'awq') without any qweight tensor")
-    return AWQConfig(GPTQCheckpoint(4, "gptq_v2", quantized))
+    return AWQConfig(GPTQCheckpoint(4, "gptq_v2", quantized), check_quantization_config(quantization_config))
 
 
 class AWQConfig(GPTQConfig):
@@ -45,17 +44,22 @@ class AWQConfig(GPTQConfig):
 
     name = "awq"
 
+    def __init__(self, checkpoint: GPTQCheckpoint, group_size: int) -> None:
+        super().__init__(checkpoint)
+        self.group_size = group_size  # input columns per scale (quantization_config.group_size)
+
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         method = super().get_quant_method(layer, prefix)
-        return AWQLinearMethod(self.checkpoint) if isinstance(method, GPTQLinearMethod) else method
+        return AWQLinearMethod(self.checkpoint, self.group_size) if isinstance(method, GPTQLinearMethod) else method
 
 
 class AWQLinearMethod(GPTQLinearMethod):
     """An AWQ layer: its qweight / qzeros / scales are gathered per shard while loading, decoded, and run as
     GPTQ's 4-bit layers are (one GPTQWeight per shard, contiguous groups, no input permutation)."""
 
-    def __init__(self, checkpoint: GPTQCheckpoint) -> None:
+    def __init__(self, checkpoint: GPTQCheckpoint, group_size: int) -> None:
         super().__init__(checkpoint)
+        self.group_size = group_size
         self.source_label = "AWQ 4-bit (gemm)"
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
@@ -67,5 +71,5 @@ class AWQLinearMethod(GPTQLinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         # AWQ tensors -> the GPTQWeight they encode -> GPTQ v2 tensors, which the parent repacks
-        layer.gptq_parts = [to_gptq_v2(from_checkpoint(parts), "gptq_v2") for parts in layer.gptq_parts]
+        layer.gptq_parts = [to_gptq_v2(from_checkpoint(parts, self.group_size), "gptq_v2") for parts in layer.gptq_parts]
         super().process_weights_after_loading(layer)

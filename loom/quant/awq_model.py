@@ -36,7 +36,7 @@ CLIP_TOKENS = 512  # calibration tokens the clipping search reads (evenly spaced
 class AWQSettings:
     """What `loom quantize --method awq` does."""
 
-    group_size: int = 128  # input columns per scale (32, 64 or 128)
+    group_size: int = 128  # input columns per scale (32, 64 or 128; a last group may be shorter)
     clip: bool = True  # search per-group clipping after the scales
     grid_points: int = 20  # alphas i / grid_points
 
