@@ -118,7 +118,8 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     config["torch_dtype"] = "float32"
     qc = quantization_config(settings.group_size, {
         "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
-        "clip": settings.clip, "grid_points": settings.grid_points, "o_proj_scaled": report.o_proj_scaled})
+        "clip": settings.clip, "grid_points": settings.grid_points,
+        "search_windows": settings.search_windows, "o_proj_scaled": report.o_proj_scaled})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
     weights_path = out / "model.safetensors"

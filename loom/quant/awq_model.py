@@ -10,6 +10,8 @@ each group of linears that share an input, fold them into the op before, clip, a
 
 o_proj is scaled only when v_proj and o_proj have the same shape (no grouped-query attention), as the reference
 implementation does: with GQA one V channel feeds several o_proj columns, which would have to share one scale.
+The search compares block outputs on the first `search_windows` calibration windows (2 x 512 tokens by
+default, for CPU time; the reference implementation uses 128 x 512 on a GPU); mean |x| is over all windows.
 Layers run in order; each layer's calibration inputs are the float outputs of the layer before (scaled, not
 quantized, as the reference implementation). Weight clipping (awq.search_clip) covers every projection but q and
 k (whose errors the softmax amplifies; the reference implementation skips them too).
@@ -39,11 +41,14 @@ class AWQSettings:
     group_size: int = 128  # input columns per scale (32, 64 or 128; a last group may be shorter)
     clip: bool = True  # search per-group clipping after the scales
     grid_points: int = 20  # alphas i / grid_points
+    search_windows: int = 2  # calibration windows whose block outputs the search compares (all give mean |x|)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128 for AWQ, got {self.group_size}")
+        if self.search_windows < 1:
+            raise ValueError(f"search_windows must be >= 1, got {self.search_windows}")
         if self.grid_points < 1:
             raise ValueError(f"grid_points must be >= 1, got {self.grid_points}")
 
@@ -139,18 +144,20 @@ def scale_layer(layer: torch.nn.Module, arch: Any, windows: _Windows, feats: dic
     input as it is after the folding, rows of all windows stacked."""
     attn, mlp = layer.self_attn, layer.mlp
     xs = {key: torch.cat(v) for key, v in feats.items()}
+    n = settings.search_windows
+    search = {key: torch.cat(v[:n]) for key, v in feats.items()}  # the search's tokens (CPU time)
 
     def attn_block(ws: list[torch.Tensor]) -> torch.Tensor:
         with _SwapWeight(attn.qkv_proj, ws[0]):
             return torch.cat([attn(x, cos_sin, cache, meta)
-                              for x, (cos_sin, cache, meta) in zip(feats["qkv"], windows.items, strict=True)])
+                              for x, (cos_sin, cache, meta) in zip(feats["qkv"][:n], windows.items[:n])])
 
     def mlp_block(ws: list[torch.Tensor]) -> torch.Tensor:
         with _SwapWeight(mlp.gate_up_proj, ws[0]):
-            return mlp(xs["gate_up"])
+            return mlp(search["gate_up"])
 
     def linear_block(key: str) -> Any:
-        return lambda ws: xs[key] @ ws[0].T
+        return lambda ws: search[key] @ ws[0].T
 
     groups = [("qkv", attn.qkv_proj, attn_block, lambda s: fold_qkv(layer, s))]
     if arch.kv_size == arch.q_size:
@@ -164,6 +171,7 @@ def scale_layer(layer: torch.nn.Module, arch: Any, windows: _Windows, feats: dic
                                         settings.group_size, settings.grid_points)
             fold(s)
             xs[key] = xs[key] / s
+            search[key] = search[key] / s
             report.alphas[f"{name}.{key}"] = alpha
     return xs
 
