@@ -1,12 +1,12 @@
 """AWQ (Lin et al. 2023, arXiv:2306.00978) over a loom Llama-family model: per decoder layer, search the scales of
 each group of linears that share an input, fold them into the op before, clip, and quantize.
 
-| group (loom layer)       | reads                    | block whose output error is measured | 1/s folded into            |
-|--------------------------|--------------------------|--------------------------------------|----------------------------|
-| qkv_proj (q, k, v)       | input_layernorm(h)       | self-attention (through o_proj)      | input_layernorm.weight     |
-| o_proj                   | attention output         | o_proj                               | v_proj's rows (and bias)   |
-| gate_up_proj (gate, up)  | post_attention_layernorm | the MLP (through down_proj)          | post_attention_layernorm   |
-| down_proj                | silu(gate) * up          | down_proj                            | up_proj's rows             |
+| group (loom layer)      | reads                    | block whose output error counts | 1/s folded into          |
+|-------------------------|--------------------------|---------------------------------|--------------------------|
+| qkv_proj (q, k, v)      | input_layernorm(h)       | self-attention (through o_proj) | input_layernorm.weight   |
+| o_proj                  | attention output         | o_proj                          | v_proj's rows (and bias) |
+| gate_up_proj (gate, up) | post_attention_layernorm | the MLP (through down_proj)     | post_attention_layernorm |
+| down_proj               | silu(gate) * up          | down_proj                       | up_proj's rows           |
 
 o_proj is scaled only when v_proj and o_proj have the same shape (no grouped-query attention), as the reference
 implementation does: with GQA one V channel feeds several o_proj columns, which would have to share one scale.

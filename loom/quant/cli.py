@@ -85,8 +85,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                        "(SmoothQuant)",
                        description="Write a quantized checkpoint. rtn / gptq: a Hugging Face GPTQ-format checkpoint "
                        "(4 or 8 bits; GPTQ, Frantar et al. 2022, calibrated on ShareGPT conversations or a text "
-                       "file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; AWQ, Lin et "
-                       "al. 2023). smoothquant: fold SmoothQuant's per-channel scales "
+                       "file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; "
+                       "AWQ, Lin et al. 2023). smoothquant: fold SmoothQuant's per-channel scales "
                        "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default.")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write (must not exist, or be empty)")

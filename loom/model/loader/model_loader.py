@@ -58,8 +58,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 def default_quantization(model: str | None) -> str:
     """The quantization a checkpoint runs with when none is asked for: "gguf" for a GGUF file (its own blocks),
-    "gptq" / "awq" for a GPTQ / AWQ checkpoint (config.json's quantization_config), the method a `loom quantize` output was
-    prepared for (loom/quant/quantize.py), else "none".
+    "gptq" / "awq" for a GPTQ / AWQ checkpoint (config.json's quantization_config), the method a `loom quantize`
+    output was prepared for (loom/quant/quantize.py), else "none".
 
     Raises:
         ValueError: as resolve_model_path.
