@@ -142,3 +142,9 @@ def test_refusals(tiny_models, tmp_path) -> None:
         write_awq_checkpoint(str(tiny.path), str(tmp_path / "x"), AWQSettings(group_size=32), [])
     with pytest.raises(ValueError, match="group_size"):
         AWQSettings(group_size=48).check()
+    from loom.quant.quantize import quantize
+
+    with pytest.raises(ValueError, match="bits must be 4 for awq"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", bits=8)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", group_size=-1)
