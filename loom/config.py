@@ -23,7 +23,7 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
 # weight quantization methods (loom/quant/config.py): none = dequantize at load (the oracle path)
-QUANTIZATION_METHODS = ("none", "gguf", "bf16", "w8a16", "w4a16", "w8a8", "fp8", "gptq")
+QUANTIZATION_METHODS = ("none", "gguf", "bf16", "w8a16", "w4a16", "w8a8", "fp8", "gptq", "awq")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,14 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
 
     result = quantize(ns.model, ns.output, ns.method, alpha=ns.alpha, calibration_file=ns.calibration_file,
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
-                      group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent)
+                      group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent,
+                      clip=ns.awq_clip)
+    if result.method == "awq":
+        qc = result.quantization_config
+        print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, {result.calibration_tokens} "
+              f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; an AutoAWQ gemm checkpoint, "
+              f"run by loom's packed kernels: loom generate --model {result.output} ...")
+        return 0
     if result.quantization_config is not None:
         qc = result.quantization_config
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
@@ -74,11 +81,12 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     """Add `loom quantize` to loom's subcommands."""
     from loom.quant.quantize import QUANTIZE_METHODS
 
-    p = sub.add_parser("quantize", help="write a quantized checkpoint (RTN, GPTQ) or one prepared for W8A8 "
+    p = sub.add_parser("quantize", help="write a quantized checkpoint (RTN, GPTQ, AWQ) or one prepared for W8A8 "
                        "(SmoothQuant)",
                        description="Write a quantized checkpoint. rtn / gptq: a Hugging Face GPTQ-format checkpoint "
                        "(4 or 8 bits; GPTQ, Frantar et al. 2022, calibrated on ShareGPT conversations or a text "
-                       "file), run by loom's packed kernels. smoothquant: fold SmoothQuant's per-channel scales "
+                       "file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; "
+                       "AWQ, Lin et al. 2023). smoothquant: fold SmoothQuant's per-channel scales "
                        "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default.")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write (must not exist, or be empty)")
@@ -92,7 +100,7 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="calibration windows, one prefill each (default: %(default)s)")
     p.add_argument("--calibration-window-len", type=_positive, default=512,
                    help="tokens per calibration window (default: %(default)s)")
-    g = p.add_argument_group("rtn / gptq")
+    g = p.add_argument_group("rtn / gptq / awq")
     g.add_argument("--bits", type=int, choices=(4, 8), default=4, help="(default: %(default)s)")
     g.add_argument("--group-size", type=_group_size, default=128,
                    help="input columns per scale: 32, 64, 128, or -1 for one per output channel "
@@ -102,6 +110,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--asym", dest="sym", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--desc-act", action="store_true",
                    help="GPTQ act-order: quantize columns by decreasing Hessian diagonal (g_idx in the file)")
+    g.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="awq: search per-group weight clipping after the scales (default: on)")
     g.add_argument("--damp-percent", type=_fraction, default=0.01,
                    help="GPTQ dampening, a fraction of the Hessian's mean diagonal (default: %(default)s)")
     p.set_defaults(func=cmd_quantize)

@@ -159,6 +159,8 @@ def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None,
         raise ValueError("quantization='gptq' needs a GPTQ checkpoint (quantization_config.quant_method 'gptq')"
                          if gptq is None else f"quantization={name!r} cannot run a GPTQ checkpoint, whose "
                          "weights are already quantized; use 'gptq' (the default for it)")
+    if name == "awq":  # an AWQ checkpoint's config comes from loom.quant.awq_method.awq_quant_config
+        raise ValueError("quantization='awq' needs an AWQ checkpoint (quantization_config.quant_method 'awq')")
     if name == "gptq":
         from loom.quant.gptq_method import GPTQConfig
 

@@ -9,6 +9,8 @@ Methods:
 | rtn, gptq     | a Hugging Face GPTQ-format checkpoint (qweight / qzeros / scales / g_idx and                |
 |               | `quantization_config`), 4 or 8 bits, by round-to-nearest or GPTQ (gptq_checkpoint.py); it   |
 |               | runs as `gptq` (loom's packed kernels) by default and loads in GPTQ loaders                 |
+| awq           | an AutoAWQ "gemm" checkpoint (qweight / qzeros / scales, `quantization_config` quant_method |
+|               | "awq"), 4 bits, by AWQ (awq_checkpoint.py); it runs as `awq` (q4g32) by default             |
 
 The smoothed checkpoint is the same function as the source before rounding, so any loader reads it as the plain
 model it is (transformers too); loom's marker is the `loom_quantization` key of config.json, which makes
@@ -34,7 +36,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq")
+QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq")
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -111,7 +113,7 @@ def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
 def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str = 0.5,
              calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512, bits: int = 4,
              group_size: int = 128, sym: bool = True, desc_act: bool = False,
-             damp_percent: float = 0.01) -> QuantizeResult:
+             damp_percent: float = 0.01, clip: bool = True) -> QuantizeResult:
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
     Args:
@@ -120,7 +122,9 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         num_windows, window_len: calibration tokens, as windows run one prefill each.
         bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
-            grid; GPTQ act-order; GPTQ dampening.
+            grid; GPTQ act-order; GPTQ dampening. awq: bits 4, group_size 32, 64 or 128 (sym, desc_act and
+            damp_percent do not apply; AWQ's grid is asymmetric).
+        clip: awq's weight-clipping search.
 
     Raises:
         ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
@@ -132,6 +136,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
 
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
+    if method == "awq":
+        return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip)
     if method in ("rtn", "gptq"):
         return _quantize_gptq_format(model, output, method, calibration_file, num_windows, window_len, bits,
                                      group_size, sym, desc_act, damp_percent)
@@ -174,6 +180,32 @@ def _quantize_gptq_format(model: str | None, output: str, method: str, calibrati
     config = settings.quantization_config(result.calibration, result.calibration_tokens)
     return QuantizeResult(result.output, method, result.calibration, result.calibration_tokens, None,
                           result.seconds, config)
+
+
+def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
+                  bits: int, group_size: int, clip: bool) -> QuantizeResult:
+    """awq through awq_checkpoint.write_awq_checkpoint."""
+    from loom.model.loader import load_tokenizer
+    from loom.model.loader.model_loader import read_arch
+    from loom.quant.awq_checkpoint import write_awq_checkpoint
+    from loom.quant.awq_model import AWQSettings
+
+    if bits != 4:
+        raise ValueError(f"bits must be 4 for awq (the AWQ gemm format), got {bits}")
+    settings = AWQSettings(group_size=group_size, clip=clip)
+    settings.check()
+    context = read_arch(model).max_position_embeddings
+    if window_len > context:
+        raise ValueError(f"calibration_window_len must be <= the model's context of {context} tokens, got "
+                         f"{window_len}")
+    _check_output(output)
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
+    windows, source = calibration_windows(tokenizer, calibration_file, num_windows, window_len)
+    result = write_awq_checkpoint(model, output, settings, windows, calibration=source)
+    return QuantizeResult(result.output, "awq", result.calibration, result.calibration_tokens, None,
+                          result.seconds, result.quantization_config)
 
 
 def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,

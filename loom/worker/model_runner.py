@@ -30,7 +30,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 # Methods whose CPU kernels read the weights at their own width and quantize the activations per block
 # themselves (loom/kernels/csrc/qgemm.c): the activation dtype changes none of the bytes a step reads.
-PACKED_CPU_METHODS = ("gguf", "w8a16", "w4a16", "w8a8", "gptq")
+PACKED_CPU_METHODS = ("gguf", "w8a16", "w4a16", "w8a8", "gptq", "awq")
 
 
 def resolve_dtype(name: str, device: torch.device, quantization: str | None = None,

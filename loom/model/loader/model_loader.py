@@ -25,6 +25,7 @@ from loom.model.loader.safetensors import iter_safetensors_weights, safetensors_
 from loom.model.loader.tokenizer import tokenizer_eos_ids, tokenizer_from_path
 from loom.model.registry import get_model_class
 from loom.quant.config import get_quant_config
+from loom.quant.awq_method import awq_quant_config, awq_quantization_config
 from loom.quant.gptq_method import read_gptq_checkpoint
 
 
@@ -57,8 +58,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 def default_quantization(model: str | None) -> str:
     """The quantization a checkpoint runs with when none is asked for: "gguf" for a GGUF file (its own blocks),
-    "gptq" for a GPTQ checkpoint (config.json's quantization_config), the method a `loom quantize` output was
-    prepared for (loom/quant/quantize.py), else "none".
+    "gptq" / "awq" for a GPTQ / AWQ checkpoint (config.json's quantization_config), the method a `loom quantize`
+    output was prepared for (loom/quant/quantize.py), else "none".
 
     Raises:
         ValueError: as resolve_model_path.
@@ -71,6 +72,8 @@ def default_quantization(model: str | None) -> str:
     config = read_json(path / "config.json")
     if gptq_quantization_config(config) is not None:
         return "gptq"
+    if awq_quantization_config(config) is not None:
+        return "awq"
     return prepared_method(config) or "none"
 
 
@@ -146,9 +149,10 @@ def load_model(
     else:
         config = read_json(path / "config.json")
         arch = hf_arch_config(config)
-        gptq_qc = gptq_quantization_config(config)
+        gptq_qc, awq_qc = gptq_quantization_config(config), awq_quantization_config(config)
         gptq = None if gptq_qc is None else read_gptq_checkpoint(gptq_qc, safetensors_tensor_names(path))
-        quant_config = get_quant_config(quantization or default_quantization(model), None, gptq)
+        quant_config = (get_quant_config(quantization or default_quantization(model), None, gptq) if awq_qc is None
+                        else awq_quant_config(quantization, awq_qc, safetensors_tensor_names(path)))
         weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),

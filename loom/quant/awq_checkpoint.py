@@ -1,0 +1,135 @@
+"""`loom quantize --method awq`: an AutoAWQ "gemm" checkpoint (loom/quant/awq_format.py) from a GGUF file or a
+Hugging Face directory, by AWQ (Lin et al. 2023, arXiv:2306.00978; loom/quant/awq_model.py). The norms and the
+v / up rows that took 1/s are written with their new values; embeddings, norms and the LM head stay float32.
+loom loads the output with `--quantization awq`, its default for such a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loom.quant.awq_model import AWQReport, AWQSettings, quantize_model_awq
+from loom.quant.gptq import GPTQWeight
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AWQResult:
+    output: Path
+    settings: AWQSettings
+    calibration: str  # where the calibration tokens came from
+    calibration_tokens: int
+    seconds: float  # wall time of the whole run (loading, calibration, search, writing)
+    quantization_config: dict[str, Any]  # what config.json's quantization_config says
+    report: AWQReport
+
+
+def _folded_tensors(model: torch.nn.Module, arch: Any, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float tensors AWQ's folding changed, under their checkpoint names: both norms of every layer, and
+    v_proj's bias when the checkpoint has one (o_proj's scales divide it)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = layer.input_layernorm.weight.detach().float().clone()
+        out[f"{p}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.detach().float().clone()
+        bias = layer.self_attn.qkv_proj.bias
+        if bias is not None and f"{p}.self_attn.v_proj.bias" in source:
+            out[f"{p}.self_attn.v_proj.bias"] = bias.detach().float()[arch.q_size + arch.kv_size:].clone()
+    return out
+
+
+def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPTQWeight], model: torch.nn.Module,
+                       arch: Any) -> dict[str, torch.Tensor]:
+    """The output's tensors: each projection's AWQ tensors in place of its weight, the folded norms and biases,
+    the rest of the source in float32.
+
+    Raises:
+        ValueError: the source lacks a projection's weight.
+    """
+    from loom.quant.awq_format import to_checkpoint
+    from loom.quant.gptq_checkpoint import PROJECTIONS, split_rows
+
+    tensors: dict[str, torch.Tensor] = {}
+    replaced = set()
+    for name, weight in quantized.items():
+        lin = model.get_submodule(name)
+        head, _, last = name.rpartition(".")
+        for proj, part in zip(PROJECTIONS[last], split_rows(weight, lin.output_sizes), strict=True):
+            for key, t in to_checkpoint(part).items():
+                tensors[f"{head}.{proj}.{key}"] = t
+            replaced.add(f"{head}.{proj}.weight")
+    missing = replaced - set(source)
+    if missing:
+        raise ValueError(f"the source checkpoint lacks {sorted(missing)[:4]}")
+    folded = _folded_tensors(model, arch, source)
+    for name, t in source.items():
+        if name not in replaced:
+            tensors[name] = folded.get(name, t).float().contiguous()
+    return tensors
+
+
+def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]], *,
+                         calibration: str = "") -> AWQResult:
+    """Quantize `model` (GGUF file, HF directory, None = the bundled model) with AWQ and write an AutoAWQ gemm
+    checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
+
+    Raises:
+        ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
+            exists and is not empty, no calibration window, or a group size that does not divide a layer's input.
+    """
+    from safetensors.torch import save_file
+
+    from loom.model.loader import load_model
+    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
+    from loom.model.loader.hf_config import read_json
+    from loom.model.loader.model_loader import resolve_model_path
+    from loom.model.loader.safetensors import iter_safetensors_weights
+    from loom.quant.awq_format import quantization_config
+    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of
+
+    settings.check()
+    if not windows:
+        raise ValueError("awq needs at least one calibration window")
+    out = _check_output(output)
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    if loaded.arch.architecture not in MODEL_TYPES:
+        raise ValueError(f"awq cannot write a config for {loaded.arch.architecture}")
+    tokens = sum(len(w) for w in windows)
+    quantized, report = quantize_model_awq(loaded.model, loaded.arch, settings, windows)
+    if path.is_file():
+        reader = open_gguf(path)
+        source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
+        config = hf_config_of(loaded.arch, set(loaded.eos_token_ids))
+    else:
+        source = dict(iter_safetensors_weights(path))
+        config = read_json(path / "config.json")
+    config.pop(CONFIG_KEY, None)
+    config["torch_dtype"] = "float32"
+    qc = quantization_config(settings.group_size, {
+        "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
+        "clip": settings.clip, "grid_points": settings.grid_points,
+        "search_windows": settings.search_windows, "o_proj_scaled": report.o_proj_scaled})
+    config["quantization_config"] = qc
+    tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
+    weights_path = out / "model.safetensors"
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights_path, 0o666 & ~umask)  # safetensors writes 0600; readable like the other files
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(str(out))
+    seconds = time.perf_counter() - start
+    logger.info("wrote %s in %.1f s", out, seconds)
+    return AWQResult(out, settings, calibration, tokens, seconds, qc, report)

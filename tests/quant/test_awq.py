@@ -1,0 +1,133 @@
+"""AWQ on matrices (loom/quant/awq.py) and the AutoAWQ gemm tensor format (loom/quant/awq_format.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.quant.awq import (
+    activation_scales,
+    apply_clip,
+    awq_quantize,
+    fake_quantize,
+    search_clip,
+    search_scales,
+)
+from loom.quant.awq_format import (
+    ORDER,
+    check_quantization_config,
+    from_checkpoint,
+    pack_awq,
+    quantization_config,
+    to_checkpoint,
+    unpack_awq,
+)
+from loom.quant.gptq_format import to_loom
+from loom.quant.layout import dequantize
+
+
+def outlier_inputs(k: int, rows: int, seed: int, channels: int = 4, factor: float = 30.0) -> torch.Tensor:
+    """X [rows, k] Gaussian with a few input channels `factor` times larger (AWQ's salient channels)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    x[:, torch.randperm(k, generator=g)[:channels]] *= factor
+    return x
+
+
+@pytest.mark.parametrize(("k", "group_size", "seed"), [(256, 128, 0), (128, 32, 1), (320, 128, 2)])
+def test_search_lowers_the_quantized_output_error_versus_rtn(k: int, group_size: int, seed: int) -> None:
+    x = outlier_inputs(k, 512, seed)
+    w = torch.randn(96, k, generator=torch.Generator().manual_seed(seed + 10)) * 0.05
+
+    def block(ws: list[torch.Tensor]) -> torch.Tensor:
+        return x @ ws[0].T
+
+    s, alpha, errors = search_scales(x.abs().mean(0), [w], block, group_size)
+    rtn = float((x @ fake_quantize(w, group_size).T - x @ w.T).square().mean())
+    assert errors[0] == pytest.approx(rtn, rel=1e-6)  # alpha 0 is RTN (s = 1)
+    assert torch.allclose(activation_scales(x.abs().mean(0), 0.0), torch.ones(k))
+    awq = float((x @ (fake_quantize(w * s, group_size) / s).T - x @ w.T).square().mean())
+    assert alpha > 0 and awq == min(errors) and awq < 0.8 * rtn
+    # held-out tokens of the same distribution gain too
+    x2 = outlier_inputs(k, 512, seed)[:, :]  # same salient channels, new rows below
+    x2 = x2 * torch.randn(512, 1, generator=torch.Generator().manual_seed(99)).abs()
+    held_rtn = (x2 @ fake_quantize(w, group_size).T - x2 @ w.T).square().mean()
+    held_awq = (x2 @ (fake_quantize(w * s, group_size) / s).T - x2 @ w.T).square().mean()
+    assert held_awq < held_rtn
+
+
+def test_scales_favour_the_large_channels() -> None:
+    x = outlier_inputs(128, 256, 3, channels=2)
+    s = activation_scales(x.abs().mean(0), 0.5)
+    big = x.abs().mean(0) > 5 * x.abs().mean(0).median()
+    assert bool((s[big].min() > s[~big].max()))
+    assert float(s.max() * s.min()) == pytest.approx(1.0, rel=1e-5)  # normalised around 1
+
+
+def test_clipping_never_raises_the_group_error() -> None:
+    x = outlier_inputs(256, 300, 4)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
+    w[:, 7] *= 8  # a weight outlier worth clipping
+    bounds = search_clip(w, x, 128)
+    assert bounds.shape == (64, 2) and bool((bounds <= w.abs().reshape(64, 2, 128).amax(-1) + 1e-6).all())
+    before = (x @ fake_quantize(w, 128).T - x @ w.T).square().mean()
+    after = (x @ fake_quantize(apply_clip(w, bounds, 128), 128).T - x @ w.T).square().mean()
+    assert after <= before
+
+
+def test_grid_and_codes_agree() -> None:
+    w = torch.randn(16, 256, generator=torch.Generator().manual_seed(6))
+    w[0, :128] = w[0, :128].abs() + 0.5  # an all-positive group: zero clamps at 0
+    q = awq_quantize(w, 128)
+    assert q.codes.dtype == torch.int32 and q.scales.dtype == torch.float16 and q.scales.shape == (2, 16)
+    assert int(q.codes.min()) >= 0 and int(q.codes.max()) <= 15 and int(q.zeros[0, 0]) == 0
+    torch.testing.assert_close(q.dequantize(), fake_quantize(w, 128), rtol=0, atol=1e-6)
+
+
+def test_pack_order_follows_the_spec() -> None:
+    # one word: nibble i (bits 4i..4i+3) holds column ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i]
+    codes = torch.arange(8, dtype=torch.int32).view(1, 8)  # column c holds code c
+    word = int(pack_awq(codes)[0, 0]) & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == list(ORDER)
+    assert word == 0x75316420
+    g = torch.Generator().manual_seed(7)
+    many = torch.randint(0, 16, (5, 64), generator=g, dtype=torch.int32)
+    packed = pack_awq(many)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 8)
+    assert torch.equal(unpack_awq(packed), many)
+    with pytest.raises(ValueError, match="pack 8"):
+        pack_awq(many[:, :12])
+
+
+@pytest.mark.parametrize("k", [256, 576])  # 576 = SmolLM2's hidden size: four groups of 128 and one of 64
+def test_checkpoint_round_trip_and_loom_layout(k: int) -> None:
+    n, gs = 48, 128
+    groups = -(-k // gs)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(8))
+    q = awq_quantize(w, gs)
+    t = to_checkpoint(q)
+    assert t["qweight"].dtype == torch.int32 and t["qweight"].shape == (k, n // 8)
+    assert t["qzeros"].dtype == torch.int32 and t["qzeros"].shape == (groups, n // 8)
+    assert t["scales"].dtype == torch.float16 and t["scales"].shape == (groups, n)
+    assert torch.equal(unpack_awq(t["qweight"]), q.codes.T) and torch.equal(unpack_awq(t["qzeros"]), q.zeros)
+    back = from_checkpoint(t, gs)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.zeros, q.zeros)
+    assert torch.equal(back.scales, q.scales) and torch.equal(back.g_idx, q.g_idx)
+    loom = to_loom(back)  # a g128 group = four q4g32 groups with its scale, min = -zero * scale (float16)
+    assert loom.packed is not None and loom.packed.layout == "q4g32" and loom.input_perm is None
+    assert torch.equal(loom.packed.scales, q.scales.repeat_interleave(4, dim=0)[: k // 32].T)
+    ref = q.dequantize()
+    torch.testing.assert_close(dequantize(loom.packed), ref, rtol=0, atol=float(ref.abs().max()) * 2**-10)
+
+
+def test_quantization_config_keys() -> None:
+    qc = quantization_config(128)
+    assert {k: qc[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {
+        "quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 128, "zero_point": True}
+    assert check_quantization_config(qc) == 128
+    assert check_quantization_config({"quant_method": "awq", "version": "GEMM", "w_bit": 4,
+                                      "q_group_size": 64, "zero_point": True}) == 64
+    with pytest.raises(ValueError, match="version"):
+        check_quantization_config({**qc, "version": "gemv"})
+    with pytest.raises(ValueError, match="bits"):
+        check_quantization_config({**qc, "bits": 8})
