@@ -1,8 +1,10 @@
 """Beam search: loom against transformers' beam search on the same weights, and the KV blocks beams share.
 
     .venv/bin/python benchmarks/beam_bench.py [--width 4] [--max-tokens 64] [--prompts 4] [--repeats 3]
+                                              [--quantization none|gguf]
 
-Both run float32 on the bundled model (loom dequantized, as transformers reads the GGUF), one prompt at a
+Both run float32 on the bundled model (loom dequantized by default, as transformers reads the GGUF; `gguf`
+runs loom on the packed Q4_1 weights, where identity is not promised), one prompt at a
 time, greedy beam search with transformers' defaults (length_penalty 1, early_stopping False). Reports the
 median seconds per search of each, whether the sequences are identical, and, for loom, the KV blocks the
 beams held at the widest point against what unshared copies would need. Run each configuration on a quiet
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantization", default="none",
+                    help="loom's weights: none (dequantized float32, the transformers-parity path) or gguf (packed)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,7 +47,7 @@ def main() -> None:
     gguf = default_model_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    llm = LLM(dtype="float32", quantization="none")
+    llm = LLM(dtype="float32", quantization=args.quantization)
     engine = llm.engine
     eos = sorted(engine.eos_token_ids)
     params = BeamSearchParams(beam_width=args.width, max_tokens=args.max_tokens)
@@ -78,7 +82,8 @@ def main() -> None:
         same += [c.token_ids for c in result.outputs] == reference
     flags = " ".join(f for f in open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
                      if f.startswith(("avx", "amx", "fma")))
-    print(f"width {args.width}, max_tokens {args.max_tokens}, {args.prompts} prompts x {args.repeats}; "
+    print(f"loom --quantization {args.quantization}; width {args.width}, max_tokens {args.max_tokens}, "
+          f"{args.prompts} prompts x {args.repeats}; "
           f"{torch.get_num_threads()} threads; flags: {flags}")
     print(f"transformers beam search: median {statistics.median(hf_times):.3f} s per search")
     print(f"loom beam search:         median {statistics.median(loom_times):.3f} s per search "
