@@ -124,10 +124,12 @@ def check_tools(tools: list[dict[str, Any]]) -> None:
 
 def check_tool_history(messages: list[dict[str, Any]]) -> None:
     """Raise ValueError unless every tool message answers a call an earlier assistant message made (OpenAI's
-    rule)."""
+    rule), and no two calls share an id (a tool message answering it would be ambiguous)."""
     made: set[str] = set()
     for i, m in enumerate(messages):
         for c in m.get("tool_calls") or []:
+            if c.get("id") in made:
+                raise ValueError(f"messages[{i}]: tool call id {c.get('id')!r} is used by an earlier call too")
             made.add(c.get("id"))
         if m.get("role") == "tool" and m.get("tool_call_id") not in made:
             raise ValueError(f"messages[{i}]: tool_call_id {m.get('tool_call_id')!r} answers no earlier tool call")

@@ -470,6 +470,10 @@ def test_fim_tokens_of_a_real_fast_tokenizer() -> None:
     ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "x"}],
      "answers no earlier tool call"),
     ([{"role": "user", "content": "hi", "tool_call_id": "x"}], "tool_call_id belongs to a tool message"),
+    ([{"role": "user", "content": "hi"},
+      {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}},
+                                                          {"id": "c", "function": {"name": "g", "arguments": "{}"}}]},
+      {"role": "tool", "content": "42", "tool_call_id": "c"}], "is used by an earlier call too"),
     ([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{x"}}]}],
      "arguments are not JSON"),
     # valid JSON strings that decode to what is not: Python's json reads NaN, and \\ud800 to a lone surrogate
