@@ -6,9 +6,7 @@ loom loads the output with `--quantization awq`, its default for such a checkpoi
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +84,6 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
             exists and is not empty, no calibration window, or a group size that does not divide a layer's input.
     """
-    from safetensors.torch import save_file
 
     from loom.model.loader import load_model
     from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
@@ -94,7 +91,7 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     from loom.model.loader.model_loader import resolve_model_path
     from loom.model.loader.safetensors import iter_safetensors_weights
     from loom.quant.awq_format import quantization_config
-    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of
+    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of, write_checkpoint
 
     settings.check()
     if not windows:
@@ -122,14 +119,7 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         "search_windows": settings.search_windows, "o_proj_scaled": report.o_proj_scaled})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
-    weights_path = out / "model.safetensors"
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights_path, 0o666 & ~umask)  # safetensors writes 0600; readable like the other files
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if loaded.tokenizer is not None:
-        loaded.tokenizer.save_pretrained(str(out))
+    write_checkpoint(out, tensors, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
     logger.info("wrote %s in %.1f s", out, seconds)
     return AWQResult(out, settings, calibration, tokens, seconds, qc, report)

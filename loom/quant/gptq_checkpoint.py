@@ -13,9 +13,7 @@ transformers read; loom loads it with `--quantization gptq`, its default for suc
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,14 +203,13 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
         ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
             exists and is not empty, no calibration window for gptq, or a group size beyond a layer's input.
     """
-    from safetensors.torch import save_file
 
     from loom.model.loader import load_model
     from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
     from loom.model.loader.hf_config import read_json
     from loom.model.loader.model_loader import resolve_model_path
     from loom.model.loader.safetensors import iter_safetensors_weights
-    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of
+    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of, write_checkpoint
 
     settings.check()
     out = _check_output(output)
@@ -234,14 +231,7 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     config["torch_dtype"] = "float32"
     config["quantization_config"] = settings.quantization_config(calibration if tokens else "", tokens)
     tensors = checkpoint_tensors(source, quantized, loaded.model)
-    weights_path = out / "model.safetensors"
-    save_file(tensors, str(weights_path), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights_path, 0o666 & ~umask)  # safetensors writes 0600; readable like the other files
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if loaded.tokenizer is not None:
-        loaded.tokenizer.save_pretrained(str(out))
+    write_checkpoint(out, tensors, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
     logger.info("wrote %s in %.1f s", out, seconds)
     return GPTQResult(out, settings, calibration if tokens else "", tokens, seconds)

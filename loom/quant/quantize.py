@@ -158,8 +158,6 @@ def _quantize_gptq_format(model: str | None, output: str, method: str, calibrati
                           num_windows: int, window_len: int, bits: int, group_size: int, sym: bool, desc_act: bool,
                           damp_percent: float) -> QuantizeResult:
     """rtn / gptq through gptq_checkpoint.write_gptq_checkpoint (calibration windows for gptq only)."""
-    from loom.model.loader import load_tokenizer
-    from loom.model.loader.model_loader import read_arch
     from loom.quant.gptq_checkpoint import GPTQSettings, write_gptq_checkpoint
 
     settings = GPTQSettings(method, bits, group_size, sym, desc_act, damp_percent)
@@ -167,15 +165,7 @@ def _quantize_gptq_format(model: str | None, output: str, method: str, calibrati
     windows: list[list[int]] = []
     source = ""
     if method == "gptq":
-        context = read_arch(model).max_position_embeddings
-        if window_len > context:
-            raise ValueError(f"calibration_window_len must be <= the model's context of {context} tokens, got "
-                             f"{window_len}")
-        _check_output(output)
-        tokenizer = load_tokenizer(model)
-        if tokenizer is None:
-            raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
-        windows, source = calibration_windows(tokenizer, calibration_file, num_windows, window_len)
+        windows, source = calibration_for(model, output, calibration_file, num_windows, window_len)
     result = write_gptq_checkpoint(model, output, settings, windows, calibration=source)
     config = settings.quantization_config(result.calibration, result.calibration_tokens)
     return QuantizeResult(result.output, method, result.calibration, result.calibration_tokens, None,
@@ -185,8 +175,6 @@ def _quantize_gptq_format(model: str | None, output: str, method: str, calibrati
 def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
                   bits: int, group_size: int, clip: bool) -> QuantizeResult:
     """awq through awq_checkpoint.write_awq_checkpoint."""
-    from loom.model.loader import load_tokenizer
-    from loom.model.loader.model_loader import read_arch
     from loom.quant.awq_checkpoint import write_awq_checkpoint
     from loom.quant.awq_model import AWQSettings
 
@@ -194,15 +182,7 @@ def _quantize_awq(model: str | None, output: str, calibration_file: str | None, 
         raise ValueError(f"bits must be 4 for awq (the AWQ gemm format), got {bits}")
     settings = AWQSettings(group_size=group_size, clip=clip)
     settings.check()
-    context = read_arch(model).max_position_embeddings
-    if window_len > context:
-        raise ValueError(f"calibration_window_len must be <= the model's context of {context} tokens, got "
-                         f"{window_len}")
-    _check_output(output)
-    tokenizer = load_tokenizer(model)
-    if tokenizer is None:
-        raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
-    windows, source = calibration_windows(tokenizer, calibration_file, num_windows, window_len)
+    windows, source = calibration_for(model, output, calibration_file, num_windows, window_len)
     result = write_awq_checkpoint(model, output, settings, windows, calibration=source)
     return QuantizeResult(result.output, "awq", result.calibration, result.calibration_tokens, None,
                           result.seconds, result.quantization_config)
@@ -217,7 +197,6 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
         ValueError: bad alpha, an architecture without a smoothing map, an output that exists and is not an
             empty directory, or no calibration window.
     """
-    from safetensors.torch import save_file
 
     from loom.model.loader import load_model
     from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
@@ -254,17 +233,43 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
         "calibration": calibration, "calibration_tokens": tokens, "source": str(path),
     }
     out.mkdir(parents=True, exist_ok=True)
-    weights_path = out / "model.safetensors"
-    save_file({k: v.float().contiguous() for k, v in smoothed.items()}, str(weights_path), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(weights_path, 0o666 & ~umask)  # safetensors writes 0600; readable like the other files
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if loaded.tokenizer is not None:
-        loaded.tokenizer.save_pretrained(str(out))
+    write_checkpoint(out, {k: v.float().contiguous() for k, v in smoothed.items()}, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
     logger.info("wrote %s in %.1f s", out, seconds)
     return QuantizeResult(out, "smoothquant", calibration, tokens, alpha, seconds)
+
+
+def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], tokenizer: Any) -> None:
+    """Write a Hugging Face checkpoint into the existing directory `out`: model.safetensors (readable like the
+    other files: safetensors writes mode 0600), config.json, and the tokenizer's files when there is one."""
+    from safetensors.torch import save_file
+
+    weights_path = out / "model.safetensors"
+    save_file(tensors, str(weights_path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights_path, 0o666 & ~umask)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+
+
+def calibration_for(model: str | None, output: str, calibration_file: str | None, num_windows: int,
+                    window_len: int) -> tuple[list[list[int]], str]:
+    """Check the window length against the model's context and the output directory, then tokenize the
+    calibration text: (windows, source description). Raises ValueError before any slow work."""
+    from loom.model.loader import load_tokenizer
+    from loom.model.loader.model_loader import read_arch
+
+    context = read_arch(model).max_position_embeddings
+    if window_len > context:
+        raise ValueError(f"calibration_window_len must be <= the model's context of {context} tokens, got "
+                         f"{window_len}")
+    _check_output(output)
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
+    return calibration_windows(tokenizer, calibration_file, num_windows, window_len)
 
 
 def _check_alpha(alpha: float | str) -> None:
