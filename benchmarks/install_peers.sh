@@ -4,12 +4,14 @@
 #
 # Usage:  nice -n 19 bash benchmarks/install_peers.sh [-j N]
 # Env:    LLAMA_CPP_PYTHON_VERSION (pin, default below), PIP (pip executable), PEERS_BUILD_DIR,
-#         GGML_NATIVE (default ON) and PEERS_CMAKE_FLAGS (extra cmake flags). On a CPU whose AMX llama.cpp's native
+#         GGML_NATIVE (default ON), PEERS_CMAKE_FLAGS (extra cmake flags) and PEERS_TARGETS (the executables to
+#         build, default all six below). On a CPU whose AMX llama.cpp's native
 #         build uses but the VM does not grant (every prompt-processing run segfaulted on a Sapphire Rapids-class
 #         VM, 2026-12-02), build without it:
 #           GGML_NATIVE=OFF PEERS_CMAKE_FLAGS="-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
 #           PEERS_BUILD_DIR=benchmarks/peers/build-noamx bash benchmarks/install_peers.sh
-# Output: benchmarks/peers/build/bin/{llama-bench,llama-batched-bench,llama-server,llama-speculative-simple}
+# Output: benchmarks/peers/build/bin/{llama-bench,llama-batched-bench,llama-server,llama-speculative-simple,
+#         llama-quantize,llama-perplexity}; the converter is benchmarks/peers/build/src/convert_hf_to_gguf.py
 # Never run from tests: it takes minutes on two cores.
 set -euo pipefail
 
@@ -52,11 +54,12 @@ cmake -S "$SRC_DIR" -B "$BUILD_DIR/cmake" \
   -DLLAMA_BUILD_TOOLS=ON \
   -DLLAMA_BUILD_SERVER=ON \
   -DBUILD_SHARED_LIBS=OFF
-cmake --build "$BUILD_DIR/cmake" --config Release -j "$JOBS" \
-  --target llama-bench llama-batched-bench llama-server llama-speculative-simple
+TARGETS="${PEERS_TARGETS:-llama-bench llama-batched-bench llama-server llama-speculative-simple llama-quantize llama-perplexity}"
+# shellcheck disable=SC2086
+cmake --build "$BUILD_DIR/cmake" --config Release -j "$JOBS" --target $TARGETS
 
 mkdir -p "$BUILD_DIR/bin"
-for exe in llama-bench llama-batched-bench llama-server llama-speculative-simple; do
+for exe in $TARGETS; do
   # llama.cpp's CMakeLists sends every executable to <build>/bin
   cp "$BUILD_DIR/cmake/bin/$exe" "$BUILD_DIR/bin/$exe"
   test -x "$BUILD_DIR/bin/$exe" || { echo "missing $BUILD_DIR/bin/$exe" >&2; exit 1; }

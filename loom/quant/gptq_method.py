@@ -1,12 +1,20 @@
 """Hugging Face GPTQ checkpoints run on loom's packed kernels: the config (`quantization_config.quant_method ==
 "gptq"` in config.json) and the linear method that turns each layer's qweight / qzeros / scales / g_idx into
 loom's layouts (loom/quant/gptq_format.py: 4-bit -> q4g32, 8-bit -> q8g, desc_act -> an input permutation).
+
+Per-module precision follows GPTQModel's `dynamic` key of quantization_config (the form vLLM also reads): an
+ordered map from a regular expression over module names to overrides; the first pattern that matches a module
+(`re.match`) decides. A "-:" pattern leaves the module unquantized (its plain `weight` is in the file); a "+:"
+pattern (or one without a prefix) overrides the base settings for it, e.g.
+`{"+:model\\.layers\\.0\\.mlp\\.down_proj": {"bits": 8}}`. Of the overrides loom reads `bits` (group size is
+implicit in g_idx); the others describe how the file was made.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,9 +33,19 @@ GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 class GPTQCheckpoint:
     """What loading needs from a GPTQ checkpoint's quantization_config."""
 
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8: the base settings
     checkpoint_format: str  # "gptq" (v1: qzeros hold zero - 1) or "gptq_v2"
     quantized: frozenset[str]  # layer names with a qweight ("model.layers.0.self_attn.q_proj", ...)
+    # quantization_config.dynamic in file order: (negative, compiled pattern, overrides)
+    dynamic: tuple[tuple[bool, re.Pattern, dict[str, Any]], ...] = field(default=())
+
+    def bits_of(self, name: str) -> int | None:
+        """Bits of module `name` ("model.layers.0.mlp.down_proj"): the first matching `dynamic` pattern's
+        override, else the base bits; None when a negative pattern leaves it unquantized."""
+        for negative, pattern, overrides in self.dynamic:
+            if pattern.match(name):
+                return None if negative else int(overrides.get("bits", self.bits))
+        return self.bits
 
 
 def read_gptq_checkpoint(quantization_config: dict[str, Any], tensor_names: set[str]) -> GPTQCheckpoint:
@@ -50,7 +68,37 @@ def read_gptq_checkpoint(quantization_config: dict[str, Any], tensor_names: set[
     quantized = frozenset(name.removesuffix(".qweight") for name in tensor_names if name.endswith(".qweight"))
     if not quantized:
         raise ValueError("a GPTQ checkpoint (quantization_config.quant_method 'gptq') without any qweight tensor")
-    return GPTQCheckpoint(int(bits), fmt, quantized)
+    return GPTQCheckpoint(int(bits), fmt, quantized, read_dynamic(quantization_config.get("dynamic")))
+
+
+def read_dynamic(dynamic: Any) -> tuple[tuple[bool, re.Pattern, dict[str, Any]], ...]:
+    """quantization_config.dynamic (module docstring) as (negative, pattern, overrides) in order.
+
+    Raises:
+        ValueError: not a JSON object of objects, a pattern that is not a valid regular expression, or a bits
+            override loom has no kernel for; each names quantization_config.dynamic and the pattern.
+    """
+    if dynamic is None:
+        return ()
+    if not isinstance(dynamic, dict):
+        raise ValueError(f"quantization_config.dynamic must be an object of pattern -> overrides, got "
+                         f"{type(dynamic).__name__}")
+    rules = []
+    for key, overrides in dynamic.items():
+        if not isinstance(overrides, dict):
+            raise ValueError(f"quantization_config.dynamic[{key!r}] must be an object of overrides, got "
+                             f"{type(overrides).__name__}")
+        negative = key.startswith("-:")
+        source = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            pattern = re.compile(source)
+        except re.error as exc:
+            raise ValueError(f"quantization_config.dynamic[{key!r}] is not a regular expression: {exc}") from None
+        if not negative and "bits" in overrides and overrides["bits"] not in BITS:
+            raise ValueError(f"quantization_config.dynamic[{key!r}].bits must be one of {BITS} for loom's "
+                             f"kernels, got {overrides['bits']!r}")
+        rules.append((negative, pattern, dict(overrides)))
+    return tuple(rules)
 
 
 class GPTQConfig:
@@ -70,7 +118,14 @@ class GPTQConfig:
         names = _shard_names(prefix)
         present = [n in self.checkpoint.quantized for n in names]
         if all(present):
-            return GPTQLinearMethod(self.checkpoint)
+            bits = {self.checkpoint.bits_of(n) for n in names}
+            if None in bits:
+                raise ValueError(f"{prefix}: quantization_config.dynamic leaves {names} unquantized, but the "
+                                 "checkpoint holds their qweight")
+            if len(bits) > 1:
+                raise ValueError(f"{prefix}: quantization_config.dynamic gives {names} different bits "
+                                 f"{sorted(bits)}; loom runs them as one matrix")
+            return GPTQLinearMethod(self.checkpoint, bits.pop())
         if any(present):
             raise ValueError(f"{prefix}: the checkpoint quantizes only some of {names}")
         return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")))
@@ -86,8 +141,9 @@ class GPTQLinearMethod(PackedLinearMethod):
     them one (their Hessian is the same), and shards that differ (or whose groups do not fall on blocks of
     32) make the layer run dense on the file's dequantized values instead."""
 
-    def __init__(self, checkpoint: GPTQCheckpoint) -> None:
-        super().__init__("gptq", f"GPTQ {checkpoint.bits}-bit")
+    def __init__(self, checkpoint: GPTQCheckpoint, bits: int | None = None) -> None:
+        self.bits = checkpoint.bits if bits is None else bits
+        super().__init__("gptq", f"GPTQ {self.bits}-bit")
         self.checkpoint = checkpoint
 
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
@@ -107,7 +163,12 @@ class GPTQLinearMethod(PackedLinearMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         converted = []
         for index, parts in enumerate(layer.gptq_parts):
-            weight = from_checkpoint(parts, self.checkpoint.bits, self.checkpoint.checkpoint_format)
+            qweight = parts.get("qweight")
+            if qweight is not None and qweight.dim() == 2 and qweight.shape[0] * 32 != layer.input_size * self.bits:
+                raise ValueError(f"{layer.prefix}: qweight has {qweight.shape[0]} rows, {layer.input_size} inputs "
+                                 f"at {self.bits} bits need {layer.input_size * self.bits // 32} (check "
+                                 "quantization_config.bits and dynamic)")
+            weight = from_checkpoint(parts, self.bits, self.checkpoint.checkpoint_format)
             rows = layer.output_sizes[index]
             if tuple(weight.codes.shape) != (rows, layer.input_size):
                 raise ValueError(f"{layer.prefix}: GPTQ weight [{weight.codes.shape[0]}, {weight.codes.shape[1]}] "
