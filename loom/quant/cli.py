@@ -33,7 +33,8 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
     result = quantize(ns.model, ns.output, ns.method, alpha=ns.alpha, calibration_file=ns.calibration_file,
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
                       group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent,
-                      clip=ns.awq_clip)
+                      clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
+                      sensitivity_windows=ns.sensitivity_windows)
     if result.method == "awq":
         qc = result.quantization_config
         print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, {result.calibration_tokens} "
@@ -44,8 +45,10 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
         qc = result.quantization_config
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
+        mixed = (f", {len(qc['dynamic'])} layers overridden" if qc.get("dynamic") else "")
         print(f"wrote {result.output} ({result.method}, {qc['bits']} bits, group size {qc['group_size']}, "
-              f"{'sym' if qc['sym'] else 'asym'}{', desc_act' if qc['desc_act'] else ''}{calibrated}) in "
+              f"{'sym' if qc['sym'] else 'asym'}{', desc_act' if qc['desc_act'] else ''}{mixed}; "
+              f"{result.bits_per_weight:.3f} stored bits per linear weight{calibrated}) in "
               f"{result.seconds:.1f} s; a GPTQ-format checkpoint, run by loom's packed kernels: "
               f"loom generate --model {result.output} ...")
         return 0
@@ -53,6 +56,33 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
           f"tokens of {result.calibration}) in {result.seconds:.1f} s; it runs as w8a8 by default: "
           f"loom generate --model {result.output} ...")
     return 0
+
+
+def _target_bits(value: str) -> float:
+    try:
+        bits = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bits per weight, got {value!r}") from None
+    if not 2.0 <= bits <= 16.0:
+        raise argparse.ArgumentTypeError(f"must be in [2, 16], got {value}")
+    return bits
+
+
+def _dynamic(value: str) -> dict:
+    """A JSON object, inline or in a file (a value that does not start with "{" is a path)."""
+    import json
+    from pathlib import Path
+
+    try:
+        text = value if value.lstrip().startswith("{") else Path(value).read_text(encoding="utf-8")
+        parsed = json.loads(text)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {value!r}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of pattern -> overrides")
+    return parsed
 
 
 def _group_size(value: str) -> int:
@@ -114,4 +144,15 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="awq: search per-group weight clipping after the scales (default: on)")
     g.add_argument("--damp-percent", type=_fraction, default=0.01,
                    help="GPTQ dampening, a fraction of the Hessian's mean diagonal (default: %(default)s)")
+    m = p.add_argument_group("mixed precision (rtn / gptq)")
+    m.add_argument("--target-bits", type=_target_bits, default=None,
+                   help="stored bits per weight of the decoder's linear layers (e.g. 4.5): the layers whose "
+                   "quantization raises the output KL most on the calibration tokens move to 4-bit groups of 32, "
+                   "8 bits or 16 bits until the budget is spent (ZeroQ's sensitivity, Cai et al. 2020)")
+    m.add_argument("--dynamic", type=_dynamic, default=None,
+                   help="per-module overrides as GPTQModel's quantization_config.dynamic, inline JSON or a file: "
+                   "'{\"+:.*\\.down_proj\": {\"bits\": 8}, \"-:model\\.layers\\.0\\..*\": {}}' ('-:' keeps a "
+                   "module in 16 bits); they win over --target-bits")
+    m.add_argument("--sensitivity-windows", type=_positive, default=1,
+                   help="calibration windows the sensitivity is measured on (default: %(default)s)")
     p.set_defaults(func=cmd_quantize)

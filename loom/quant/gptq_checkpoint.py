@@ -44,6 +44,9 @@ class GPTQSettings:
     desc_act: bool  # GPTQ act-order: columns by decreasing Hessian diagonal (gptq only)
     damp_percent: float = 0.01  # GPTQ dampening, times the Hessian's mean diagonal
     block_size: int = 128  # GPTQ lazy-batch columns
+    target_bits: float | None = None  # mixed precision: stored bits per weight of the linear layers (mixed.py)
+    dynamic: dict[str, dict[str, Any]] | None = None  # per-module overrides (GPTQModel's form), ahead of the plan
+    sensitivity_windows: int = 1  # calibration windows the sensitivity is measured on (mixed precision)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -59,11 +62,28 @@ class GPTQSettings:
             raise ValueError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.target_bits is not None and not 2.0 <= self.target_bits <= 16.0:
+            raise ValueError(f"target_bits must be in [2, 16], got {self.target_bits}")
+        if self.sensitivity_windows < 1:
+            raise ValueError(f"sensitivity_windows must be >= 1, got {self.sensitivity_windows}")
+        if self.dynamic is not None:
+            from loom.quant.gptq_method import read_dynamic
 
-    def quantization_config(self, calibration: str, tokens: int) -> dict[str, Any]:
+            for negative, _pattern, overrides in read_dynamic(self.dynamic):
+                group = overrides.get("group_size", self.group_size)
+                if not negative and group not in GROUP_SIZES:
+                    raise ValueError(f"dynamic: group_size must be one of {GROUP_SIZES}, got {group!r}")
+                unknown = set(overrides) - {"bits", "group_size"}
+                if unknown:
+                    raise ValueError(f"dynamic: loom quantize overrides bits and group_size only, got "
+                                     f"{sorted(unknown)}")
+
+    def quantization_config(self, calibration: str, tokens: int,
+                            dynamic: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """config.json's quantization_config (the keys transformers' GPTQConfig and GPTQModel read; the format
-        under both its current name, "format", and the legacy "checkpoint_format")."""
-        return {
+        under both its current name, "format", and the legacy "checkpoint_format"), with `dynamic` when some
+        modules differ from the base settings."""
+        config = {
             "quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
             "sym": self.sym, "damp_percent": self.damp_percent, "true_sequential": True, "static_groups": False,
             "act_group_aware": False, "lm_head": False, "format": "gptq", "checkpoint_format": "gptq",
@@ -71,41 +91,133 @@ class GPTQSettings:
             "meta": {"quantizer": ["loom"], "method": self.method, "calibration": calibration,
                      "calibration_tokens": tokens, "block_size": self.block_size},
         }
+        if dynamic:
+            config["dynamic"] = dynamic
+        if self.target_bits is not None:
+            config["meta"]["target_bits"] = self.target_bits
+        return config
+
+    def base_format(self) -> tuple[int, int]:
+        return self.bits, self.group_size
+
+    def format_of(self, projections: tuple[str, ...], name: str) -> tuple[int, int] | None | str:
+        """The user's `dynamic` decision for one of loom's layers (its projections' module names and its own
+        stacked name, "model.layers.0.self_attn.qkv_proj"): a format, None to keep it in 16 bits, or "free"
+        when no pattern matches any of the names.
+
+        Raises:
+            ValueError: stacked projections given different precisions (they run as one matrix).
+        """
+        from loom.quant.gptq_method import read_dynamic
+
+        rules = read_dynamic(self.dynamic)
+
+        def decide(module: str) -> tuple[int, int] | None | str:
+            for negative, pattern, overrides in rules:
+                if pattern.match(module):
+                    return None if negative else (int(overrides.get("bits", self.bits)),
+                                                  int(overrides.get("group_size", self.group_size)))
+            return "free"
+
+        per_projection = [decide(m) for m in projections]
+        chosen = {d for d in (*per_projection, decide(name)) if d != "free"}
+        if not chosen:
+            return "free"
+        if len(chosen) > 1 or (chosen and "free" in per_projection and len(set(per_projection)) > 1):
+            raise ValueError(f"dynamic: {list(projections)} run as one matrix and need one precision; the "
+                             f"patterns give {sorted(map(str, per_projection))}")
+        return chosen.pop()
 
 
 def quantize_model_weights(model: torch.nn.Module, arch: Any, settings: GPTQSettings,
-                           windows: list[list[int]]) -> dict[str, GPTQWeight]:
+                           windows: list[list[int]],
+                           plan: dict[str, tuple[int, int] | None] | None = None) -> dict[str, GPTQWeight]:
     """Quantize every decoder linear layer of a dense float32 loom model (quantization "none"), replacing its
     weight with the dequantized result as it goes (so later GPTQ layers see quantized inputs).
 
+    Args:
+        plan: loom layer name -> (bits, group_size), or None to leave that layer unquantized (mixed
+            precision); layers it does not name take the settings' bits and group size.
+
     Returns:
-        loom layer name ("model.layers.0.self_attn.qkv_proj", ...) -> its GPTQWeight (stacked rows).
+        loom layer name ("model.layers.0.self_attn.qkv_proj", ...) -> its GPTQWeight (stacked rows), for the
+        layers quantized.
     """
     settings.check()
+    plan = plan or {}
     out: dict[str, GPTQWeight] = {}
     layers = model.model.layers
-    if settings.method == "rtn":
-        for i, layer in enumerate(tqdm(layers, desc="rtn", unit="layer")):
-            for parent, name in LINEAR_GROUPS:
-                lin = getattr(getattr(layer, parent), name)
-                q = rtn_quantize(lin.weight.data, settings.bits, settings.group_size, settings.sym)
-                lin.weight.data.copy_(q.dequantize())
-                out[f"model.layers.{i}.{parent}.{name}"] = q
-        return out
-    if not windows:
+    gptq = settings.method == "gptq"
+    if gptq and not windows:
         raise ValueError("gptq needs at least one calibration window")
-    states = _embed(model, windows)
-    for i, layer in enumerate(tqdm(layers, desc="gptq", unit="layer")):
+    states = _embed(model, windows) if gptq else []
+    for i, layer in enumerate(tqdm(layers, desc=settings.method, unit="layer")):
         for parent, name in LINEAR_GROUPS:
+            unit = f"model.layers.{i}.{parent}.{name}"
+            fmt = plan.get(unit, settings.base_format())
+            if fmt is None:
+                continue
+            bits, group_size = fmt
             lin = getattr(getattr(layer, parent), name)
-            hessian = _layer_hessian(model, arch, layer, lin, states)
-            q = gptq_quantize(lin.weight.data, hessian, settings.bits, settings.group_size, settings.sym,
-                              act_order=settings.desc_act, percdamp=settings.damp_percent,
-                              block_size=settings.block_size)
+            if gptq:
+                hessian = _layer_hessian(model, arch, layer, lin, states)
+                q = gptq_quantize(lin.weight.data, hessian, bits, group_size, settings.sym,
+                                  act_order=settings.desc_act, percdamp=settings.damp_percent,
+                                  block_size=settings.block_size)
+            else:
+                q = rtn_quantize(lin.weight.data, bits, group_size, settings.sym)
             lin.weight.data.copy_(q.dequantize())
-            out[f"model.layers.{i}.{parent}.{name}"] = q
-        states = _run_layer(model, arch, layer, states)
+            out[unit] = q
+        if gptq:
+            states = _run_layer(model, arch, layer, states)
     return out
+
+
+def mixed_precision_plan(model: torch.nn.Module, arch: Any, settings: GPTQSettings, windows: list[list[int]],
+                         ) -> tuple[dict[str, tuple[int, int] | None], dict[str, dict[str, Any]], float]:
+    """Each decoder linear layer's format: the user's `dynamic` overrides first, then, with target_bits, the
+    sensitivity-driven allocation of loom/quant/mixed.py over the others.
+
+    Returns:
+        (plan: loom layer name -> format or None for 16 bits, the `dynamic` map to write, stored bits per
+        weight of the linear layers).
+
+    Raises:
+        ValueError: target_bits below what the overrides and the base format already take, or no window.
+    """
+    from loom.quant import mixed
+
+    units = mixed.units_of(model)
+    base = settings.base_format()
+    fixed = {}
+    for u in units:
+        decision = settings.format_of(u.projections, u.name) if settings.dynamic else "free"
+        if decision != "free":
+            fixed[u.name] = decision
+    plan: dict[str, tuple[int, int] | None] = {u.name: base for u in units} | fixed
+    free = [u for u in units if u.name not in fixed]
+    if settings.target_bits is not None and free:
+        if not windows:
+            raise ValueError("target_bits needs calibration windows to measure each layer's sensitivity")
+        measured = [base, *(f for f in mixed.DEFAULT_UPGRADES
+                            if mixed.format_bits(f, 4096) > mixed.format_bits(base, 4096))]
+        sensitivity = mixed.layer_sensitivity(model, arch, windows[: settings.sensitivity_windows], measured,
+                                              settings.sym)
+        upgrades = measured[1:]
+        if settings.bits < 8:
+            upgrades.append((8, settings.group_size))
+            sensitivity |= mixed.estimate_wider(sensitivity, base, (8, settings.group_size))
+        total = sum(u.weights for u in units)
+        fixed_bits = sum(u.weights * mixed.format_bits(plan[u.name], u.input_size) for u in units
+                         if u.name in fixed)
+        free_weights = sum(u.weights for u in free)
+        target_free = (settings.target_bits * total - fixed_bits) / free_weights
+        plan.update(mixed.allocate(free, sensitivity, base, [*upgrades, mixed.DENSE], target_free))
+    bits = mixed.plan_bits(units, plan)
+    logger.info("mixed precision: %.3f stored bits per weight over the linear layers (%d of %d in the base "
+                "format)", bits, sum(plan[u.name] == base for u in units), len(units))
+    # the user's patterns as given (they decide their layers), then one per layer the allocation moved
+    return plan, {**(settings.dynamic or {}), **mixed.dynamic_config(free, plan, base)}, bits
 
 
 @torch.inference_mode()
@@ -162,9 +274,10 @@ def split_rows(weight: GPTQWeight, sizes: list[int]) -> list[GPTQWeight]:
 
 
 def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPTQWeight], model: torch.nn.Module,
-                       ) -> dict[str, torch.Tensor]:
+                       half: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The output's tensors: each quantized projection's GPTQ tensors in place of its weight; the rest of the
-    source (embeddings, norms, LM head, biases) in float32."""
+    source (embeddings, norms, LM head, biases) in float32, but the tensors named in `half` (the weights of
+    linear layers mixed precision keeps in 16 bits) in float16."""
     from loom.quant.gptq_format import to_checkpoint
 
     tensors = {}
@@ -181,7 +294,7 @@ def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPT
         raise ValueError(f"the source checkpoint lacks {sorted(missing)[:4]}")
     for name, t in source.items():
         if name not in replaced:
-            tensors[name] = t.float().contiguous()
+            tensors[name] = (t.half() if name in half else t.float()).contiguous()
     return tensors
 
 
@@ -192,6 +305,8 @@ class GPTQResult:
     calibration: str  # where the calibration tokens came from ("" for rtn)
     calibration_tokens: int
     seconds: float  # wall time of the whole run (loading, calibration, quantization, writing)
+    quantization_config: dict[str, Any] | None = None  # what config.json says
+    bits_per_weight: float = 0.0  # stored bits per weight of the decoder's linear layers
 
 
 def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings, windows: list[list[int]], *,
@@ -209,6 +324,7 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     from loom.model.loader.hf_config import read_json
     from loom.model.loader.model_loader import resolve_model_path
     from loom.model.loader.safetensors import iter_safetensors_weights
+    from loom.quant.mixed import units_of
     from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of, write_checkpoint
 
     settings.check()
@@ -218,8 +334,11 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
     if loaded.arch.architecture not in MODEL_TYPES:
         raise ValueError(f"{settings.method} cannot write a config for {loaded.arch.architecture}")
-    tokens = sum(len(w) for w in windows) if settings.method == "gptq" else 0
-    quantized = quantize_model_weights(loaded.model, loaded.arch, settings, windows)
+    calibrated = settings.method == "gptq" or settings.target_bits is not None
+    tokens = sum(len(w) for w in windows) if calibrated else 0
+    plan, dynamic, bits = mixed_precision_plan(loaded.model, loaded.arch, settings, windows)
+    quantized = quantize_model_weights(loaded.model, loaded.arch, settings, windows, plan)
+    half = frozenset(f"{p}.weight" for u in units_of(loaded.model) if plan[u.name] is None for p in u.projections)
     if path.is_file():
         reader = open_gguf(path)
         source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
@@ -229,9 +348,10 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
         config = read_json(path / "config.json")
     config.pop(CONFIG_KEY, None)
     config["torch_dtype"] = "float32"
-    config["quantization_config"] = settings.quantization_config(calibration if tokens else "", tokens)
-    tensors = checkpoint_tensors(source, quantized, loaded.model)
+    config["quantization_config"] = settings.quantization_config(calibration if tokens else "", tokens, dynamic)
+    tensors = checkpoint_tensors(source, quantized, loaded.model, half)
     write_checkpoint(out, tensors, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
     logger.info("wrote %s in %.1f s", out, seconds)
-    return GPTQResult(out, settings, calibration if tokens else "", tokens, seconds)
+    return GPTQResult(out, settings, calibration if tokens else "", tokens, seconds, config["quantization_config"],
+                      bits)

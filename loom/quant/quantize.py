@@ -50,6 +50,7 @@ class QuantizeResult:
     alpha: float | str | None  # smoothquant's migration strength, or "search"; None for other methods
     seconds: float
     quantization_config: dict[str, Any] | None = None  # what config.json's quantization_config says (rtn, gptq)
+    bits_per_weight: float = 0.0  # rtn / gptq: stored bits per weight of the decoder's linear layers
 
 
 def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int, window_len: int) -> tuple[
@@ -113,7 +114,8 @@ def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
 def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str = 0.5,
              calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512, bits: int = 4,
              group_size: int = 128, sym: bool = True, desc_act: bool = False,
-             damp_percent: float = 0.01, clip: bool = True) -> QuantizeResult:
+             damp_percent: float = 0.01, clip: bool = True, target_bits: float | None = None,
+             dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int = 1) -> QuantizeResult:
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
     Args:
@@ -125,6 +127,12 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             grid; GPTQ act-order; GPTQ dampening. awq: bits 4, group_size 32, 64 or 128 (sym, desc_act and
             damp_percent do not apply; AWQ's grid is asymmetric).
         clip: awq's weight-clipping search.
+        target_bits: rtn / gptq mixed precision: stored bits per weight of the decoder's linear layers, spent
+            on the layers whose output KL suffers most (loom/quant/mixed.py); None = every layer in the base
+            format.
+        dynamic: rtn / gptq per-module overrides in GPTQModel's form ({"+:regex": {"bits": 8, "group_size":
+            32}, "-:regex": {}} keeps a module in 16 bits); they win over target_bits' choices.
+        sensitivity_windows: calibration windows the mixed-precision sensitivity is measured on.
 
     Raises:
         ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
@@ -136,11 +144,16 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
 
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
+    if method != "rtn" and method != "gptq" and (target_bits is not None or dynamic is not None):
+        raise ValueError(f"target_bits and dynamic apply to methods 'rtn' and 'gptq', not {method!r}")
     if method == "awq":
         return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip)
     if method in ("rtn", "gptq"):
-        return _quantize_gptq_format(model, output, method, calibration_file, num_windows, window_len, bits,
-                                     group_size, sym, desc_act, damp_percent)
+        from loom.quant.gptq_checkpoint import GPTQSettings
+
+        settings = GPTQSettings(method, bits, group_size, sym, desc_act, damp_percent, target_bits=target_bits,
+                                dynamic=dynamic, sensitivity_windows=sensitivity_windows)
+        return _quantize_gptq_format(model, output, settings, calibration_file, num_windows, window_len)
     _check_alpha(alpha)
     context = read_arch(model).max_position_embeddings
     if window_len > context:
@@ -154,22 +167,20 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     return smoothquant_checkpoint(model, output, windows, alpha=alpha, calibration=source)
 
 
-def _quantize_gptq_format(model: str | None, output: str, method: str, calibration_file: str | None,
-                          num_windows: int, window_len: int, bits: int, group_size: int, sym: bool, desc_act: bool,
-                          damp_percent: float) -> QuantizeResult:
-    """rtn / gptq through gptq_checkpoint.write_gptq_checkpoint (calibration windows for gptq only)."""
-    from loom.quant.gptq_checkpoint import GPTQSettings, write_gptq_checkpoint
+def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibration_file: str | None,
+                          num_windows: int, window_len: int) -> QuantizeResult:
+    """rtn / gptq through gptq_checkpoint.write_gptq_checkpoint (calibration windows for gptq, and for rtn's
+    mixed-precision sensitivity)."""
+    from loom.quant.gptq_checkpoint import write_gptq_checkpoint
 
-    settings = GPTQSettings(method, bits, group_size, sym, desc_act, damp_percent)
     settings.check()
     windows: list[list[int]] = []
     source = ""
-    if method == "gptq":
+    if settings.method == "gptq" or settings.target_bits is not None:
         windows, source = calibration_for(model, output, calibration_file, num_windows, window_len)
     result = write_gptq_checkpoint(model, output, settings, windows, calibration=source)
-    config = settings.quantization_config(result.calibration, result.calibration_tokens)
-    return QuantizeResult(result.output, method, result.calibration, result.calibration_tokens, None,
-                          result.seconds, config)
+    return QuantizeResult(result.output, settings.method, result.calibration, result.calibration_tokens, None,
+                          result.seconds, result.quantization_config, result.bits_per_weight)
 
 
 def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
