@@ -1,0 +1,128 @@
+"""`loom bench quant` command line (torch is imported only when the command runs); the report is
+loom/bench/quant_report.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def cmd_quant(ns: argparse.Namespace) -> int:
+    from loom.bench import quant_report as qr
+    from loom.bench.heldout import janeausten_text
+    from loom.bench.quality import token_windows
+    from loom.model.loader import load_tokenizer
+    from loom.model.loader.model_loader import read_arch
+
+    checkpoints = [qr.parse_checkpoint_arg(c) for c in ns.checkpoint]
+    tools = None
+    if ns.llama_cpp is not None:
+        converter = ns.llama_cpp_converter or ns.llama_cpp.parent / "src" / "convert_hf_to_gguf.py"
+        tools = qr.LlamaCpp(ns.llama_cpp, converter, ns.threads)
+        for exe in ("llama-quantize", "llama-perplexity", "llama-bench"):
+            tools.exe(exe)  # FileNotFoundError names the missing tool before any slow work
+        if not converter.is_file():
+            raise ValueError(f"--llama-cpp-converter: {converter} is missing")
+    if ns.threads is not None:
+        import torch
+
+        torch.set_num_threads(ns.threads)
+    tokenizer = load_tokenizer(ns.model)
+    try:
+        text = janeausten_text(ns.book) if ns.text_file is None else Path(ns.text_file).read_text(encoding="utf-8")
+    except (RuntimeError, OSError) as exc:
+        raise ValueError(f"--book/--text-file: {exc}") from exc
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    windows = token_windows(ids, ns.num_windows, ns.window_len)
+    vocab = read_arch(ns.model).vocab_size
+
+    entries = [qr.QuantEntry(m, "loom", ns.model, m) for m in ns.methods]
+    for kv in ns.kv_cache_dtypes:
+        entries += [qr.QuantEntry(f"{m} + KV {kv}", "loom", ns.model, m, kv) for m in ns.kv_with]
+    entries += checkpoints
+    llama_files: dict[str, Path] = {}
+    work = ns.result_dir / "llama-cpp"
+    if tools is not None:
+        llama_files = qr.llama_cpp_files(tools, ns.model, work, ns.llama_cpp_types)
+        entries += [qr.QuantEntry(f"llama.cpp {t}", "llama.cpp", str(p)) for t, p in llama_files.items()]
+
+    quality = qr.measure_quality(ns.model, entries, windows)
+    llama_quality: dict[str, dict[str, float]] = {}
+    if tools is not None:
+        held = work / "heldout.txt"
+        held.write_text(tokenizer.decode(ids[: (ns.num_windows + 1) * ns.window_len]), encoding="utf-8")
+        llama_quality = qr.llama_perplexity(tools, llama_files, held, ns.num_windows, ns.window_len, work)
+    rows = []
+    for entry, q in zip(entries, quality, strict=True):
+        speed: dict = {}
+        if ns.speed:
+            if entry.engine == "loom":
+                speed = qr.loom_speed_in_subprocess(entry, vocab)
+            else:
+                speed = qr.llama_speed(tools, Path(entry.model))
+        lq = llama_quality.get(entry.label.removeprefix("llama.cpp "))
+        rows.append(qr.QuantRow(
+            entry.label, entry.engine, q["quantization"], entry.kv_cache_dtype, q["perplexity"],
+            q["perplexity_change_pct"], q["top1_agreement"], q["mean_kl"], q["weight_mb"], q["linear_bits"],
+            speed.get("decode_tok_s"), speed.get("batch32_output_tok_s"), speed.get("prefill_tok_s"),
+            None if lq is None else lq["perplexity"], None if lq is None else lq["mean_kl"],
+            None if lq is None else lq["top1_pct"]))
+        print(qr.markdown_table(rows[-1:], quality[0]["perplexity_ref"]).splitlines()[-1], flush=True)
+    reference_ppl = quality[0]["perplexity_ref"]
+    table = qr.markdown_table(rows, reference_ppl)
+    ns.result_dir.mkdir(parents=True, exist_ok=True)
+    (ns.result_dir / "quant.md").write_text(table)
+    (ns.result_dir / "quant.json").write_text(json.dumps({
+        "model": ns.model, "held_out": ns.text_file or ns.book, "num_windows": ns.num_windows,
+        "window_len": ns.window_len, "reference_perplexity": reference_ppl,
+        "rows": [asdict(r) for r in rows]}, indent=2))
+    png = qr.plot_rows(rows, ns.result_dir / "quant.png", f"{Path(ns.model).name if ns.model else 'bundled model'}"
+                       f": KL vs weight bytes, {ns.num_windows} x {ns.window_len} tokens")
+    print(f"held-out: {ns.text_file or ns.book}, {len(windows)} windows x {ns.window_len} tokens")
+    print(table)
+    print(f"wrote {ns.result_dir / 'quant.md'}, quant.json and {png}")
+    return 0
+
+
+def register_quant(bench_sub: argparse._SubParsersAction) -> None:
+    """Add `loom bench quant` to the `loom bench` subcommands."""
+    from loom.config import QUANTIZATION_METHODS, SUPPORTED_KV_CACHE_DTYPES
+
+    from loom.bench.quant_report import LLAMA_CPP_TYPES
+
+    p = bench_sub.add_parser("quant", help="quality, bytes and speed of each quantization format, llama.cpp beside",
+                             description="One table and one plot: perplexity, KL and top-1 agreement against the "
+                             "unquantized model on held-out prose, weight bytes, and decode / batch-32 / prefill "
+                             "speed, for loom's methods, `loom quantize` checkpoints, quantized KV caches and "
+                             "llama.cpp's formats of the same source.")
+    p.add_argument("--model", default=None, help="the source: GGUF file or HF directory (default: the bundled model)")
+    p.add_argument("--methods", nargs="*", default=["none", "gguf", "w8a16", "w4a16", "w8a8"],
+                   choices=QUANTIZATION_METHODS, help="loom run-time methods on the source (default: %(default)s)")
+    p.add_argument("--kv-cache-dtypes", nargs="*", default=["int8", "fp8_e4m3"],
+                   choices=[d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"],
+                   help="quantized KV caches, each with every --kv-with method (default: %(default)s)")
+    p.add_argument("--kv-with", nargs="*", default=["none", "gguf"], choices=QUANTIZATION_METHODS,
+                   help="weight methods the KV rows run with (default: %(default)s)")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",
+                   help="a `loom quantize` output (or any GPTQ / AWQ checkpoint of the source), repeatable")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="BIN_DIR",
+                   help="llama.cpp's tools (benchmarks/install_peers.sh): convert, quantize and measure its formats")
+    p.add_argument("--llama-cpp-converter", type=Path, default=None,
+                   help="convert_hf_to_gguf.py (default: BIN_DIR/../src/convert_hf_to_gguf.py)")
+    p.add_argument("--llama-cpp-types", nargs="*", default=list(LLAMA_CPP_TYPES),
+                   help="llama-quantize types (default: %(default)s)")
+    p.add_argument("--book", default="prideprejudice", help="Jane Austen novel (default: %(default)s)")
+    p.add_argument("--text-file", default=None, help="held-out text file instead of a novel")
+    p.add_argument("--num-windows", type=int, default=16, help="windows (default: %(default)s)")
+    p.add_argument("--window-len", type=int, default=512, help="tokens per window (default: %(default)s)")
+    p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure decode, batch-32 and prefill speed (default: on)")
+    p.add_argument("--threads", type=int, default=2, help="threads for loom and llama.cpp (default: %(default)s)")
+    p.add_argument("--result-dir", type=Path, default=Path("benchmarks/results/quant"),
+                   help="where quant.md, quant.json and quant.png go (default: %(default)s)")
+    p.set_defaults(func=cmd_quant)

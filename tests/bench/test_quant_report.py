@@ -1,0 +1,134 @@
+"""`loom bench quant` (loom/bench/quant_report.py) on a tiny model: the rows, the columns, the files; the parts
+that read llama.cpp's output on captured text (llama.cpp itself is a benchmark peer, never built by tests)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.bench import quant_report as qr
+from tests.helpers import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory, hf_tokenizer) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("quant_report") / "tiny", "llama", hf_tokenizer, seed=3)
+
+
+def _prose(tmp_path: Path) -> Path:
+    rng = random.Random(0)
+    words = "the a house letter sister walk ball evening morning said was very much to of and in".split()
+    path = tmp_path / "prose.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(4000)) + "\n")
+    return path
+
+
+def test_bench_quant_writes_one_row_per_format(tiny_with_tokenizer, tmp_path) -> None:
+    from loom.quant.gptq_checkpoint import GPTQSettings, write_gptq_checkpoint
+
+    ckpt = tmp_path / "rtn8"
+    write_gptq_checkpoint(str(tiny_with_tokenizer), str(ckpt), GPTQSettings("rtn", 8, 32, True, False), [])
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "loom.cli", "bench", "quant", "--model", str(tiny_with_tokenizer),
+           "--methods", "none", "w8a16", "--kv-cache-dtypes", "int8", "--kv-with", "none",
+           "--checkpoint", f"rtn8={ckpt}", "--text-file", str(_prose(tmp_path)), "--num-windows", "2",
+           "--window-len", "64", "--no-speed", "--result-dir", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "quant.json").read_text())
+    rows = {r["label"]: r for r in report["rows"]}
+    assert list(rows) == ["none", "w8a16", "none + KV int8", "rtn8"]
+    assert rows["none"]["mean_kl"] == 0 and rows["none"]["top1_agreement"] == 1.0
+    assert rows["none"]["linear_bits"] == pytest.approx(32.0)  # float32, as loom holds it
+    for label in ("w8a16", "none + KV int8", "rtn8"):  # each perturbs, a little
+        assert 0 < rows[label]["mean_kl"] < 0.05, label
+    assert rows["none + KV int8"]["kv_cache_dtype"] == "int8" and rows["none + KV int8"]["linear_bits"] == 32.0
+    assert rows["rtn8"]["quantization"] == "gptq"
+    # the checkpoint's own bytes: 8-bit codes, a float16 scale and an 8-bit zero per 32 columns, g_idx per column
+    cfg = json.loads((tiny_with_tokenizer / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    mats = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # (K, N) per projection
+    bits = sum(k * n * 8 + (k // 32) * n * 24 + k * 32 for k, n in mats) / sum(k * n for k, n in mats)
+    assert rows["rtn8"]["linear_bits"] == pytest.approx(bits)
+    assert rows["rtn8"]["weight_mb"] < rows["none"]["weight_mb"]
+    assert all(r["decode_tok_s"] is None for r in rows.values())
+    table = (out / "quant.md").read_text()
+    assert table.count("\n| ") == 1 + len(rows)  # header + one line per row
+    assert (out / "quant.png").stat().st_size > 0
+
+
+def test_speed_runs_in_its_own_process(tiny_with_tokenizer) -> None:
+    entry = qr.QuantEntry("w8a16", "loom", str(tiny_with_tokenizer), "w8a16")
+    shape = qr.SpeedShape(decode_prompt=16, decode_output=8, prefill_prompt=64, batch=4, runs=1)
+    speed = qr.loom_speed_in_subprocess(entry, 49152, shape, timeout_s=300)
+    assert set(speed) >= {"decode_tok_s", "prefill_tok_s", "batch32_output_tok_s"}
+    assert all(speed[k] > 0 for k in ("decode_tok_s", "prefill_tok_s", "batch32_output_tok_s"))
+    with pytest.raises(RuntimeError, match="speed run failed"):
+        qr.loom_speed_in_subprocess(qr.QuantEntry("bad", "loom", str(tiny_with_tokenizer), "w8a16", "int9"),
+                                    49152, shape, timeout_s=300)
+
+
+def test_checkpoint_argument_is_checked(tmp_path) -> None:
+    with pytest.raises(ValueError, match="LABEL=DIR"):
+        qr.parse_checkpoint_arg("just-a-path")
+    with pytest.raises(ValueError, match="does not exist"):
+        qr.parse_checkpoint_arg(f"x={tmp_path / 'missing'}")
+    assert qr.parse_checkpoint_arg(f"x={tmp_path}").model == str(tmp_path)
+
+
+def test_gguf_bits_and_decode_bytes_come_from_the_file(default_gguf) -> None:
+    from loom.model.loader.gguf import open_gguf
+
+    tensors = {t.name: t for t in open_gguf(default_gguf).tensors}
+    linear = [t for name, t in tensors.items() if qr.GGUF_LINEAR.match(name)]
+    assert len(linear) == 30 * 7
+    assert qr.checkpoint_linear_bits(default_gguf) == pytest.approx(5.0, abs=0.01)  # Q4_1: 4 bits + 2 fp16 / 32
+    # tied embeddings (no output.weight): the table is read as the LM head, so it counts
+    assert "output.weight" not in tensors
+    assert qr.gguf_decode_bytes(default_gguf) == sum(int(t.n_bytes) for t in tensors.values())
+
+
+# captured from llama-perplexity --kl-divergence (llama.cpp of llama-cpp-python 0.3.36), trimmed
+LLAMA_KL_OUTPUT = """
+====== Perplexity statistics ======
+Mean PPL(Q)                   :  26.123456 ±   0.812345
+Mean PPL(base)                :  24.987654 ±   0.771234
+Cor(ln(PPL(Q)), ln(PPL(base))):  98.12%
+Mean ln(PPL(Q)/PPL(base))     :   0.044474 ±   0.004321
+
+====== KL divergence statistics ======
+Mean    KLD:   0.051234 ±   0.001234
+Maximum KLD:   3.456789
+99.9%   KLD:   1.234567
+
+====== Token probability statistics ======
+Mean    Δp: -0.812 ± 0.045 %
+RMS Δp    :  5.432 ± 0.123 %
+Same top p: 91.234 ± 0.321 %
+"""
+
+
+def test_llama_perplexity_summary_is_parsed() -> None:
+    assert qr.parse_kl_divergence(LLAMA_KL_OUTPUT) == {"perplexity": 26.123456, "mean_kl": 0.051234,
+                                                       "top1_pct": 91.234}
+    with pytest.raises(ValueError, match="lacks 'mean_kl'"):
+        qr.parse_kl_divergence(LLAMA_KL_OUTPUT.replace("Mean    KLD", "Median  KLD"))
+
+
+def test_kv_cache_dtype_reaches_the_quality_logits(tiny_with_tokenizer) -> None:
+    from loom.bench.quality import window_logits
+    from loom.model.loader import load_model
+
+    m = load_model(str(tiny_with_tokenizer), torch.float32, torch.device("cpu"), quantization="none")
+    tokens = list(range(100, 164))
+    exact = window_logits(m.model, m.arch, tokens)
+    int8 = window_logits(m.model, m.arch, tokens, kv_cache_dtype="int8")
+    assert not torch.equal(exact, int8)  # the prefill read its keys and values back from the int8 cache
+    torch.testing.assert_close(int8, exact, rtol=0.05, atol=0.05)
