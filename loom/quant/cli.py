@@ -35,6 +35,11 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
                       group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent,
                       clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
                       sensitivity_windows=ns.sensitivity_windows)
+    if result.method == "fp8":
+        print(f"wrote {result.output} (fp8 e4m3, a float32 scale per output channel; {result.bits_per_weight:.3f} "
+              f"stored bits per linear weight) in {result.seconds:.1f} s; a compressed-tensors checkpoint, run by "
+              f"loom's fp8 method: loom generate --model {result.output} ...")
+        return 0
     if result.method == "awq":
         qc = result.quantization_config
         print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, {result.calibration_tokens} "
@@ -111,13 +116,14 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     """Add `loom quantize` to loom's subcommands."""
     from loom.quant.quantize import QUANTIZE_METHODS
 
-    p = sub.add_parser("quantize", help="write a quantized checkpoint (RTN, GPTQ, AWQ) or one prepared for W8A8 "
-                       "(SmoothQuant)",
+    p = sub.add_parser("quantize", help="write a quantized checkpoint (RTN, GPTQ, AWQ, FP8) or one prepared for "
+                       "W8A8 (SmoothQuant)",
                        description="Write a quantized checkpoint. rtn / gptq: a Hugging Face GPTQ-format checkpoint "
                        "(4 or 8 bits; GPTQ, Frantar et al. 2022, calibrated on ShareGPT conversations or a text "
                        "file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; "
                        "AWQ, Lin et al. 2023). smoothquant: fold SmoothQuant's per-channel scales "
-                       "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default.")
+                       "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default. fp8: e4m3 weights "
+                       "with a scale per output channel (compressed-tensors layout).")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write (must not exist, or be empty)")
     p.add_argument("--method", choices=QUANTIZE_METHODS, default="smoothquant", help="(default: %(default)s)")

@@ -217,6 +217,11 @@ class Fp8LinearMethod:
     step take seconds, so on the CPU the fp8-rounded weight is dequantized once, at load, to the activation
     dtype: fp8's numerics, none of its memory saving (docs/quantization.md)."""
 
+    def __init__(self, checkpoint_scales: bool = False) -> None:
+        """checkpoint_scales: the checkpoint holds the fp8 values and a weight_scale per layer
+        (loom/quant/fp8_checkpoint.py); else the dense weight is quantized at load."""
+        self.checkpoint_scales = checkpoint_scales
+
     def create_weights(self, layer: Linear, input_size: int, output_sizes: list[int], bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
         rows = sum(output_sizes)
@@ -229,9 +234,31 @@ class Fp8LinearMethod:
         layer.fp8_weight = None  # float8_e4m3fn [N, K] (GPU)
         layer.fp8_scale = None  # float32 [N, 1]
         layer.dense_weight = None  # the fp8 values dequantized once (CPU)
+        # an FP8 checkpoint's own scales (loom/quant/fp8_checkpoint.py), per shard: its weight is then the fp8
+        # values themselves (exact in any float dtype), used as they are
+        layer.fp8_file_scales = [None] * len(output_sizes)
+        if self.checkpoint_scales:
+            layer.weight_loaders["weight_scale"] = lambda t, shard: self._store_scale(layer, t, shard)
+
+    @staticmethod
+    def _store_scale(layer: Linear, tensor: Any, shard: int | None) -> None:
+        index = 0 if shard is None else shard
+        rows = layer.output_sizes[index]
+        scale = torch.as_tensor(tensor, dtype=torch.float32).reshape(-1, 1)
+        if scale.shape[0] not in (1, rows):
+            raise ValueError(f"{layer.prefix}: weight_scale has {scale.shape[0]} values, expected 1 or {rows}")
+        layer.fp8_file_scales[index] = scale.expand(rows, 1).clone()
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        layer.fp8_weight, layer.fp8_scale = quantize_fp8_e4m3(layer.weight.data)
+        scales = layer.fp8_file_scales
+        layer.fp8_file_scales = None
+        if all(s is None for s in scales):
+            layer.fp8_weight, layer.fp8_scale = quantize_fp8_e4m3(layer.weight.data)
+        elif any(s is None for s in scales):
+            raise ValueError(f"{layer.prefix}: the checkpoint has a weight_scale for only some of its shards")
+        else:
+            layer.fp8_weight = layer.weight.data.to(torch.float8_e4m3fn)
+            layer.fp8_scale = torch.cat(scales).to(layer.weight.device)
         layer.weight = None
         if layer.fp8_weight.device.type == "cpu":
             layer.dense_weight = (layer.fp8_weight.to(torch.float32) * layer.fp8_scale).to(layer.dtype)

@@ -11,6 +11,8 @@ Methods:
 |               | runs as `gptq` (loom's packed kernels) by default and loads in GPTQ loaders                 |
 | awq           | an AutoAWQ "gemm" checkpoint (qweight / qzeros / scales, `quantization_config` quant_method |
 |               | "awq"), 4 bits, by AWQ (awq_checkpoint.py); it runs as `awq` (q4g32) by default             |
+| fp8           | FP8 e4m3 weights with a float32 scale per output channel, in the compressed-tensors layout  |
+|               | (fp8_checkpoint.py); it runs as `fp8` by default                                            |
 
 The smoothed checkpoint is the same function as the source before rounding, so any loader reads it as the plain
 model it is (transformers too); loom's marker is the `loom_quantization` key of config.json, which makes
@@ -36,7 +38,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq")
+QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq", "fp8")
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -146,6 +148,12 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
     if method != "rtn" and method != "gptq" and (target_bits is not None or dynamic is not None):
         raise ValueError(f"target_bits and dynamic apply to methods 'rtn' and 'gptq', not {method!r}")
+    if method == "fp8":
+        from loom.quant.fp8_checkpoint import write_fp8_checkpoint
+
+        fp8 = write_fp8_checkpoint(model, output)
+        return QuantizeResult(fp8.output, "fp8", "", 0, None, fp8.seconds, fp8.quantization_config,
+                              fp8.bits_per_weight)
     if method == "awq":
         return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip)
     if method in ("rtn", "gptq"):

@@ -26,6 +26,7 @@ from loom.model.loader.tokenizer import tokenizer_eos_ids, tokenizer_from_path
 from loom.model.registry import get_model_class
 from loom.quant.config import get_quant_config
 from loom.quant.awq_method import awq_quant_config, awq_quantization_config
+from loom.quant.fp8_checkpoint import compressed_tensors_config, fp8_quant_config
 from loom.quant.gptq_method import read_gptq_checkpoint
 
 
@@ -58,7 +59,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 def default_quantization(model: str | None) -> str:
     """The quantization a checkpoint runs with when none is asked for: "gguf" for a GGUF file (its own blocks),
-    "gptq" / "awq" for a GPTQ / AWQ checkpoint (config.json's quantization_config), the method a `loom quantize`
+    "gptq" / "awq" / "fp8" for a GPTQ / AWQ / compressed-tensors FP8 checkpoint (config.json's
+    quantization_config), the method a `loom quantize`
     output was prepared for (loom/quant/quantize.py), else "none".
 
     Raises:
@@ -74,6 +76,8 @@ def default_quantization(model: str | None) -> str:
         return "gptq"
     if awq_quantization_config(config) is not None:
         return "awq"
+    if compressed_tensors_config(config) is not None:
+        return "fp8"
     return prepared_method(config) or "none"
 
 
@@ -150,9 +154,14 @@ def load_model(
         config = read_json(path / "config.json")
         arch = hf_arch_config(config)
         gptq_qc, awq_qc = gptq_quantization_config(config), awq_quantization_config(config)
+        fp8_qc = compressed_tensors_config(config)
         gptq = None if gptq_qc is None else read_gptq_checkpoint(gptq_qc, safetensors_tensor_names(path))
-        quant_config = (get_quant_config(quantization or default_quantization(model), None, gptq) if awq_qc is None
-                        else awq_quant_config(quantization, awq_qc, safetensors_tensor_names(path)))
+        if awq_qc is not None:
+            quant_config = awq_quant_config(quantization, awq_qc, safetensors_tensor_names(path))
+        elif fp8_qc is not None:
+            quant_config = fp8_quant_config(quantization, fp8_qc, safetensors_tensor_names(path))
+        else:
+            quant_config = get_quant_config(quantization or default_quantization(model), None, gptq)
         weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),
