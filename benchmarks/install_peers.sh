@@ -64,4 +64,7 @@ for exe in $TARGETS; do
   cp "$BUILD_DIR/cmake/bin/$exe" "$BUILD_DIR/bin/$exe"
   test -x "$BUILD_DIR/bin/$exe" || { echo "missing $BUILD_DIR/bin/$exe" >&2; exit 1; }
 done
+# llama.cpp's converter (convert_hf_to_gguf.py, used by `loom bench quant --llama-cpp`) imports sentencepiece for
+# Llama-family vocabularies before it falls back to BPE; its gguf-py comes from $SRC_DIR (PYTHONPATH)
+"$PIP" install --quiet sentencepiece
 echo "[install_peers] done: $(ls "$BUILD_DIR/bin")"

@@ -370,10 +370,18 @@ def llama_speed(tools: LlamaCpp, path: Path) -> dict[str, float | None]:
     if (tools.bin_dir / "llama-batched-bench").is_file():
         text = tools.run(tools.exe("llama-batched-bench"), "-m", path, "-t", tools.threads, "-c", 8192, "-b", 2048,
                          "-ub", 512, "-npp", 128, "-ntg", 64, "-npl", 32)
-        m = re.search(r"^\|\s*128\s*\|\s*64\s*\|\s*32\s*\|(?:[^|]*\|){3}\s*([0-9.]+)\s*\|", text, re.M)
-        if m is not None:
-            speed["batch32_output_tok_s"] = float(m.group(1))
+        speed["batch32_output_tok_s"] = batched_output_tok_s(text, 128, 64, 32)
     return speed
+
+
+def batched_output_tok_s(text: str, prompt: int, output: int, batch: int) -> float | None:
+    """Output tokens per second of the whole run (batch x output / T, prefill included, as loom's throughput
+    counts them) from llama-batched-bench's table row PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | T | S."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[:3] == [str(prompt), str(output), str(batch)]:
+            return batch * output / float(cells[8])
+    return None
 
 
 # ---------------------------------------------------------------- the table and the plot

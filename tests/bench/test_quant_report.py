@@ -95,31 +95,56 @@ def test_gguf_bits_and_decode_bytes_come_from_the_file(default_gguf) -> None:
     assert qr.gguf_decode_bytes(default_gguf) == sum(int(t.n_bytes) for t in tensors.values())
 
 
-# captured from llama-perplexity --kl-divergence (llama.cpp of llama-cpp-python 0.3.36), trimmed
+# captured from llama-perplexity --kl-divergence (llama.cpp of llama-cpp-python 0.3.36; SmolLM2 Q4_K_M against its
+# F16 file, 2 chunks of 512 tokens of Pride and Prejudice, 2026-12-02)
 LLAMA_KL_OUTPUT = """
 ====== Perplexity statistics ======
-Mean PPL(Q)                   :  26.123456 ±   0.812345
-Mean PPL(base)                :  24.987654 ±   0.771234
-Cor(ln(PPL(Q)), ln(PPL(base))):  98.12%
-Mean ln(PPL(Q)/PPL(base))     :   0.044474 ±   0.004321
+Mean PPL(Q)                   :  18.746974 ±   2.191482
+Mean PPL(base)                :  17.982936 ±   2.058517
+Cor(ln(PPL(Q)), ln(PPL(base))):  99.23%
+Mean ln(PPL(Q)/PPL(base))     :   0.041609 ±   0.014517
+Mean PPL(Q)/PPL(base)         :   1.042487 ±   0.015134
+Mean PPL(Q)-PPL(base)         :   0.764039 ±   0.294524
 
 ====== KL divergence statistics ======
-Mean    KLD:   0.051234 ±   0.001234
-Maximum KLD:   3.456789
-99.9%   KLD:   1.234567
+Mean    KLD:   0.046540 ±   0.001979
+Maximum KLD:   0.459519
+99.9%   KLD:   0.381869
+99.0%   KLD:   0.210953
+95.0%   KLD:   0.123716
+90.0%   KLD:   0.089935
+Median  KLD:   0.034694
+10.0%   KLD:   0.006008
+ 5.0%   KLD:   0.001779
+ 1.0%   KLD:   0.000193
+ 0.1%   KLD:   0.000068
+Minimum KLD:   0.000058
 
 ====== Token probability statistics ======
-Mean    Δp: -0.812 ± 0.045 %
-RMS Δp    :  5.432 ± 0.123 %
-Same top p: 91.234 ± 0.321 %
+Mean    Δp: -0.220 ± 0.182 %
+Maximum Δp: 16.177%
+99.9%   Δp: 15.174%
+99.0%   Δp: 12.386%
+95.0%   Δp:  6.108%
+90.0%   Δp:  3.661%
+75.0%   Δp:  0.597%
+Median  Δp: -0.009%
+25.0%   Δp: -1.054%
+10.0%   Δp: -3.954%
+ 5.0%   Δp: -7.221%
+ 1.0%   Δp: -13.460%
+ 0.1%   Δp: -20.331%
+Minimum Δp: -23.679%
+RMS Δp    :  4.113 ± 0.250 %
+Same top p: 85.882 ± 1.543 %
 """
 
 
 def test_llama_perplexity_summary_is_parsed() -> None:
-    assert qr.parse_kl_divergence(LLAMA_KL_OUTPUT) == {"perplexity": 26.123456, "mean_kl": 0.051234,
-                                                       "top1_pct": 91.234}
+    assert qr.parse_kl_divergence(LLAMA_KL_OUTPUT) == {"perplexity": 18.746974, "mean_kl": 0.046540,
+                                                       "top1_pct": 85.882}
     with pytest.raises(ValueError, match="lacks 'mean_kl'"):
-        qr.parse_kl_divergence(LLAMA_KL_OUTPUT.replace("Mean    KLD", "Median  KLD"))
+        qr.parse_kl_divergence(LLAMA_KL_OUTPUT.replace("Mean    KLD", "Mode    KLD"))
 
 
 def test_kv_cache_dtype_reaches_the_quality_logits(tiny_with_tokenizer) -> None:
@@ -132,3 +157,14 @@ def test_kv_cache_dtype_reaches_the_quality_logits(tiny_with_tokenizer) -> None:
     int8 = window_logits(m.model, m.arch, tokens, kv_cache_dtype="int8")
     assert not torch.equal(exact, int8)  # the prefill read its keys and values back from the int8 cache
     torch.testing.assert_close(int8, exact, rtol=0.05, atol=0.05)
+
+
+def test_batched_bench_row_gives_output_tokens_over_the_whole_run() -> None:
+    # llama-batched-bench's table (llama.cpp of llama-cpp-python 0.3.36, SmolLM2 Q4_K_M, 2 threads)
+    text = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |     64 |    4 |    768 |    1.898 |   269.75 |    2.865 |    89.35 |    4.763 |   161.24 |
+"""
+    assert qr.batched_output_tok_s(text, 128, 64, 4) == pytest.approx(4 * 64 / 4.763)
+    assert qr.batched_output_tok_s(text, 128, 64, 32) is None
