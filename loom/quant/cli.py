@@ -34,7 +34,13 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
                       group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent,
                       clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
-                      sensitivity_windows=ns.sensitivity_windows)
+                      sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score)
+    if result.method == "sparse24":
+        calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
+                      if result.calibration_tokens else "")
+        print(f"wrote {result.output} (2:4 sparsity by {ns.prune_score}{calibrated}; dense float32 weights with two "
+              f"zeros in every four) in {result.seconds:.1f} s: loom generate --model {result.output} ...")
+        return 0
     if result.method == "fp8":
         print(f"wrote {result.output} (fp8 e4m3, a float32 scale per output channel; {result.bits_per_weight:.3f} "
               f"stored bits per linear weight) in {result.seconds:.1f} s; a compressed-tensors checkpoint, run by "
@@ -123,7 +129,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                        "file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; "
                        "AWQ, Lin et al. 2023). smoothquant: fold SmoothQuant's per-channel scales "
                        "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default. fp8: e4m3 weights "
-                       "with a scale per output channel (compressed-tensors layout).")
+                       "with a scale per output channel (compressed-tensors layout). sparse24: 2:4 pruning by "
+                       "magnitude or Wanda, a quality study (dense weights with zeros).")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write (must not exist, or be empty)")
     p.add_argument("--method", choices=QUANTIZE_METHODS, default="smoothquant", help="(default: %(default)s)")
@@ -136,7 +143,7 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="calibration windows, one prefill each (default: %(default)s)")
     p.add_argument("--calibration-window-len", type=_positive, default=512,
                    help="tokens per calibration window (default: %(default)s)")
-    g = p.add_argument_group("rtn / gptq / awq")
+    g = p.add_argument_group("rtn / gptq / awq / sparse24")
     g.add_argument("--bits", type=int, choices=(4, 8), default=4, help="(default: %(default)s)")
     g.add_argument("--group-size", type=_group_size, default=128,
                    help="input columns per scale: 32, 64, 128, or -1 for one per output channel "
@@ -150,6 +157,9 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="awq: search per-group weight clipping after the scales (default: on)")
     g.add_argument("--damp-percent", type=_fraction, default=0.01,
                    help="GPTQ dampening, a fraction of the Hessian's mean diagonal (default: %(default)s)")
+    g.add_argument("--prune-score", choices=("wanda", "magnitude"), default="wanda",
+                   help="sparse24: importance of each weight, |W| * ||X|| (Wanda, Sun et al. 2023) or |W| "
+                   "(default: %(default)s)")
     m = p.add_argument_group("mixed precision (rtn / gptq)")
     m.add_argument("--target-bits", type=_target_bits, default=None,
                    help="stored bits per weight of the decoder's linear layers (e.g. 4.5): the layers whose "

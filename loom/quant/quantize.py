@@ -13,6 +13,8 @@ Methods:
 |               | "awq"), 4 bits, by AWQ (awq_checkpoint.py); it runs as `awq` (q4g32) by default             |
 | fp8           | FP8 e4m3 weights with a float32 scale per output channel, in the compressed-tensors layout  |
 |               | (fp8_checkpoint.py); it runs as `fp8` by default                                            |
+| sparse24      | 2:4 semi-structured pruning by magnitude or Wanda (sparsity.py): dense float32 weights with |
+|               | two zeros in every four, a study of quality (no sparse kernel); runs as `none` by default   |
 
 The smoothed checkpoint is the same function as the source before rounding, so any loader reads it as the plain
 model it is (transformers too); loom's marker is the `loom_quantization` key of config.json, which makes
@@ -38,7 +40,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq", "fp8")
+QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq", "fp8", "sparse24")
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -117,7 +119,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
              calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512, bits: int = 4,
              group_size: int = 128, sym: bool = True, desc_act: bool = False,
              damp_percent: float = 0.01, clip: bool = True, target_bits: float | None = None,
-             dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int = 1) -> QuantizeResult:
+             dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int = 1,
+             prune_score: str = "wanda") -> QuantizeResult:
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
     Args:
@@ -135,6 +138,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         dynamic: rtn / gptq per-module overrides in GPTQModel's form ({"+:regex": {"bits": 8, "group_size":
             32}, "-:regex": {}} keeps a module in 16 bits); they win over target_bits' choices.
         sensitivity_windows: calibration windows the mixed-precision sensitivity is measured on.
+        prune_score: sparse24's importance score, "wanda" (calibrated) or "magnitude".
 
     Raises:
         ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
@@ -148,6 +152,16 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
     if method != "rtn" and method != "gptq" and (target_bits is not None or dynamic is not None):
         raise ValueError(f"target_bits and dynamic apply to methods 'rtn' and 'gptq', not {method!r}")
+    if method == "sparse24":
+        from loom.quant.sparsity import SCORES, write_sparse_checkpoint
+
+        if prune_score not in SCORES:
+            raise ValueError(f"prune_score must be one of {list(SCORES)}, got {prune_score!r}")
+        windows, source = ([], "") if prune_score == "magnitude" else calibration_for(
+            model, output, calibration_file, num_windows, window_len)
+        pruned = write_sparse_checkpoint(model, output, prune_score, windows, calibration=source)
+        return QuantizeResult(pruned.output, "sparse24", pruned.calibration, pruned.calibration_tokens, None,
+                              pruned.seconds, None, 16.0 * (1 - pruned.sparsity))
     if method == "fp8":
         from loom.quant.fp8_checkpoint import write_fp8_checkpoint
 
