@@ -197,6 +197,17 @@ def mixed_precision_plan(model: torch.nn.Module, arch: Any, settings: GPTQSettin
     plan: dict[str, tuple[int, int] | None] = {u.name: base for u in units} | fixed
     free = [u for u in units if u.name not in fixed]
     if settings.target_bits is not None and free:
+        # the budget is checked before the slow sensitivity trials
+        total = sum(u.weights for u in units)
+        fixed_bits = sum(mixed.unit_bits(u, plan[u.name]) for u in units if u.name in fixed)
+        free_weights = sum(u.weights for u in free)
+        target_free = (settings.target_bits * total - fixed_bits) / free_weights
+        floor = sum(mixed.unit_bits(u, base) for u in free) / free_weights
+        if target_free < floor - 1e-9:
+            spent = " the layers dynamic sets leave" if fixed else ""
+            raise ValueError(f"target_bits {settings.target_bits}:{spent} {target_free:.3f} bits per weight for "
+                             f"the layers it allocates, below the {floor:.3f} of {base[0]}-bit groups of "
+                             f"{base[1]} (codes, scales, zeros and g_idx)")
         if not windows:
             raise ValueError("target_bits needs calibration windows to measure each layer's sensitivity")
         measured = [base, *(f for f in mixed.DEFAULT_UPGRADES
@@ -207,11 +218,6 @@ def mixed_precision_plan(model: torch.nn.Module, arch: Any, settings: GPTQSettin
         if settings.bits < 8:
             upgrades.append((8, settings.group_size))
             sensitivity |= mixed.estimate_wider(sensitivity, base, (8, settings.group_size))
-        total = sum(u.weights for u in units)
-        fixed_bits = sum(u.weights * mixed.format_bits(plan[u.name], u.input_size) for u in units
-                         if u.name in fixed)
-        free_weights = sum(u.weights for u in free)
-        target_free = (settings.target_bits * total - fixed_bits) / free_weights
         plan.update(mixed.allocate(free, sensitivity, base, [*upgrades, mixed.DENSE], target_free))
     bits = mixed.plan_bits(units, plan)
     logger.info("mixed precision: %.3f stored bits per weight over the linear layers (%d of %d in the base "

@@ -16,8 +16,9 @@ Allocation (ZeroQ's Pareto frontier, solved greedily as in its section 3.3, with
 states): every layer starts in the base format; while the budget allows, the upgrade (to a wider format of the
 list, or to 16 bits, whose KL is 0) with the largest drop in KL per added bit is taken. The budget is
 `target_bits` times the number of weights of the quantized layers (the decoder's linear layers; embeddings and
-LM head stay as they are and are not counted), in bits per weight of the stored checkpoint: `bits` for each code
-plus, per group of `group_size` columns, a float16 scale and a `bits`-wide zero point (format_bits).
+LM head stay as they are and are not counted), in bits of the stored checkpoint (unit_bits): `bits` for each code
+plus, per group of `group_size` columns, a float16 scale and a `bits`-wide zero point (format_bits), plus the
+format's int32 g_idx per input column of each projection; a 16-bit layer is 16 bits a weight.
 
 The plan is written into the GPTQ checkpoint as GPTQModel's `dynamic` quantization_config
 (loom/quant/gptq_method.py): a "+:" override with the layer's bits and group size, or a "-:" pattern for a layer
@@ -52,6 +53,13 @@ def format_bits(fmt: Format | None, input_size: int) -> float:
     bits, group_size = fmt
     size = input_size if group_size == -1 else group_size
     return bits + (16 + bits) / size
+
+
+def unit_bits(unit: "Unit", fmt: Format | None) -> float:
+    """Stored bits of `unit` in `fmt`: weights x format_bits, plus a GPTQ g_idx (int32 per input column) for
+    each of its projections when quantized."""
+    g_idx = 0 if fmt is DENSE else 32 * unit.input_size * len(unit.projections)
+    return unit.weights * format_bits(fmt, unit.input_size) + g_idx
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +167,7 @@ def allocate(units: list[Unit], sensitivity: dict[tuple[str, Format], float], ba
         ValueError: target_bits below the base format's own bits per weight, or a sensitivity missing.
     """
     total = sum(u.weights for u in units)
-    used = sum(u.weights * format_bits(base, u.input_size) for u in units)
+    used = sum(unit_bits(u, base) for u in units)
     if target_bits * total < used - 1e-6:
         raise ValueError(f"target_bits {target_bits} is below the {used / total:.3f} bits per weight of "
                          f"{base[0]}-bit groups of {base[1]}")
@@ -179,7 +187,7 @@ def allocate(units: list[Unit], sensitivity: dict[tuple[str, Format], float], ba
         for u in units:
             now = plan[u.name]
             for fmt in upgrades:
-                cost = u.weights * (format_bits(fmt, u.input_size) - format_bits(now, u.input_size))
+                cost = unit_bits(u, fmt) - unit_bits(u, now)
                 gain = kl(u, now) - kl(u, fmt)
                 if cost <= 0 or cost > budget or gain <= 0:
                     continue
@@ -195,7 +203,7 @@ def allocate(units: list[Unit], sensitivity: dict[tuple[str, Format], float], ba
 def plan_bits(units: list[Unit], plan: dict[str, Format | None]) -> float:
     """Stored bits per weight of the decoder's linear layers under `plan`."""
     total = sum(u.weights for u in units)
-    return sum(u.weights * format_bits(plan[u.name], u.input_size) for u in units) / total
+    return sum(unit_bits(u, plan[u.name]) for u in units) / total
 
 
 def dynamic_config(units: list[Unit], plan: dict[str, Format | None], base: Format) -> dict[str, dict[str, Any]]:

@@ -36,7 +36,8 @@ def test_allocation_spends_the_budget_on_kl_per_bit() -> None:
     base, wide = (4, 128), (8, 128)
     kl = {("u0", base): 0.5, ("u1", base): 0.1, ("u2", base): 0.01, ("u3", base): 0.3}
     kl |= {(f"u{i}", wide): 0.001 for i in range(4)}
-    b4, b8 = mixed.format_bits(base, 128), mixed.format_bits(wide, 128)
+    b4, b8 = (mixed.unit_bits(units[0], f) / 1000 for f in (base, wide))  # per weight, g_idx included
+    assert b4 == pytest.approx(4 + 20 / 128 + 32 * 128 / 1000)
     # room for exactly two upgrades to 8 bits: the two largest KL drops per bit (u0, u3)
     target = (2 * b8 + 2 * b4) / 4
     plan = mixed.allocate(units, kl, base, [wide, DENSE], target + 1e-9)
@@ -114,11 +115,15 @@ def test_target_bits_writes_a_mixed_checkpoint_that_loads_and_beats_uniform(tiny
     write_gptq_checkpoint(str(tiny.path), str(uniform), GPTQSettings("rtn", 4, 32, True, False), calib)
     override = {"-:^model\\.layers\\.0\\.self_attn\\.(q|k|v)_proj$": {}}
     result = write_gptq_checkpoint(
-        str(tiny.path), str(mix), GPTQSettings("rtn", 4, 32, True, False, target_bits=6.5, dynamic=override),
+        str(tiny.path), str(mix), GPTQSettings("rtn", 4, 32, True, False, target_bits=7.5, dynamic=override),
         calib, calibration="random ids")
-    assert 6.0 < result.bits_per_weight <= 6.5
+    assert 7.0 < result.bits_per_weight <= 7.5
+    from loom.bench.quant_report import checkpoint_linear_bits
+
+    # the budget is the file's own bytes: codes, scales, zeros, g_idx, float16 layers
+    assert checkpoint_linear_bits(mix) == pytest.approx(result.bits_per_weight, rel=1e-6)
     qc = json.loads((mix / "config.json").read_text())["quantization_config"]
-    assert qc["bits"] == 4 and qc["meta"]["target_bits"] == 6.5
+    assert qc["bits"] == 4 and qc["meta"]["target_bits"] == 7.5
     assert next(iter(qc["dynamic"])) == next(iter(override))  # the user's override first
     assert any(k.startswith("+:") and v["bits"] == 8 for k, v in qc["dynamic"].items())
     with safe_open(str(mix / "model.safetensors"), framework="pt") as f:
@@ -141,6 +146,13 @@ def test_target_bits_writes_a_mixed_checkpoint_that_loads_and_beats_uniform(tiny
         return compare(base, [window_logits(m.model, m.arch, w) for w in held], held)["mean_kl"]
 
     assert kl(mix) < 0.5 * kl(uniform)
+
+
+def test_target_bits_that_the_overrides_already_spend_is_named(tiny_models, tmp_path) -> None:
+    tiny = tiny_models["llama_gqa"]
+    settings = GPTQSettings("rtn", 4, 32, True, False, target_bits=5.5, dynamic={"-:.*\\.mlp\\..*": {}})
+    with pytest.raises(ValueError, match="the layers dynamic sets leave"):
+        write_gptq_checkpoint(str(tiny.path), str(tmp_path / "x"), settings, [[1, 2, 3, 4]])
 
 
 def test_dynamic_that_splits_stacked_projections_is_refused(tiny_models, tmp_path) -> None:
