@@ -33,13 +33,15 @@ q awq4 --method awq --bits 4 --group-size 128
 q mixed45 --method rtn --bits 4 --group-size 128 --asym --target-bits 4.5
 q mixed45-gptq-prose --method gptq --bits 4 --group-size 128 --asym --target-bits 4.5 --calibration-windows 32 \
   --calibration-file "$PROSE"
+q mixed553-gptq-prose --method gptq --bits 4 --group-size 128 --asym --target-bits 5.53 --calibration-windows 32 \
+  --calibration-file "$PROSE"  # the linear bits of llama.cpp's Q4_K_M of this model (its 576-wide rows fall back)
 q fp8 --method fp8
 q sparse24-wanda --method sparse24 --prune-score wanda
 q sparse24-magnitude --method sparse24 --prune-score magnitude
 
 ck=()
-for name in rtn8 rtn4 rtn4-asym gptq4 gptq4-prose awq4 mixed45 mixed45-gptq-prose fp8 sparse24-wanda \
-    sparse24-magnitude; do
+for name in rtn8 rtn4 rtn4-asym gptq4 gptq4-prose awq4 mixed45 mixed45-gptq-prose mixed553-gptq-prose fp8 \
+    sparse24-wanda sparse24-magnitude; do
   ck+=(--checkpoint "$name=$W/$name")
 done
 [[ -n "${QUANT_ONLY:-}" ]] && exit 0  # QUANT_ONLY=1: write the checkpoints, measure nothing
