@@ -20,12 +20,18 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     from loom.model.loader.model_loader import read_arch
 
     checkpoints = [qr.parse_checkpoint_arg(c) for c in ns.checkpoint]
+    labels = [c.label for c in checkpoints]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--checkpoint labels must differ, got {labels}")
     tools = None
     if ns.llama_cpp is not None:
         converter = ns.llama_cpp_converter or ns.llama_cpp.parent / "src" / "convert_hf_to_gguf.py"
         tools = qr.LlamaCpp(ns.llama_cpp, converter, ns.threads)
         for exe in ("llama-quantize", "llama-perplexity", "llama-bench"):
-            tools.exe(exe)  # FileNotFoundError names the missing tool before any slow work
+            try:
+                tools.exe(exe)  # names the missing tool before any slow work
+            except FileNotFoundError as exc:
+                raise ValueError(f"--llama-cpp: {exc}") from None
         if not converter.is_file():
             raise ValueError(f"--llama-cpp-converter: {converter} is missing")
     if ns.threads is not None:
@@ -89,6 +95,19 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least(minimum: int):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+
+    return parse
+
+
 def register_quant(bench_sub: argparse._SubParsersAction) -> None:
     """Add `loom bench quant` to the `loom bench` subcommands."""
     from loom.config import QUANTIZATION_METHODS, SUPPORTED_KV_CACHE_DTYPES
@@ -118,11 +137,11 @@ def register_quant(bench_sub: argparse._SubParsersAction) -> None:
                    help="llama-quantize types (default: %(default)s)")
     p.add_argument("--book", default="prideprejudice", help="Jane Austen novel (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="held-out text file instead of a novel")
-    p.add_argument("--num-windows", type=int, default=16, help="windows (default: %(default)s)")
-    p.add_argument("--window-len", type=int, default=512, help="tokens per window (default: %(default)s)")
+    p.add_argument("--num-windows", type=_at_least(1), default=16, help="windows (default: %(default)s)")
+    p.add_argument("--window-len", type=_at_least(2), default=512, help="tokens per window (default: %(default)s)")
     p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="measure decode, batch-32 and prefill speed (default: on)")
-    p.add_argument("--threads", type=int, default=2, help="threads for loom and llama.cpp (default: %(default)s)")
+    p.add_argument("--threads", type=_at_least(1), default=2, help="threads for loom and llama.cpp (default: %(default)s)")
     p.add_argument("--result-dir", type=Path, default=Path("benchmarks/results/quant"),
                    help="where quant.md, quant.json and quant.png go (default: %(default)s)")
     p.set_defaults(func=cmd_quant)
