@@ -20,9 +20,8 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     from loom.model.loader.model_loader import read_arch
 
     checkpoints = [qr.parse_checkpoint_arg(c) for c in ns.checkpoint]
-    labels = [c.label for c in checkpoints]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--checkpoint labels must differ, got {labels}")
+    if ns.result_dir.exists() and not ns.result_dir.is_dir():
+        raise ValueError(f"--result-dir {str(ns.result_dir)!r} is a file, not a directory")
     tools = None
     if ns.llama_cpp is not None:
         converter = ns.llama_cpp_converter or ns.llama_cpp.parent / "src" / "convert_hf_to_gguf.py"
@@ -51,6 +50,9 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     for kv in ns.kv_cache_dtypes:
         entries += [qr.QuantEntry(f"{m} + KV {kv}", "loom", ns.model, m, kv) for m in ns.kv_with]
     entries += checkpoints
+    taken = [e.label for e in entries]
+    if len(set(taken)) != len(taken):
+        raise ValueError(f"--checkpoint labels must differ from each other and from the method rows, got {taken}")
     llama_files: dict[str, Path] = {}
     work = ns.result_dir / "llama-cpp"
     if tools is not None:

@@ -140,8 +140,11 @@ def parse_checkpoint_arg(value: str) -> QuantEntry:
     label, sep, path = value.partition("=")
     if not sep or not label or not path:
         raise ValueError(f"--checkpoint must be LABEL=DIR, got {value!r}")
-    if not Path(path).exists():
+    where = Path(path)
+    if not where.exists():
         raise ValueError(f"--checkpoint {label}: {path!r} does not exist")
+    if not (where.is_file() or (where / "config.json").is_file()):
+        raise ValueError(f"--checkpoint {label}: {path!r} is neither a GGUF file nor a directory with config.json")
     return QuantEntry(label, "loom", path)
 
 
@@ -420,7 +423,9 @@ def plot_rows(rows: list[QuantRow], out: Path, title: str) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for engine, marker in (("loom", "o"), ("llama.cpp", "s")):
-        pts = [r for r in rows if r.engine == engine and r.mean_kl > 0]
+        pts = [r for r in rows if r.engine == engine and r.mean_kl > 0]  # KL 0 (the reference) is off a log axis
+        if not pts:
+            continue
         ax.scatter([r.weight_mb for r in pts], [r.mean_kl for r in pts], marker=marker, label=engine)
         for r in pts:
             ax.annotate(r.label, (r.weight_mb, r.mean_kl), fontsize=7, xytext=(3, 3), textcoords="offset points")

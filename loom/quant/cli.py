@@ -56,7 +56,7 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
         qc = result.quantization_config
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
-        mixed = (f", {len(qc['dynamic'])} layers overridden" if qc.get("dynamic") else "")
+        mixed = (f", per-layer overrides: {len(qc['dynamic'])} patterns" if qc.get("dynamic") else "")
         print(f"wrote {result.output} ({result.method}, {qc['bits']} bits, group size {qc['group_size']}, "
               f"{'sym' if qc['sym'] else 'asym'}{', desc_act' if qc['desc_act'] else ''}{mixed}; "
               f"{result.bits_per_weight:.3f} stored bits per linear weight{calibrated}) in "
@@ -80,12 +80,12 @@ def _target_bits(value: str) -> float:
 
 
 def _dynamic(value: str) -> dict:
-    """A JSON object, inline or in a file (a value that does not start with "{" is a path)."""
+    """A JSON object, inline or in a file (a value that does not start with "{" or "[" is a path)."""
     import json
     from pathlib import Path
 
     try:
-        text = value if value.lstrip().startswith("{") else Path(value).read_text(encoding="utf-8")
+        text = value if value.lstrip()[:1] in ("{", "[") else Path(value).read_text(encoding="utf-8")
         parsed = json.loads(text)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {value!r}: {exc.strerror or exc}") from None

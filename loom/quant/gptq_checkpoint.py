@@ -194,6 +194,14 @@ def mixed_precision_plan(model: torch.nn.Module, arch: Any, settings: GPTQSettin
         decision = settings.format_of(u.projections, u.name) if settings.dynamic else "free"
         if decision != "free":
             fixed[u.name] = decision
+    if settings.dynamic:
+        from loom.quant.gptq_method import read_dynamic
+
+        names = [n for u in units for n in (*u.projections, u.name)]
+        for key, (_negative, pattern, _overrides) in zip(settings.dynamic, read_dynamic(settings.dynamic)):
+            if not any(pattern.match(n) for n in names):
+                raise ValueError(f"dynamic: {key!r} matches none of the decoder's linear layers "
+                                 f"(e.g. {units[0].projections[0]})")
     plan: dict[str, tuple[int, int] | None] = {u.name: base for u in units} | fixed
     free = [u for u in units if u.name not in fixed]
     if settings.target_bits is not None and free:
@@ -220,8 +228,12 @@ def mixed_precision_plan(model: torch.nn.Module, arch: Any, settings: GPTQSettin
             sensitivity |= mixed.estimate_wider(sensitivity, base, (8, settings.group_size))
         plan.update(mixed.allocate(free, sensitivity, base, [*upgrades, mixed.DENSE], target_free))
     bits = mixed.plan_bits(units, plan)
-    logger.info("mixed precision: %.3f stored bits per weight over the linear layers (%d of %d in the base "
-                "format)", bits, sum(plan[u.name] == base for u in units), len(units))
+    if settings.target_bits is not None and bits > settings.target_bits + 1e-6:
+        raise ValueError(f"target_bits {settings.target_bits}: the layers dynamic sets already take {bits:.3f} "
+                         "bits per weight")
+    if settings.target_bits is not None or settings.dynamic:
+        logger.info("mixed precision: %.3f stored bits per weight over the linear layers (%d of %d in the base "
+                    "format)", bits, sum(plan[u.name] == base for u in units), len(units))
     # the user's patterns as given (they decide their layers), then one per layer the allocation moved
     return plan, {**(settings.dynamic or {}), **mixed.dynamic_config(free, plan, base)}, bits
 

@@ -150,8 +150,9 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
 
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
-    if method != "rtn" and method != "gptq" and (target_bits is not None or dynamic is not None):
-        raise ValueError(f"target_bits and dynamic apply to methods 'rtn' and 'gptq', not {method!r}")
+    for name, value in (("target_bits", target_bits), ("dynamic", dynamic)):
+        if value is not None and method not in ("rtn", "gptq"):
+            raise ValueError(f"{name} applies to methods 'rtn' and 'gptq', not {method!r}")
     if method == "sparse24":
         from loom.quant.sparsity import SCORES, write_sparse_checkpoint
 
@@ -320,7 +321,11 @@ def _check_output(output: str) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} is a file, not a directory")
     if out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"output {str(out)!r} is a directory that is not empty")
+        names = sorted(p.name for p in out.iterdir())
+        hidden = all(n.startswith(".") for n in names)
+        raise ValueError(f"output {str(out)!r} is a directory that is not empty" + (
+            f" (it holds only hidden files, {', '.join(names[:3])}: perhaps an interrupted write; remove them "
+            "to retry)" if hidden else ""))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

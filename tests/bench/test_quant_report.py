@@ -80,6 +80,9 @@ def test_checkpoint_argument_is_checked(tmp_path) -> None:
         qr.parse_checkpoint_arg("just-a-path")
     with pytest.raises(ValueError, match="does not exist"):
         qr.parse_checkpoint_arg(f"x={tmp_path / 'missing'}")
+    with pytest.raises(ValueError, match="neither a GGUF file nor a directory with config.json"):
+        qr.parse_checkpoint_arg(f"x={tmp_path}")
+    (tmp_path / "config.json").write_text("{}")
     assert qr.parse_checkpoint_arg(f"x={tmp_path}").model == str(tmp_path)
 
 

@@ -181,3 +181,28 @@ def test_a_dynamic_bits_override_that_disagrees_with_the_file_is_named(tiny_mode
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj: qweight has .* at 4 bits"):
         load_model(str(out), torch.float32, CPU)
+
+
+def test_dynamic_mistakes_are_named_before_any_work(tiny_models, tmp_path) -> None:
+    tiny = tiny_models["llama_gqa"]
+    cases = [
+        (GPTQSettings("rtn", 4, 32, True, False, dynamic={"+:.*embed_tokens": {"bits": 8}}), "matches none"),
+        (GPTQSettings("rtn", 4, 32, True, False, target_bits=6.0, dynamic={"-:.*": {}}), "already take 16.000"),
+    ]
+    for i, (settings, message) in enumerate(cases):
+        with pytest.raises(ValueError, match=message):
+            write_gptq_checkpoint(str(tiny.path), str(tmp_path / str(i)), settings, [[1, 2, 3, 4]])
+
+
+def test_cli_reads_inline_json_lists_as_json_and_names_hidden_leftovers(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "loom.cli", "quantize", "--method", "rtn"]
+    proc = subprocess.run([*run, "--dynamic", "[1]", "--output", str(tmp_path / "a")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "must be a JSON object" in proc.stderr
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / ".tmpXYZ").write_text("partial")
+    proc = subprocess.run([*run, "--output", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "only hidden files, .tmpXYZ" in proc.stderr
