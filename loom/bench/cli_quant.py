@@ -121,7 +121,8 @@ def register_quant(bench_sub: argparse._SubParsersAction) -> None:
                              "unquantized model on held-out prose, weight bytes, and decode / batch-32 / prefill "
                              "speed, for loom's methods, `loom quantize` checkpoints, quantized KV caches and "
                              "llama.cpp's formats of the same source.")
-    p.add_argument("--model", default=None, help="the source: GGUF file or HF directory (default: the bundled model)")
+    p.add_argument("--model", default=None,
+                   help="the source: GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--methods", nargs="*", default=["none", "gguf", "w8a16", "w4a16", "w8a8"],
                    choices=QUANTIZATION_METHODS, help="loom run-time methods on the source (default: %(default)s)")
     p.add_argument("--kv-cache-dtypes", nargs="*", default=["int8", "fp8_e4m3"],

@@ -86,12 +86,9 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     """
 
     from loom.model.loader import load_model
-    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
-    from loom.model.loader.hf_config import read_json
     from loom.model.loader.model_loader import resolve_model_path
-    from loom.model.loader.safetensors import iter_safetensors_weights
     from loom.quant.awq_format import quantization_config
-    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of, write_checkpoint
+    from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
 
     settings.check()
     if not windows:
@@ -104,15 +101,7 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         raise ValueError(f"awq cannot write a config for {loaded.arch.architecture}")
     tokens = sum(len(w) for w in windows)
     quantized, report = quantize_model_awq(loaded.model, loaded.arch, settings, windows)
-    if path.is_file():
-        reader = open_gguf(path)
-        source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
-        config = hf_config_of(loaded.arch, set(loaded.eos_token_ids))
-    else:
-        source = dict(iter_safetensors_weights(path))
-        config = read_json(path / "config.json")
-    config.pop(CONFIG_KEY, None)
-    config["torch_dtype"] = "float32"
+    source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     qc = quantization_config(settings.group_size, {
         "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
         "clip": settings.clip, "grid_points": settings.grid_points,

@@ -104,11 +104,8 @@ def write_fp8_checkpoint(model: str | None, output: str) -> Fp8Result:
             config for.
     """
     from loom.model.loader import load_tokenizer
-    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
-    from loom.model.loader.hf_config import read_json
     from loom.model.loader.model_loader import read_arch, resolve_model_path
-    from loom.model.loader.safetensors import iter_safetensors_weights
-    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of, write_checkpoint
+    from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
     from loom.quant.rtn import quantize_fp8_e4m3
 
     out = _check_output(output)
@@ -117,15 +114,12 @@ def write_fp8_checkpoint(model: str | None, output: str) -> Fp8Result:
     arch = read_arch(model)
     if arch.architecture not in MODEL_TYPES:
         raise ValueError(f"fp8 cannot write a config for {arch.architecture}")
+    eos: set[int] = set()
     if path.is_file():
-        reader = open_gguf(path)
-        source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
-        from loom.model.loader.gguf import gguf_eos_token_ids
+        from loom.model.loader.gguf import gguf_eos_token_ids, open_gguf
 
-        config = hf_config_of(arch, set(gguf_eos_token_ids(reader)))
-    else:
-        source = dict(iter_safetensors_weights(path))
-        config = read_json(path / "config.json")
+        eos = set(gguf_eos_token_ids(open_gguf(path)))
+    source, config = source_checkpoint(path, arch, eos)
     tensors: dict[str, torch.Tensor] = {}
     bits = weights = 0
     for name, t in source.items():
@@ -138,8 +132,6 @@ def write_fp8_checkpoint(model: str | None, output: str) -> Fp8Result:
             weights += t.numel()
         else:
             tensors[name] = t.float().contiguous()
-    config.pop(CONFIG_KEY, None)
-    config["torch_dtype"] = "float32"
     config["quantization_config"] = fp8_quantization_config()
     write_checkpoint(out, tensors, config, load_tokenizer(model))
     seconds = time.perf_counter() - start

@@ -338,12 +338,9 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     """
 
     from loom.model.loader import load_model
-    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
-    from loom.model.loader.hf_config import read_json
     from loom.model.loader.model_loader import resolve_model_path
-    from loom.model.loader.safetensors import iter_safetensors_weights
     from loom.quant.mixed import units_of
-    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of, write_checkpoint
+    from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
 
     settings.check()
     out = _check_output(output)
@@ -357,15 +354,7 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     plan, dynamic, bits = mixed_precision_plan(loaded.model, loaded.arch, settings, windows)
     quantized = quantize_model_weights(loaded.model, loaded.arch, settings, windows, plan)
     half = frozenset(f"{p}.weight" for u in units_of(loaded.model) if plan[u.name] is None for p in u.projections)
-    if path.is_file():
-        reader = open_gguf(path)
-        source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
-        config = hf_config_of(loaded.arch, set(loaded.eos_token_ids))
-    else:
-        source = dict(iter_safetensors_weights(path))
-        config = read_json(path / "config.json")
-    config.pop(CONFIG_KEY, None)
-    config["torch_dtype"] = "float32"
+    source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     config["quantization_config"] = settings.quantization_config(calibration if tokens else "", tokens, dynamic)
     tensors = checkpoint_tensors(source, quantized, loaded.model, half)
     write_checkpoint(out, tensors, config, loaded.tokenizer)

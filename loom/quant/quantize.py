@@ -233,10 +233,7 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
     """
 
     from loom.model.loader import load_model
-    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
-    from loom.model.loader.hf_config import read_json
     from loom.model.loader.model_loader import resolve_model_path
-    from loom.model.loader.safetensors import iter_safetensors_weights
     from loom.quant.smoothquant import collect_input_absmax, search_alpha, smooth_weights
 
     _check_alpha(alpha)
@@ -253,14 +250,7 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
     stats = collect_input_absmax(loaded.model, loaded.arch, windows)
     alphas: float | dict[str, float] = (search_alpha(loaded.model, loaded.arch, windows, stats)
                                         if alpha == "search" else float(alpha))
-    if path.is_file():
-        reader = open_gguf(path)
-        weights = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
-        config = hf_config_of(loaded.arch, set(loaded.eos_token_ids))
-    else:
-        weights = dict(iter_safetensors_weights(path))
-        config = read_json(path / "config.json")
-    config["torch_dtype"] = "float32"
+    weights, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     smoothed = smooth_weights(weights, stats, loaded.arch, alphas)
     config[CONFIG_KEY] = {
         "method": "w8a8", "prepared_by": "smoothquant", "alpha": alpha if alpha == "search" else float(alpha),
@@ -286,6 +276,27 @@ def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict[s
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
+
+
+def source_checkpoint(path: Path, arch: Any, eos_token_ids: set[int],
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The source's tensors under Hugging Face names (a GGUF file's dequantized to float32, Q/K rows in HF
+    order) and a config.json for the output: a GGUF file's written from `arch` (hf_config_of), an HF
+    directory's own, without CONFIG_KEY and with torch_dtype float32 (the writers store float32)."""
+    from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
+    from loom.model.loader.hf_config import read_json
+    from loom.model.loader.safetensors import iter_safetensors_weights
+
+    if path.is_file():
+        reader = open_gguf(path)
+        source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
+        config = hf_config_of(arch, eos_token_ids)
+    else:
+        source = dict(iter_safetensors_weights(path))
+        config = read_json(path / "config.json")
+    config.pop(CONFIG_KEY, None)
+    config["torch_dtype"] = "float32"
+    return source, config
 
 
 def calibration_for(model: str | None, output: str, calibration_file: str | None, num_windows: int,

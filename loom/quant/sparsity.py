@@ -119,11 +119,10 @@ def write_sparse_checkpoint(model: str | None, output: str, score: str, windows:
             architecture loom cannot write a config for.
     """
     from loom.model.loader import load_model
-    from loom.model.loader.hf_config import read_json
     from loom.model.loader.model_loader import resolve_model_path
     from loom.quant.gptq_checkpoint import PROJECTIONS
     from loom.quant.mixed import units_of
-    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, hf_config_of, write_checkpoint
+    from loom.quant.quantize import CONFIG_KEY, MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
 
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
@@ -134,15 +133,7 @@ def write_sparse_checkpoint(model: str | None, output: str, score: str, windows:
     if loaded.arch.architecture not in MODEL_TYPES:
         raise ValueError(f"sparse24 cannot write a config for {loaded.arch.architecture}")
     prune_model_weights(loaded.model, loaded.arch, score, windows)
-    if path.is_file():
-        from loom.model.loader.gguf import gguf_arch_config, iter_gguf_weights, open_gguf
-
-        reader = open_gguf(path)
-        source = dict(iter_gguf_weights(reader, gguf_arch_config(reader)))
-    else:
-        from loom.model.loader.safetensors import iter_safetensors_weights
-
-        source = dict(iter_safetensors_weights(path))
+    source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     tensors = {name: t.float().contiguous() for name, t in source.items()}
     zeros = total = 0
     for unit in units_of(loaded.model):  # loom's stacked layers back into the checkpoint's projections
@@ -157,10 +148,7 @@ def write_sparse_checkpoint(model: str | None, output: str, score: str, windows:
                 raise ValueError(f"the source checkpoint lacks {name}")
             tensors[name] = w[row : row + rows].contiguous().clone()
             row += rows
-    config = (hf_config_of(loaded.arch, set(loaded.eos_token_ids)) if path.is_file()
-              else read_json(path / "config.json"))
     config.pop("quantization_config", None)
-    config["torch_dtype"] = "float32"
     tokens = sum(len(w) for w in windows) if score == "wanda" else 0
     config[CONFIG_KEY] = {"method": "none", "prepared_by": "sparse24", "score": score,
                           "calibration": calibration if tokens else "", "calibration_tokens": tokens,
