@@ -144,7 +144,8 @@ def register_quant(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window-len", type=_at_least(2), default=512, help="tokens per window (default: %(default)s)")
     p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="measure decode, batch-32 and prefill speed (default: on)")
-    p.add_argument("--threads", type=_at_least(1), default=2, help="threads for loom and llama.cpp (default: %(default)s)")
+    p.add_argument("--threads", type=_at_least(1), default=2,
+                   help="threads for loom and llama.cpp (default: %(default)s)")
     p.add_argument("--result-dir", type=Path, default=Path("benchmarks/results/quant"),
                    help="where quant.md, quant.json and quant.png go (default: %(default)s)")
     p.set_defaults(func=cmd_quant)
