@@ -171,3 +171,25 @@ def test_batched_bench_row_gives_output_tokens_over_the_whole_run() -> None:
 """
     assert qr.batched_output_tok_s(text, 128, 64, 4) == pytest.approx(4 * 64 / 4.763)
     assert qr.batched_output_tok_s(text, 128, 64, 32) is None
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--num-windows", "0"], "--num-windows: must be >= 1"),
+    (["--threads", "0"], "--threads: must be >= 1"),
+    (["--llama-cpp", "/nonexistent"], "--llama-cpp: /nonexistent/llama-quantize is missing"),
+    (["--checkpoint", "none=."], "labels must differ"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, args: list[str], message: str) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = [a.replace("=.", f"={tmp_path}") for a in args]
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", "quant", "--methods", "none", "--no-speed",
+                           *args], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_result_dir_that_is_a_file_is_refused(tmp_path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", "quant", "--result-dir", str(afile)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and "is a file, not a directory" in proc.stderr and "Traceback" not in proc.stderr
