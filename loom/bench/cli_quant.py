@@ -22,6 +22,13 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     checkpoints = [qr.parse_checkpoint_arg(c) for c in ns.checkpoint]
     if ns.result_dir.exists() and not ns.result_dir.is_dir():
         raise ValueError(f"--result-dir {str(ns.result_dir)!r} is a file, not a directory")
+    entries = [qr.QuantEntry(m, "loom", ns.model, m) for m in ns.methods]
+    for kv in ns.kv_cache_dtypes:
+        entries += [qr.QuantEntry(f"{m} + KV {kv}", "loom", ns.model, m, kv) for m in ns.kv_with]
+    entries += checkpoints
+    taken = [e.label for e in entries]
+    if len(set(taken)) != len(taken):
+        raise ValueError(f"--checkpoint labels must differ from each other and from the method rows, got {taken}")
     tools = None
     if ns.llama_cpp is not None:
         converter = ns.llama_cpp_converter or ns.llama_cpp.parent / "src" / "convert_hf_to_gguf.py"
@@ -46,13 +53,6 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     windows = token_windows(ids, ns.num_windows, ns.window_len)
     vocab = read_arch(ns.model).vocab_size
 
-    entries = [qr.QuantEntry(m, "loom", ns.model, m) for m in ns.methods]
-    for kv in ns.kv_cache_dtypes:
-        entries += [qr.QuantEntry(f"{m} + KV {kv}", "loom", ns.model, m, kv) for m in ns.kv_with]
-    entries += checkpoints
-    taken = [e.label for e in entries]
-    if len(set(taken)) != len(taken):
-        raise ValueError(f"--checkpoint labels must differ from each other and from the method rows, got {taken}")
     llama_files: dict[str, Path] = {}
     work = ns.result_dir / "llama-cpp"
     if tools is not None:
