@@ -42,7 +42,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LLAMA_CPP_TYPES = ("Q8_0", "Q6_K", "Q4_K_M", "Q4_0")
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GGUF_LINEAR = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 
 
@@ -93,42 +92,35 @@ def checkpoint_linear_bits(path: str | Path) -> float | None:
                 nbytes += int(t.n_bytes)
                 weights += int(t.n_elements)
         return 8 * nbytes / weights if weights else None
+    import math
+
     from safetensors import safe_open
 
-    nbytes = weights = 0
+    from loom.quant.gptq_checkpoint import LINEAR_NAMES
+
+    meta: dict[str, tuple[list[int], str]] = {}  # tensor name -> (shape, dtype), every file read once
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                module, _, kind = name.rpartition(".")
-                if module.rpartition(".")[2] not in LINEAR_NAMES or kind == "bias":
-                    continue
                 t = f.get_slice(name)
-                shape = t.get_shape()
-                count = 1
-                for d in shape:
-                    count *= d
-                item = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}[t.get_dtype()]
-                nbytes += count * item
-                if kind == "weight":
-                    weights += count
-                elif kind == "qweight":  # GPTQ [K * bits / 32, N] and AWQ [K, N * bits / 32] both hold K x N codes
-                    weights += _qweight_elements(path, module, shape)
+                meta[name] = (t.get_shape(), t.get_dtype())
+    item = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}
+    nbytes = weights = 0
+    for name, (shape, dtype) in meta.items():
+        module, _, kind = name.rpartition(".")
+        if module.rpartition(".")[2] not in LINEAR_NAMES or kind == "bias":
+            continue
+        nbytes += math.prod(shape) * item[dtype]
+        if kind == "weight":
+            weights += math.prod(shape)
+        elif kind == "qweight":  # GPTQ [K * bits / 32, N] and AWQ [K, N * bits / 32] both hold K x N codes
+            if f"{module}.g_idx" in meta:  # GPTQ: K from g_idx, N from scales [groups, N]
+                weights += meta[f"{module}.g_idx"][0][0] * meta[f"{module}.scales"][0][1]
+            elif f"{module}.scales" in meta:  # AWQ (4-bit): qweight [K, N / 8]
+                weights += shape[0] * shape[1] * 8
+            else:
+                raise ValueError(f"{module}: a qweight without scales")
     return 8 * nbytes / weights if weights else None
-
-
-def _qweight_elements(path: Path, module: str, shape: list[int]) -> int:
-    """K x N of a qweight from its scales ([groups, N]) and g_idx or the config's group size."""
-    from safetensors import safe_open
-
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names = set(f.keys())
-            if f"{module}.g_idx" in names:
-                k = f.get_slice(f"{module}.g_idx").get_shape()[0]
-                return k * f.get_slice(f"{module}.scales").get_shape()[1]
-            if f"{module}.scales" in names:  # AWQ: qweight [K, N / 8]
-                return shape[0] * shape[1] * 8
-    raise ValueError(f"{module}: a qweight without scales")
 
 
 def parse_checkpoint_arg(value: str) -> QuantEntry:

@@ -176,6 +176,22 @@ def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None,
     return RTNConfig(name)
 
 
+def quantized_shards(prefix: str, quantized: frozenset[str], what: str) -> list[str] | None:
+    """The checkpoint projection names behind loom layer `prefix` when the checkpoint holds `what` (its quantized
+    tensors) for every one of them; None when for none (the layer stays dense).
+
+    Raises:
+        ValueError: it holds them for only some (stacked shards run as one matrix).
+    """
+    names = _shard_names(prefix)
+    present = [n in quantized for n in names]
+    if all(present):
+        return names
+    if any(present):
+        raise ValueError(f"{prefix}: the checkpoint has {what} for only some of {names}")
+    return None
+
+
 def _shard_names(prefix: str) -> list[str]:
     """Checkpoint projection names behind a loom layer name (q/k/v behind qkv_proj)."""
     head, _, last = prefix.rpartition(".")

@@ -31,7 +31,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def fp8_quantization_config() -> dict[str, Any]:
@@ -105,6 +104,7 @@ def write_fp8_checkpoint(model: str | None, output: str) -> Fp8Result:
     """
     from loom.model.loader import load_tokenizer
     from loom.model.loader.model_loader import read_arch, resolve_model_path
+    from loom.quant.gptq_checkpoint import LINEAR_NAMES
     from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
     from loom.quant.rtn import quantize_fp8_e4m3
 
@@ -152,15 +152,11 @@ class Fp8CheckpointConfig:
 
     def get_quant_method(self, layer: Any, prefix: str) -> Any:
         from loom.model.layers.linear import default_linear_method
-        from loom.quant.config import _shard_names
+        from loom.quant.config import quantized_shards
         from loom.quant.methods import Fp8LinearMethod
 
-        names = _shard_names(prefix)
-        present = [n in self.checkpoint.quantized for n in names]
-        if all(present):
+        if quantized_shards(prefix, self.checkpoint.quantized, "FP8 scales") is not None:
             return Fp8LinearMethod(checkpoint_scales=True)
-        if any(present):
-            raise ValueError(f"{prefix}: the checkpoint has FP8 scales for only some of {names}")
         return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")))
 
     def embedding_packed(self) -> bool:

@@ -31,6 +31,7 @@ LINEAR_GROUPS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "ga
 # loom layer -> the checkpoint projections stacked in it
 PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+LINEAR_NAMES = tuple(p for group in PROJECTIONS.values() for p in group)  # the checkpoint's projection names
 
 
 @dataclass(frozen=True, slots=True)

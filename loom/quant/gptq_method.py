@@ -113,11 +113,10 @@ class GPTQConfig:
         self.checkpoint = checkpoint
 
     def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
-        from loom.quant.config import _shard_names
+        from loom.quant.config import quantized_shards
 
-        names = _shard_names(prefix)
-        present = [n in self.checkpoint.quantized for n in names]
-        if all(present):
+        names = quantized_shards(prefix, self.checkpoint.quantized, "quantized tensors")
+        if names is not None:
             bits = {self.checkpoint.bits_of(n) for n in names}
             if None in bits:
                 raise ValueError(f"{prefix}: quantization_config.dynamic leaves {names} unquantized, but the "
@@ -126,8 +125,6 @@ class GPTQConfig:
                 raise ValueError(f"{prefix}: quantization_config.dynamic gives {names} different bits "
                                  f"{sorted(bits)}; loom runs them as one matrix")
             return GPTQLinearMethod(self.checkpoint, bits.pop())
-        if any(present):
-            raise ValueError(f"{prefix}: the checkpoint quantizes only some of {names}")
         return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")))
 
     def embedding_packed(self) -> bool:
