@@ -46,13 +46,14 @@ DEFAULT_UPGRADES: tuple[Format, ...] = ((4, 32),)  # tried above the base, besid
 
 
 def format_bits(fmt: Format | None, input_size: int) -> float:
-    """Stored bits per weight: 16 for DENSE; else bits + (16 + bits) / group_size (a float16 scale and a
-    `bits`-wide zero point per group; a per-channel group spans all `input_size` columns)."""
+    """Stored bits per weight: 16 for DENSE; else bits + ceil(input_size / group_size) (16 + bits) / input_size
+    (a float16 scale and a `bits`-wide zero point per group, a last partial group costing a whole one; a
+    per-channel group spans all `input_size` columns)."""
     if fmt is DENSE:
         return 16.0
     bits, group_size = fmt
-    size = input_size if group_size == -1 else group_size
-    return bits + (16 + bits) / size
+    groups = 1 if group_size == -1 else -(-input_size // group_size)
+    return bits + groups * (16 + bits) / input_size
 
 
 def unit_bits(unit: "Unit", fmt: Format | None) -> float:

@@ -25,7 +25,8 @@ def _windows(vocab: int, n: int = 3, length: int = 40, seed: int = 0) -> list[li
 
 
 def test_format_bits_count_scales_and_zeros() -> None:
-    assert mixed.format_bits((4, 128), 576) == pytest.approx(4 + 20 / 128)
+    assert mixed.format_bits((4, 128), 512) == pytest.approx(4 + 20 / 128)
+    assert mixed.format_bits((4, 128), 576) == pytest.approx(4 + 5 * 20 / 576)  # 4 groups of 128 and one of 64
     assert mixed.format_bits((4, 32), 576) == pytest.approx(4 + 20 / 32)
     assert mixed.format_bits((8, -1), 512) == pytest.approx(8 + 24 / 512)
     assert mixed.format_bits(DENSE, 576) == 16.0
