@@ -14,6 +14,7 @@ import ctypes
 import torch
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' is_bf16 flag
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # paged_decode's kv_type: cache elements
 
 
 def _torch_lanes() -> int:
@@ -52,16 +53,17 @@ def check_decode_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, batch
 
 class PagedDecode:
     """ctypes binding of `loom_paged_decode` (csrc/paged_decode.c): one-token attention of a batch over its own
-    blocks of a float32 or bfloat16 paged KV cache, read in place (no gather, no padding, online softmax).
+    blocks of a float32, bfloat16 or float16 paged KV cache, read in place (no gather, no padding, online softmax).
 
-    For float32 or bfloat16 (query and cache of one dtype), any number of query heads per KV head. Threads take whole requests (all KV heads, so that
+    Query float32 over a float32, bfloat16 or float16 cache, or query bfloat16 over a bfloat16 or float16 cache
+    (16-bit cache rows widened in registers); any number of query heads per KV head. Threads take whole requests (all KV heads, so that
     each reads its blocks sequentially); with fewer than 4 requests per thread and long contexts, key ranges of
     a request, merged afterwards (see the top of csrc/paged_decode.c)."""
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         fn = lib.loom_paged_decode
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
-                       + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
+                       + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int])
         fn.restype = None
         self._fn = fn
         self.isa = isa
@@ -71,8 +73,11 @@ class PagedDecode:
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """True when this kernel can serve query [B, H, D] over kv_cache [2, num_blocks, block_size, H_kv, D]:
-        both float32 or both bfloat16, on the CPU, the cache contiguous."""
-        if query.dtype not in _DTYPES or kv_cache.dtype != query.dtype:
+        query float32 or bfloat16, the cache float32 (float32 queries only), bfloat16 or float16, on the CPU, the
+        cache contiguous."""
+        if query.dtype not in _DTYPES or kv_cache.dtype not in _KV_TYPES:
+            return False
+        if kv_cache.dtype == torch.float32 and query.dtype != torch.float32:
             return False
         if not query.is_cpu or not kv_cache.is_cpu:
             return False
@@ -89,8 +94,8 @@ class PagedDecode:
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                  num_threads: int | None = None, lengths_checked: bool = False) -> torch.Tensor:
-        """query [B, H, D] float32 or bfloat16; kv_cache [2, num_blocks, block_size, H_kv, D] of the same dtype
-        (K then V); block_table [B, >= ceil(max seq_len / block_size)] int64 block ids; seq_lens [B] int64 keys
+        """query [B, H, D] float32 or bfloat16; kv_cache [2, num_blocks, block_size, H_kv, D] float32, bfloat16
+        or float16 (K then V; see `supports`); block_table [B, >= ceil(max seq_len / block_size)] int64 block ids; seq_lens [B] int64 keys
         per request (>= 1, the query's own key written); scale: softmax scale; sliding_window: keys each query
         may see, itself included (None = all). Returns [B, H, D] in the query's dtype (bfloat16 rounded to
         nearest even from float32 arithmetic).
@@ -113,7 +118,7 @@ class PagedDecode:
             self._fn(query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
                      block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_cache.shape[3],
                      head_dim, kv_cache.shape[2], scale, sliding_window or 0,
-                     num_threads or torch.get_num_threads(), _DTYPES[query.dtype])
+                     num_threads or torch.get_num_threads(), _DTYPES[query.dtype], _KV_TYPES[kv_cache.dtype])
         return out
 
 
@@ -138,8 +143,25 @@ class FusedOps:
         self._rope.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                                + [ctypes.c_int])
         self._rope.restype = None
+        self._to_f16 = lib.loom_f32_to_f16_n
+        self._to_f16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self._to_f16.restype = None
         self.isa = isa
         self._lanes = _torch_lanes()
+
+    def float16(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 (any shape, CPU) -> float16 of its shape, rounded to nearest even by the C conversion the
+        decode step uses for float16 KV caches (for tests: it must equal torch's `.half()`, bit for bit).
+
+        Raises:
+            ValueError: x not a float32 CPU tensor.
+        """
+        if x.dtype != torch.float32 or not x.is_cpu:
+            raise ValueError("float16 takes a float32 CPU tensor")
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=torch.float16)
+        self._to_f16(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
 
     # (the checks are spelled out, not looped, for speed: at one decode row per step a call's Python side, not its
     # arithmetic, is its cost)

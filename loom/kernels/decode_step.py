@@ -4,7 +4,8 @@
 packed with float activations, shards of different layouts as a chain of parts; the fused ops and paged
 decode kernels of the same library; the cpu_paged backend) and records the weight pointers once; `run(...)`
 serves a pure decode step (every token a request's single new token) of at most `max_rows` requests over
-model-dtype KV caches, and returns None for anything else, so the per-layer path stays the fallback. Same
+KV caches of the model dtype, or of a 16-bit float type (bfloat16, float16: `_KV_TYPES`), and returns None for
+anything else, so the per-layer path stays the fallback. Same
 kernels in the same order as the per-layer path (loom/model/llama.py), so its hidden states equal that path's
 bit for bit (tests/kernels/test_decode_step.py).
 """
@@ -19,6 +20,7 @@ import torch
 from loom.kernels.cpu_generic import _torch_chunk, _torch_lanes
 
 _DTYPE_FLAGS = {torch.float32: 0, torch.bfloat16: 1}
+_KV_TYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C step's kv_type for caches not of the model dtype
 
 
 class _Packed(ctypes.Structure):
@@ -41,7 +43,7 @@ class _Dims(ctypes.Structure):
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("window", ctypes.c_int64), ("is_bf16", ctypes.c_int), ("torch_lanes", ctypes.c_int),
-                ("num_threads", ctypes.c_int)]
+                ("num_threads", ctypes.c_int), ("kv_type", ctypes.c_int)]
 
 
 class DecodeStep:
@@ -92,7 +94,8 @@ class ModelDecodeStep:
         if batch == 0 or batch > self.max_rows or attn_metadata.max_query_len != 1 or attn_metadata.num_reqs != batch:
             return None
         cache0 = kv_caches[0]
-        if cache0.dtype != self.dtype or not cache0.is_contiguous() or hidden.dtype != self.dtype:
+        if (cache0.dtype != self.dtype and cache0.dtype not in _KV_TYPES) or not cache0.is_contiguous() \
+                or hidden.dtype != self.dtype:
             return None
         plan = self.backend._step_plan(attn_metadata, self.sliding_window, self.dtype)
         decode = plan.decode
@@ -102,6 +105,7 @@ class ModelDecodeStep:
             for entry, cache in zip(self.layers, kv_caches, strict=True):
                 entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
             self.dims.block_size = cache0.shape[2]
+            self.dims.kv_type = 0 if cache0.dtype == self.dtype else _KV_TYPES[cache0.dtype]
             self._caches_id = id(kv_caches)
         self.dims.num_threads = torch.get_num_threads()
         scratch = self._scratch.get(batch)

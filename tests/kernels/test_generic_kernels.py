@@ -4,6 +4,8 @@ generic anywhere): numerics against float64 references and torch, validation."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,17 +57,22 @@ def test_the_generic_variants_are_listed_for_every_cpu() -> None:
 
 # ---------------------------------------------------------------- paged decode
 
+# (query dtype, cache dtype): one dtype, or 16-bit cache rows under float32 / bfloat16 queries
+QUERY_AND_CACHE = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+                   (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+
+
 @pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", QUERY_AND_CACHE)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (2, 1, 256), (5, 1, 40),
                                                 (12, 3, 24)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_matches_float64_attention(isa: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
-                                                window: int | None) -> None:
+def test_paged_decode_matches_float64_attention(isa: str, dtype: torch.dtype, kv_dtype: torch.dtype, heads: int,
+                                                kv_heads: int, dim: int, window: int | None) -> None:
     paged = kernel_or_skip("paged_decode", isa)
     g = torch.Generator().manual_seed(heads * 100 + dim)
     block_size, num_blocks = 4, 64
-    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(kv_dtype)
     seq_lens = torch.tensor([1, 3, 4, 5, 17, 33, 150], dtype=torch.int64)
     block_table = torch.stack([torch.randperm(num_blocks, generator=g)[:40] for _ in seq_lens])  # int64
     q = (torch.randn(len(seq_lens), heads, dim, generator=g) * 2).to(dtype)
@@ -75,22 +82,23 @@ def test_paged_decode_matches_float64_attention(isa: str, dtype: torch.dtype, he
     for threads in (1, 2):
         out = paged(q, kv_cache, block_table, seq_lens, scale, window, num_threads=threads)
         assert out.dtype == dtype and out.shape == q.shape
-        if dtype == torch.float32:  # float32 sums of a few hundred terms
+        if dtype == torch.float32:  # float32 sums of a few hundred terms (16-bit cache values widen exactly)
             assert torch.allclose(out.double(), ref, rtol=1e-5, atol=2e-6), (out.double() - ref).abs().max()
         else:  # float32 arithmetic, one bf16 rounding of the output
             assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=1e-3), (out.double() - ref).abs().max()
 
 
 @pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", QUERY_AND_CACHE)
 @pytest.mark.parametrize("window", [None, 300])
-def test_paged_decode_splits_long_contexts_over_threads(isa: str, dtype: torch.dtype, window: int | None) -> None:
+def test_paged_decode_splits_long_contexts_over_threads(isa: str, dtype: torch.dtype, kv_dtype: torch.dtype,
+                                                        window: int | None) -> None:
     """Few requests, long contexts: each request's keys are split into ranges merged afterwards (one range of
     the short request is empty)."""
     paged = kernel_or_skip("paged_decode", isa)
     g = torch.Generator().manual_seed(7)
     block_size, num_blocks = 16, 160
-    kv_cache = torch.randn(2, num_blocks, block_size, 3, 64, generator=g).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, 3, 64, generator=g).to(kv_dtype)
     seq_lens = torch.tensor([1000, 3], dtype=torch.int64)
     block_table = torch.stack([torch.randperm(num_blocks, generator=g)[:63] for _ in seq_lens])
     q = (torch.randn(2, 9, 64, generator=g) * 3).to(dtype)
@@ -105,8 +113,9 @@ def test_paged_decode_splits_long_contexts_over_threads(isa: str, dtype: torch.d
 
 def test_generic_paged_decode_takes_any_head_dim() -> None:
     paged = kernel_or_skip("paged_decode", "generic")
-    for heads, kv_heads, dim in ((3, 1, 12), (2, 2, 7)):
-        kv_cache = torch.randn(2, 10, 4, kv_heads, dim)
+    for (heads, kv_heads, dim), kv_dtype in itertools.product(((3, 1, 12), (2, 2, 7)),
+                                                             (torch.float32, torch.float16, torch.bfloat16)):
+        kv_cache = torch.randn(2, 10, 4, kv_heads, dim).to(kv_dtype)  # 16-bit rows: widened once per tile
         table = torch.randperm(10)[None, :6].repeat(2, 1)
         seq_lens = torch.tensor([6, 21], dtype=torch.int64)
         q = torch.randn(2, heads, dim)
@@ -132,8 +141,11 @@ def test_paged_decode_refuses_what_it_cannot_serve(isa: str) -> None:
     kv = torch.randn(2, 4, 4, 2, 64)
     table = torch.zeros(1, 2, dtype=torch.int64)
     assert paged.supports(torch.randn(1, 4, 64), kv) and paged.supports(torch.randn(1, 4, 64).bfloat16(), kv.bfloat16())
-    assert not paged.supports(torch.randn(1, 4, 64).bfloat16(), kv)  # dtypes differ
-    assert not paged.supports(torch.randn(1, 4, 64).half(), kv.half())  # float16
+    assert paged.supports(torch.randn(1, 4, 64), kv.half()) and paged.supports(torch.randn(1, 4, 64), kv.bfloat16())
+    assert paged.supports(torch.randn(1, 4, 64).bfloat16(), kv.half())  # 16-bit caches under either query
+    assert not paged.supports(torch.randn(1, 4, 64).bfloat16(), kv)  # a float32 cache under bfloat16 queries
+    assert not paged.supports(torch.randn(1, 4, 64).half(), kv.half())  # float16 queries
+    assert not paged.supports(torch.randn(1, 4, 64), kv.to(torch.int8))  # quantized caches gather instead
     assert not paged.supports(torch.randn(1, 3, 64), kv)  # 3 heads over 2 KV heads
     assert not paged.supports(torch.randn(1, 4, 32), kv)  # head_dim differs
     assert not paged.supports(torch.randn(1, 4, 64), kv.transpose(1, 2))  # not contiguous
@@ -323,3 +335,23 @@ def test_gemv_w16_rejects_what_it_cannot_read(isa: str) -> None:
     assert gemv(torch.empty(0, 16), w).shape == (0, 8)
     assert torch.equal(gemv(torch.empty(3, 0), torch.empty(4, 0, dtype=torch.bfloat16), torch.ones(4)),
                        torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("isa", kernel_isas("fused_ops"))
+def test_float16_conversion_rounds_as_torch(isa: str) -> None:
+    """The float32 -> float16 rounding the C decode step applies to K/V rows of a float16 cache: nearest even,
+    subnormals, overflow to infinity, NaN, bit for bit as torch's `.half()`."""
+    fused = kernel_or_skip("fused_ops", isa)
+    g = torch.Generator().manual_seed(3)
+    halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    special = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e9, float("inf"), float("-inf"),
+                            float("nan"), 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -14 - 2.0 ** -26, 1e-30])
+    x = torch.cat([
+        halves, special,
+        (halves[:-1] + halves[1:]) / 2,  # ties between neighbours: to even
+        torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-28, 17, (100_000,), generator=g).float()),
+    ])
+    ours, theirs = fused.float16(x), x.half()
+    nan = theirs.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours[~nan].view(torch.int16), theirs[~nan].view(torch.int16))

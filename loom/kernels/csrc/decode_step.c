@@ -16,12 +16,15 @@
  *                    h = silu_mul(normed Wgu^T) Wdown^T
  *   out = add_rmsnorm(h, residual) with the final norm
  *
- * All activations are float32 or bfloat16 (`is_bf16`); KV caches are in that dtype. Scratch buffers are the
+ * All activations are float32 or bfloat16 (`is_bf16`); KV caches are in that dtype, or 16-bit (`kv_type` 1:
+ * bfloat16, 2: float16, rounded to nearest even on the write as torch's copy rounds). Scratch buffers are the
  * caller's (reused every step). Returns 0, or -1 when a kernel failed to allocate scratch (out undefined).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "quant_common.h" /* loom_bf16_to_f32, loom_f32_to_bf16, loom_f32_to_f16 */
 
 /* kernels of the other sources compiled into this library (qgemm.c, fused_ops.c, paged_decode.c) */
 int loom_gemm_q4g32_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
@@ -38,7 +41,8 @@ void loom_rotary(const void *x, int64_t row_stride, const float *cos, const floa
                  int64_t heads, int64_t dim, int is_bf16);
 void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                        int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
-                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16);
+                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
+                       int kv_type);
 
 /* A packed weight [N, K] (loom/quant/layout.py): q4g32 (is_q8 = 0) or q8g with `group`. A projection whose
  * shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a chain of parts,
@@ -55,7 +59,7 @@ typedef struct LoomPacked {
 typedef struct {
     LoomPacked qkv, o, gate_up, down;
     const void *norm1, *norm2; /* [hidden] model dtype: input_layernorm, post_attention_layernorm */
-    void *k_cache, *v_cache;   /* [num_blocks, block_size, Hkv, D] model dtype */
+    void *k_cache, *v_cache;   /* [num_blocks, block_size, Hkv, D] model dtype or kv_type */
 } LoomLayer;
 
 typedef struct {
@@ -63,7 +67,21 @@ typedef struct {
     float eps, scale;
     int64_t window; /* sliding window (keys seen, itself included), 0 = all */
     int is_bf16, torch_lanes, num_threads;
+    int kv_type; /* cache elements: 0 the model dtype, 1 bfloat16, 2 float16 */
 } LoomDims;
+
+/* n activations (float32, or bfloat16 when src_bf16) into a cache row of type kv (0: the same dtype) */
+static void store_kv(void *dst, const void *src, int64_t n, int src_bf16, int kv) {
+    if (kv == 0 || (kv == 1 && src_bf16)) {
+        memcpy(dst, src, (size_t)n * (src_bf16 ? 2 : 4));
+        return;
+    }
+    uint16_t *o = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = src_bf16 ? loom_bf16_to_f32(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+        o[i] = kv == 2 ? loom_f32_to_f16(v) : loom_f32_to_bf16(v);
+    }
+}
 
 static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
     if (w->is_q8)
@@ -112,6 +130,8 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
                      void *act, int64_t torch_chunk) {
     const int bf16 = d->is_bf16, threads = d->num_threads, lanes = d->torch_lanes;
     const size_t es = bf16 ? 2 : 4;
+    const int kv = d->kv_type;
+    const size_t kes = kv ? 2 : es; /* bytes per cache element */
     const int64_t H = d->hidden, D = d->head_dim, Hq = d->heads, Hkv = d->kv_heads;
     const int64_t qkv_width = (Hq + 2 * Hkv) * D, row = Hkv * D;
     for (int64_t l = 0; l < d->num_layers; ++l) {
@@ -128,13 +148,13 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         for (int64_t b = 0; b < B; ++b) {
             const int64_t slot = slot_mapping[b];
             if (slot < 0) continue;
-            memcpy((char *)L->k_cache + (size_t)(slot * row) * es, (const char *)k + (size_t)(b * row) * es,
-                   (size_t)row * es);
-            memcpy((char *)L->v_cache + (size_t)(slot * row) * es,
-                   (const char *)qkv + (size_t)(b * qkv_width + (Hq + Hkv) * D) * es, (size_t)row * es);
+            store_kv((char *)L->k_cache + (size_t)(slot * row) * kes, (const char *)k + (size_t)(b * row) * es,
+                     row, bf16, kv);
+            store_kv((char *)L->v_cache + (size_t)(slot * row) * kes,
+                     (const char *)qkv + (size_t)(b * qkv_width + (Hq + Hkv) * D) * es, row, bf16, kv);
         }
         loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
-                          d->block_size, d->scale, d->window, threads, bf16);
+                          d->block_size, d->scale, d->window, threads, bf16, kv ? kv : bf16);
         if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) return -1;
         loom_add_rmsnorm(h, residual, L->norm2, normed, residual, B, H, d->eps, bf16);
         if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) return -1;

@@ -353,3 +353,9 @@ void loom_rotary(const void *x, int64_t row_stride, const float *cos, const floa
         }
     }
 }
+
+/* dst[i] = src[i] as IEEE float16 bits, rounded to nearest even (the conversion the C decode step applies when
+ * it writes float32 K/V rows into a float16 cache; exported so that tests can hold it to torch's `.half()`). */
+void loom_f32_to_f16_n(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = loom_f32_to_f16(src[i]);
+}

@@ -1,7 +1,9 @@
 /*
- * Decode attention over a paged float32 or bfloat16 KV cache, read in place, for any CPU
- * (loom/kernels/cpu_generic.py), with a dtype flag: query, cache and output all float32 (is_bf16 = 0) or all
- * bfloat16 (is_bf16 = 1: widened to float32 in registers, the output rounded to nearest even).
+ * Decode attention over a paged KV cache, read in place, for any CPU (loom/kernels/cpu_generic.py). Query and
+ * output are float32 (is_bf16 = 0) or bfloat16 (is_bf16 = 1: the output rounded to nearest even); the cache
+ * elements are float32 (kv_type 0), bfloat16 (1) or IEEE float16 (2: llama.cpp's default KV type, half the
+ * bytes of float32 with 11 significant bits). 16-bit rows are widened to float32 in registers (bf16: a shift;
+ * f16: F16C's VCVTPH2PS, exact).
  *
  * For each request b (one query token) and KV head h: the G = H / H_kv query heads of the group
  * (grouped-query attention, arXiv:2305.13245) attend to keys t in [start, seq_lens[b]), where
@@ -23,7 +25,7 @@
  *     up to 3 query heads x 4 keys (8 keys for a single head), each K vector feeding every head of the
  *     block; the 4 (or 8) dot products of a head are reduced together by one transpose-add, not one
  *     horizontal sum per key. The p-weighted V sum likewise applies each loaded V vector to up to 3 heads.
- *     bf16 rows are widened in registers (a shift), never staged.
+ *     16-bit rows are widened in registers, never staged.
  *
  * Work is split over num_threads OpenMP threads (torch's libgomp) by request, all KV heads together; when
  * there are fewer requests than 4 per thread and the contexts are long, each request's keys are also split
@@ -58,14 +60,14 @@ typedef struct {
     const int64_t *blocks; /* this request's row of the block table */
     int64_t block_size, H_kv, D, G, tile;
     float scale;
-    int bf16;
+    int kv; /* cache element type: 0 float32, 1 bfloat16, 2 float16 */
 } req_t;
 
 /* per-thread scratch (floats) */
 typedef struct {
     float *q;      /* [H, D] the request's queries, float32 */
     float *scores; /* [G, tile] */
-    float *kbuf;   /* [tile, D] one head's bf16 tile widened (unused for float32 caches) */
+    float *kbuf;   /* [tile, D] one head's 16-bit tile widened (the portable path; unused for float32) */
     float *vbuf;   /* [tile, D] */
 } scratch_t;
 
@@ -114,8 +116,9 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 #define LOAD_f32(p) _mm256_loadu_ps(p)
 #define LOAD_bf16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 
-/* The register kernels, for each cache element type T (f32: float, bf16: uint16_t). */
+/* The register kernels, for each cache element type T (f32: float, bf16 and f16: uint16_t). */
 #define LOOM_KERNELS(T, ET)                                                                                  \
     /* sc[0 .. 8) = q . k_j for the 8 keys kp[0 .. 8) (one query head) */                                    \
     static inline void qk1_##T(const float *q, int64_t D, const ET *const *kp, float *sc, int64_t tile) {   \
@@ -242,23 +245,30 @@ static inline int head_block(int64_t left) { return left == 4 ? 2 : left >= 3 ? 
 
 LOOM_KERNELS(f32, float)
 LOOM_KERNELS(bf16, uint16_t)
+LOOM_KERNELS(f16, uint16_t)
 #undef LOOM_KERNELS
 #undef LOOM_QK
 #undef LOOM_PV
 
-static inline void widen_row(float *dst, const uint16_t *src, int64_t D) {
+/* D 16-bit cache values (kv 1: bfloat16, 2: float16) as float32 */
+static inline void widen_row(float *dst, const uint16_t *src, int64_t D, int kv) {
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
-        _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    if (kv == 2) {
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, LOAD_f16(src + d));
+        for (; d < D; ++d) dst[d] = loom_f16_to_f32(src[d]);
+        return;
     }
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, LOAD_bf16(src + d));
     for (; d < D; ++d) dst[d] = loom_bf16_to_f32(src[d]);
 }
 #else
 static inline float exp1(float x) { return x < -104.0f ? 0.0f : expf(x); }
 
-static inline void widen_row(float *dst, const uint16_t *src, int64_t D) {
-    for (int64_t d = 0; d < D; ++d) dst[d] = loom_bf16_to_f32(src[d]);
+static inline void widen_row(float *dst, const uint16_t *src, int64_t D, int kv) {
+    if (kv == 2)
+        for (int64_t d = 0; d < D; ++d) dst[d] = loom_f16_to_f32(src[d]);
+    else
+        for (int64_t d = 0; d < D; ++d) dst[d] = loom_bf16_to_f32(src[d]);
 }
 #endif
 
@@ -273,8 +283,8 @@ static inline float dot_portable(const float *a, const float *b, int64_t D) {
     return s;
 }
 
-/* the rows of one KV head over one tile: float32 rows (the cache's, or bf16 ones widened, for the portable
- * path), or the cache's own rows of either type (the AVX2 path) */
+/* the rows of one KV head over one tile: float32 rows (the cache's, or 16-bit ones widened, for the portable
+ * path), or the cache's own rows of any type (the AVX2 path) */
 typedef struct {
     const float *kf[MAX_TILE], *vf[MAX_TILE];
 #if defined(__AVX2__)
@@ -291,8 +301,10 @@ static void head_tile(const req_t *R, const float *q, const rows_t *rw, int vec,
     const int64_t D = R->D, G = R->G, tile = R->tile;
 #if defined(__AVX2__)
     if (vec) { /* all scores of the tile */
-        if (R->bf16)
+        if (R->kv == 1)
             qk_heads_bf16(q, G, D, rw->kb, nt8, scores, tile);
+        else if (R->kv == 2)
+            qk_heads_f16(q, G, D, rw->kb, nt8, scores, tile);
         else
             qk_heads_f32(q, G, D, rw->kf, nt8, scores, tile);
     }
@@ -359,8 +371,10 @@ static void head_tile(const req_t *R, const float *q, const rows_t *rw, int vec,
     }
 #if defined(__AVX2__)
     if (vec) {
-        if (R->bf16)
+        if (R->kv == 1)
             pv_all_bf16(acc, G, D, scores, tile, rw->vb, nt);
+        else if (R->kv == 2)
+            pv_all_f16(acc, G, D, scores, tile, rw->vb, nt);
         else
             pv_all_f32(acc, G, D, scores, tile, rw->vf, nt);
     }
@@ -376,7 +390,7 @@ static void attend_range(const req_t *R, const scratch_t *S, int64_t t0, int64_t
                          float *acc) {
     const int64_t D = R->D, G = R->G, H_kv = R->H_kv, tile = R->tile, bs = R->block_size;
     const int64_t row_stride = H_kv * D; /* elements from one key's rows to the next key's */
-    const size_t es = R->bf16 ? 2 : 4;
+    const size_t es = R->kv ? 2 : 4;
     const int64_t row_bytes = row_stride * (int64_t)es;
     const unsigned char *kc = (const unsigned char *)R->k_cache, *vc = (const unsigned char *)R->v_cache;
 #if defined(__AVX2__)
@@ -407,12 +421,12 @@ static void attend_range(const req_t *R, const scratch_t *S, int64_t t0, int64_t
         for (int64_t h = 0; h < H_kv; ++h) {
             for (int64_t i = 0; i < nt; ++i) {
                 const int64_t at = rows[i] + h * D;
-                if (!R->bf16) {
+                if (!R->kv) {
                     rw.kf[i] = (const float *)R->k_cache + at;
                     rw.vf[i] = (const float *)R->v_cache + at;
                 } else if (!vec) { /* the portable path widens the rows once */
-                    widen_row(S->kbuf + i * D, (const uint16_t *)R->k_cache + at, D);
-                    widen_row(S->vbuf + i * D, (const uint16_t *)R->v_cache + at, D);
+                    widen_row(S->kbuf + i * D, (const uint16_t *)R->k_cache + at, D, R->kv);
+                    widen_row(S->vbuf + i * D, (const uint16_t *)R->v_cache + at, D, R->kv);
                     rw.kf[i] = S->kbuf + i * D;
                     rw.vf[i] = S->vbuf + i * D;
                 }
@@ -425,7 +439,7 @@ static void attend_range(const req_t *R, const scratch_t *S, int64_t t0, int64_t
             }
             for (int64_t i = nt; i < nt8; ++i) { /* padding keys, masked in head_tile */
 #if defined(__AVX2__)
-                if (R->bf16 && vec) {
+                if (R->kv && vec) {
                     rw.kb[i] = rw.kb[nt - 1];
                     continue;
                 }
@@ -450,8 +464,9 @@ static void store_out(void *out, int64_t at, const float *acc, float inv, int64_
 
 void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                        int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
-                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16) {
-    const int bf16 = is_bf16 != 0;
+                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
+                       int kv_type) {
+    const int bf16 = is_bf16 != 0, kv = kv_type == 1 || kv_type == 2 ? kv_type : 0;
     const int64_t G = H / H_kv;
     if (num_threads < 1) num_threads = 1;
     int64_t tile = (TILE_FLOATS / D) & ~(int64_t)7;
@@ -497,7 +512,7 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
             t0 = t0 < end ? t0 : end;
             t1 = t1 < end ? t1 : end;
             const req_t R = {k_cache, v_cache, block_table + b * bt_stride, block_size, H_kv, D, G, tile, scale,
-                             bf16};
+                             kv};
             for (int64_t i = 0; i < H * D; ++i)
                 S.q[i] = bf16 ? loom_bf16_to_f32(((const uint16_t *)q)[b * H * D + i]) : ((const float *)q)[b * H * D + i];
             if (splits == 1) {

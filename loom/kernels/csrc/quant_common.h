@@ -67,6 +67,36 @@ static inline void loom_store_out(void *y, int64_t at, float v, int y_bf16) {
         ((float *)y)[at] = v;
 }
 
+/* nearest integer, ties to even, of 0 <= v <= 1024 (adding and subtracting 2^23 rounds under IEEE semantics) */
+static inline float loom_round_even_small(float v) {
+    const float magic = 8388608.0f;
+    return (v + magic) - magic;
+}
+
+/* float32 -> IEEE float16 bit pattern, rounded to nearest even (torch's `.to(torch.float16)`): overflow gives
+ * infinity, tiny values round into the subnormals, NaN stays a (quiet) NaN. */
+static inline uint16_t loom_f32_to_f16(float f) {
+#if LOOM_QSIMD
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN, quieted */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: infinity */
+    if (a < 0x38800000u) {                                   /* below 2^-14: a float16 subnormal (or zero) */
+        /* a's value times 2^24 rounded to an integer, ties to even: the subnormal's mantissa */
+        float g;
+        memcpy(&g, &a, 4);
+        return (uint16_t)(sign | (uint16_t)loom_round_even_small(g * 16777216.0f));
+    }
+    /* normal: rebias the exponent (127 -> 15) and round the 13 dropped mantissa bits to nearest even */
+    const uint32_t r = a + 0x0fffu + ((a >> 13) & 1u) - (112u << 23);
+    return (uint16_t)(sign | (uint16_t)(r >> 13));
+#endif
+}
+
 /* Round to nearest, ties to even, for |v| <= 2^22 without libm (the generic build must not depend on
  * nearbyintf being inlined): adding and subtracting 1.5 * 2^23 leaves the float32 rounding of v to an
  * integer under the default rounding mode. Needs IEEE semantics (no -ffast-math), which loom builds with. */
