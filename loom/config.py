@@ -18,8 +18,9 @@ _SPECULATIVE_OPTIONS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_l
                         "speculative_tree_width", "speculative_quantization")
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# KV cache storage; "auto" = the model dtype. int8: asymmetric codes with a float16 scale + min per 32
-# values of a (token slot, kv head) row; fp8_e4m3: a float32 scale per row (docs/kv_cache.md).
+# KV cache storage; "auto" = the model dtype (float16 for packed weights on the CPU, as llama.cpp stores KV).
+# int8: asymmetric codes with a float16 scale + min per 32 values of a (token slot, kv head) row; fp8_e4m3: a
+# float32 scale per row (docs/kv_cache.md).
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
 # weight quantization methods (loom/quant/config.py): none = dequantize at load (the oracle path)
@@ -106,7 +107,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_waiting_requests: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None = number of cores
-    kv_cache_dtype: str = "auto"  # KV storage: auto (= dtype) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
+    kv_cache_dtype: str = "auto"  # KV storage: auto (= dtype; float16 for packed CPU weights) | float32 | bfloat16 | float16 | int8 | fp8_e4m3
     kv_offload_memory_gb: float = 0.0  # GiB of host memory for offloaded KV blocks; 0 = no host tier
     preemption_mode: str = "recompute"  # recompute | swap (needs kv_offload_memory_gb > 0)
     speculative_method: str | None = None  # ngram; None = no speculative decoding (loom/spec)

@@ -109,7 +109,9 @@ def _add_analyze_args(p: argparse.ArgumentParser) -> None:
                         "the CPU multiplies it natively, else float32), float32, bfloat16, float16, int8, q8_0, "
                         "q4_1, q4_0, 'packed' (loom's layouts for the GGUF file's types, what quantization gguf "
                         "reads) or 'stored' (the GGUF's own bytes) (default: %(default)s)")
-    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the compute dtype)")
+    p.add_argument("--kv-dtype", default=None,
+                   help="KV cache dtype (default: what the engine stores: float16 under packed weights, else the "
+                        "compute dtype)")
     p.add_argument("--compute-dtype", default=None,
                    help="matmul dtype of the FLOP/s probe (default: --dtype if a float type, else float32)")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth in GB/s (default: probe)")

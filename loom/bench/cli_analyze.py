@@ -34,7 +34,8 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
     compute = ns.compute_dtype or (ns.dtype if ns.dtype in FLOAT_DTYPES else "float32")
     if compute not in DTYPES:
         raise ValueError(f"--compute-dtype must be one of {tuple(DTYPES)}, got {compute!r}")
-    kv = ns.kv_dtype or compute
+    # the engine's --kv-cache-dtype auto: float16 under packed weights (llama.cpp's KV type), else the compute dtype
+    kv = ns.kv_dtype or ("float16" if ns.dtype == "packed" and compute == "float32" else compute)
     if kv not in BYTES_PER_KV_ELEMENT:
         raise ValueError(f"--kv-dtype must be one of {tuple(BYTES_PER_KV_ELEMENT)}, got {kv!r}")
     if ns.dtype not in ("stored", "packed") and ns.dtype not in BYTES_PER_WEIGHT:

@@ -39,15 +39,20 @@ class QualityResult:
 def window_logits(model: torch.nn.Module, arch: object, tokens: list[int], block_size: int = 16,
                   kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Logits [len(tokens), vocab] float32 of one sequence computed in one prefill over a fresh paged cache of
-    `kv_cache_dtype` (loom.attention.kv_quant: "auto" = the model dtype, "int8", "fp8_e4m3", ...). Prefill
-    attention reads its keys and values back from the cache (loom/attention/cpu_paged.py), so a quantized
-    cache's rounding is in every position's logits, as it is in decode."""
+    `kv_cache_dtype` (loom.attention.kv_quant: "auto" = what the engine stores for this model: float16 under
+    packed weights on the CPU, else the model dtype; "int8", "fp8_e4m3", ...). Prefill attention reads its keys
+    and values back from the cache (loom/attention/cpu_paged.py), so a 16-bit or quantized cache's rounding is in
+    every position's logits, as it is in decode."""
     from loom.attention.kv_quant import resolve_kv_cache_dtype
+    from loom.quant.methods import PackedLinearMethod
 
     num_blocks = -(-len(tokens) // block_size)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    caches = allocate_kv_caches(arch, num_blocks, block_size, resolve_kv_cache_dtype(kv_cache_dtype, dtype), device)
+    packed_cpu = device.type == "cpu" and any(
+        isinstance(getattr(m, "quant_method", None), PackedLinearMethod) for m in model.modules())
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, packed_cpu=packed_cpu)
+    caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
     meta = build_attention_metadata([len(tokens)], [len(tokens)], [list(range(num_blocks))], block_size, device)
     hidden = model(torch.tensor(tokens, device=device), torch.arange(len(tokens), device=device), caches, meta)
     return model.compute_logits(hidden).float()

@@ -43,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks; overrides --kv-cache-memory-gb")
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=SUPPORTED_KV_CACHE_DTYPES,
-                   help="KV cache storage; auto = --dtype; int8/fp8_e4m3 keep a float32 scale per token and KV head "
+                   help="KV cache storage; auto = --dtype, except float16 for packed weights on the CPU (the GGUF "
+                        "default: llama.cpp's KV type, half the bytes of float32); int8/fp8_e4m3 keep a float32 scale per token and KV head "
                         "(default: %(default)s)")
     g.add_argument("--kv-offload-memory", dest="kv_offload_memory_gb", type=float, metavar="GIB",
                    default=defaults.kv_offload_memory_gb,

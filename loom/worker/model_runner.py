@@ -52,15 +52,22 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     """
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cpu":
-        method = quantization
-        if method is None:
-            from loom.model.loader.model_loader import default_quantization
-
-            method = default_quantization(model)
-        if method in PACKED_CPU_METHODS:
-            return torch.float32
+    if packed_on_cpu(device, quantization, model):
+        return torch.float32
     return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+
+
+def packed_on_cpu(device: torch.device, quantization: str | None, model: str | None) -> bool:
+    """True when the weights run packed on the CPU: a PACKED_CPU_METHODS method (`quantization` None = the
+    checkpoint's default, "gguf" for a GGUF file) on a CPU device."""
+    if device.type != "cpu":
+        return False
+    method = quantization
+    if method is None:
+        from loom.model.loader.model_loader import default_quantization
+
+        method = default_quantization(model)
+    return method in PACKED_CPU_METHODS
 
 
 def bf16_is_fast(device: torch.device) -> bool:
@@ -97,7 +104,9 @@ class ModelRunner:
         self.eos_token_ids = loaded.eos_token_ids
         self.model_path = loaded.model_path
         self.block_size = cache_config.block_size
-        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            cache_config.kv_cache_dtype, self.dtype,
+            packed_cpu=packed_on_cpu(device, model_config.quantization, model_config.model))
         self.kv_bytes_per_token = kv_cache_bytes_per_token(self.arch, self.kv_cache_dtype)
         self.num_blocks = cache_config.num_blocks or num_blocks_for_budget(
             self.arch, self.kv_cache_dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes

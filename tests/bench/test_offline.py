@@ -127,6 +127,11 @@ def test_cli_analyze_with_given_machine(tmp_path: Path, capsys: pytest.CaptureFi
     assert floors["floors"]["decode_step_floor_ms_B1_C0"] == pytest.approx(53.806, rel=1e-4)
     assert floors["efficiency"][0]["fraction"] == pytest.approx(0.5, rel=1e-3)
     assert "of roofline" in capsys.readouterr().out
+    # the bundled GGUF, as the engine runs it: packed weights over a float16 KV cache (2 bytes per element)
+    packed = _parser().parse_args(["analyze", "--bandwidth-gbs", "10", "--gflops", "100", "--json", str(out)])
+    assert packed.func(packed) == 0
+    floors = json.loads(out.read_text())
+    assert floors["floors"]["weight_dtype"] == "packed" and floors["floors"]["kv_bytes_per_token"] == 23040
     bad = _parser().parse_args(["analyze", "--bandwidth-gbs", "10", "--gflops", "100", "--dtype", "float64"])
     with pytest.raises(ValueError, match="--dtype"):
         bad.func(bad)

@@ -26,3 +26,30 @@ def test_packed_methods_run_float32_activations_on_cpu(monkeypatch: pytest.Monke
 def test_an_explicit_dtype_is_kept() -> None:
     assert resolve_dtype("bfloat16", CPU, "gguf") == torch.bfloat16
     assert resolve_dtype("float32", CPU, "none") == torch.float32
+
+
+def test_packed_weights_on_cpu_get_a_float16_kv_cache_by_default() -> None:
+    """--kv-cache-dtype auto: float16 under packed float32 weights on the CPU (llama.cpp's KV type: half the bytes
+    a decode step streams), the model dtype everywhere else, and an explicit choice kept."""
+    from loom.attention.kv_quant import resolve_kv_cache_dtype
+    from loom.worker.model_runner import packed_on_cpu
+
+    assert packed_on_cpu(CPU, None, None)  # the bundled GGUF runs as "gguf"
+    assert packed_on_cpu(CPU, "w4a16", None) and not packed_on_cpu(CPU, "none", None)
+    assert not packed_on_cpu(torch.device("cuda"), "gguf", None)
+    assert resolve_kv_cache_dtype("auto", torch.float32, packed_cpu=True) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, packed_cpu=False) == torch.float32  # the oracle path
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, packed_cpu=True) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float32", torch.float32, packed_cpu=True) == torch.float32
+
+
+def test_the_engine_runs_the_bundled_model_over_a_float16_cache() -> None:
+    from loom.config import CacheConfig, ModelConfig
+    from loom.worker.model_runner import ModelRunner
+
+    small = dict(num_blocks=8)
+    packed = ModelRunner(ModelConfig(), CacheConfig(**small), CPU)
+    assert packed.kv_cache_dtype == torch.float16 and packed.kv_caches[0].dtype == torch.float16
+    assert packed.model.model.decode_step is not None  # the one-call C step serves the float16 cache
+    oracle = ModelRunner(ModelConfig(quantization="none", dtype="float32"), CacheConfig(**small), CPU)
+    assert oracle.kv_cache_dtype == torch.float32

@@ -108,7 +108,6 @@ def test_mixed_layout_shards_run_as_a_chain_of_parts(batch: int) -> None:
     Qwen2.5-Coder-1.5B) is a chain of parts in the C step, each writing its own output columns; the step
     still equals the per-layer path (which concatenates the parts' outputs) bit for bit, at M = 1 (written in
     place) and M > 1 (computed apart, then copied)."""
-    from loom.kernels.decode_step import ModelDecodeStep
     from loom.quant.layout import PackedWeight
     from loom.quant.methods import quantize_for_scheme
 
