@@ -14,6 +14,7 @@ import time
 import torch
 
 from loom.attention import build_attention_metadata
+from loom.attention.kv_quant import kv_row_bytes
 from loom.model.loader import load_model
 from loom.worker.kv_cache import allocate_kv_caches
 
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("--gflops", type=float, default=178.0, help="float32 FMA peak of the threads used")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+    ap.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16", "int8"], default="float32",
                     help="KV cache element type (the model runs float32 either way)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -38,7 +39,7 @@ def main() -> None:
                                                                         "down_proj"))
     bs = 16
     kv_dtype = getattr(torch, args.kv_cache_dtype)
-    kv_elem = torch.empty(0, dtype=kv_dtype).element_size()
+    kv_row = kv_row_bytes(arch.head_dim, kv_dtype)  # bytes of one (token, KV head) row, int8 metadata included
     for ctx in args.context:
         per_seq = (ctx + 1 + bs - 1) // bs + 1
         caches = allocate_kv_caches(arch, args.batch * per_seq + 1, bs, kv_dtype, cpu)
@@ -58,7 +59,7 @@ def main() -> None:
                 model(ids, pos, caches, meta)
                 times.append(time.perf_counter() - t0)
         ms = statistics.median(times[2:]) * 1e3
-        kv = args.batch * (ctx + 1) * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * kv_elem
+        kv = args.batch * (ctx + 1) * arch.num_layers * 2 * arch.num_kv_heads * kv_row
         byte_floor = (w + kv) / args.bandwidth_gbs / 1e6
         # FLOPs: 2 per layer weight per row, and q.k plus p.v over the context for every query head
         h, d = arch.hidden_size, arch.head_dim

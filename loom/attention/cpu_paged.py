@@ -259,9 +259,9 @@ class CpuPagedBackend:
         """query [num_decode, num_heads, head_dim] -> [num_decode, num_heads, head_dim], on one intra-op
         thread when plan.serial (restored afterwards).
 
-        A float32 query (off the oracle path) or a bfloat16 one over a float32, bfloat16 or float16 cache goes
-        to loom's C kernel, which reads each request's blocks in place (no padded gather, no mask); anything else
-        (quantized caches, the oracle path) gathers and runs SDPA."""
+        A float32 query (off the oracle path) or a bfloat16 one over a float32, bfloat16, float16 or int8 cache
+        goes to loom's C kernel, which reads each request's blocks in place (no padded gather, no mask); anything
+        else (fp8 caches, the oracle path) gathers and runs SDPA."""
         kernel = self._decode_kernel(query, kv_cache)
         if kernel is not None:
             # decode requests have their new token's key written, so every seq_len >= 1: no check per layer.

@@ -14,7 +14,8 @@ import ctypes
 import torch
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' is_bf16 flag
-_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # paged_decode's kv_type: cache elements
+# paged_decode's kv_type: cache elements (int8: loom's rows of codes + float16 group scales and minimums)
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
 def _torch_lanes() -> int:
@@ -55,8 +56,9 @@ class PagedDecode:
     """ctypes binding of `loom_paged_decode` (csrc/paged_decode.c): one-token attention of a batch over its own
     blocks of a float32, bfloat16 or float16 paged KV cache, read in place (no gather, no padding, online softmax).
 
-    Query float32 over a float32, bfloat16 or float16 cache, or query bfloat16 over a bfloat16 or float16 cache
-    (16-bit cache rows widened in registers); any number of query heads per KV head. Threads take whole requests (all KV heads, so that
+    Query float32 over a float32, bfloat16, float16 or int8 cache, or query bfloat16 over a 16-bit or int8 cache
+    (16-bit cache rows widened in registers, int8 rows of loom/attention/kv_quant.py dequantized once per tile);
+    any number of query heads per KV head. Threads take whole requests (all KV heads, so that
     each reads its blocks sequentially); with fewer than 4 requests per thread and long contexts, key ranges of
     a request, merged afterwards (see the top of csrc/paged_decode.c)."""
 
@@ -73,8 +75,8 @@ class PagedDecode:
 
     def supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """True when this kernel can serve query [B, H, D] over kv_cache [2, num_blocks, block_size, H_kv, D]:
-        query float32 or bfloat16, the cache float32 (float32 queries only), bfloat16 or float16, on the CPU, the
-        cache contiguous."""
+        query float32 or bfloat16, the cache float32 (float32 queries only), bfloat16, float16 or int8 rows
+        (kv_quant's layout: head_dim codes, then float16 scales and minimums per 32), on the CPU, contiguous."""
         if query.dtype not in _DTYPES or kv_cache.dtype not in _KV_TYPES:
             return False
         if kv_cache.dtype == torch.float32 and query.dtype != torch.float32:
@@ -85,7 +87,8 @@ class PagedDecode:
             return False
         heads, head_dim = query.shape[1], query.shape[2]
         kv_heads = kv_cache.shape[3]
-        if head_dim < 1 or kv_heads < 1 or kv_cache.shape[4] != head_dim or heads % kv_heads:
+        row = head_dim + 4 * -(-head_dim // 32) if kv_cache.dtype == torch.int8 else head_dim
+        if head_dim < 1 or kv_heads < 1 or kv_cache.shape[4] != row or heads % kv_heads:
             return False
         if head_dim % self.head_dim_multiple or (self.max_head_dim is not None and head_dim > self.max_head_dim):
             return False
@@ -95,7 +98,7 @@ class PagedDecode:
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                  num_threads: int | None = None, lengths_checked: bool = False) -> torch.Tensor:
         """query [B, H, D] float32 or bfloat16; kv_cache [2, num_blocks, block_size, H_kv, D] float32, bfloat16
-        or float16 (K then V; see `supports`); block_table [B, >= ceil(max seq_len / block_size)] int64 block ids; seq_lens [B] int64 keys
+        or float16, or [.., H_kv, row] int8 rows (K then V; see `supports`); block_table [B, >= ceil(max seq_len / block_size)] int64 block ids; seq_lens [B] int64 keys
         per request (>= 1, the query's own key written); scale: softmax scale; sliding_window: keys each query
         may see, itself included (None = all). Returns [B, H, D] in the query's dtype (bfloat16 rounded to
         nearest even from float32 arithmetic).

@@ -4,8 +4,8 @@
 packed with float activations, shards of different layouts as a chain of parts; the fused ops and paged
 decode kernels of the same library; the cpu_paged backend) and records the weight pointers once; `run(...)`
 serves a pure decode step (every token a request's single new token) of at most `max_rows` requests over
-KV caches of the model dtype, or of a 16-bit float type (bfloat16, float16: `_KV_TYPES`), and returns None for
-anything else, so the per-layer path stays the fallback. Same
+KV caches of the model dtype, of a 16-bit float type (bfloat16, float16) or of int8 rows (`_KV_TYPES`), and
+returns None for anything else (fp8 caches), so the per-layer path stays the fallback. Same
 kernels in the same order as the per-layer path (loom/model/llama.py), so its hidden states equal that path's
 bit for bit (tests/kernels/test_decode_step.py).
 """
@@ -20,7 +20,8 @@ import torch
 from loom.kernels.cpu_generic import _torch_chunk, _torch_lanes
 
 _DTYPE_FLAGS = {torch.float32: 0, torch.bfloat16: 1}
-_KV_TYPES = {torch.bfloat16: 1, torch.float16: 2}  # the C step's kv_type for caches not of the model dtype
+# the C step's kv_type for caches not of the model dtype (int8: loom/attention/kv_quant.py's rows)
+_KV_TYPES = {torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
 class _Packed(ctypes.Structure):

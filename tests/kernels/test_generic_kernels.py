@@ -145,7 +145,8 @@ def test_paged_decode_refuses_what_it_cannot_serve(isa: str) -> None:
     assert paged.supports(torch.randn(1, 4, 64).bfloat16(), kv.half())  # 16-bit caches under either query
     assert not paged.supports(torch.randn(1, 4, 64).bfloat16(), kv)  # a float32 cache under bfloat16 queries
     assert not paged.supports(torch.randn(1, 4, 64).half(), kv.half())  # float16 queries
-    assert not paged.supports(torch.randn(1, 4, 64), kv.to(torch.int8))  # quantized caches gather instead
+    fp8 = torch.zeros(2, 4, 4, 2, 68).to(torch.float8_e4m3fn)  # fp8 rows (64 values + a float32 scale)
+    assert not paged.supports(torch.randn(1, 4, 64), fp8)  # fp8 caches gather instead
     assert not paged.supports(torch.randn(1, 3, 64), kv)  # 3 heads over 2 KV heads
     assert not paged.supports(torch.randn(1, 4, 32), kv)  # head_dim differs
     assert not paged.supports(torch.randn(1, 4, 64), kv.transpose(1, 2))  # not contiguous
@@ -355,3 +356,36 @@ def test_float16_conversion_rounds_as_torch(isa: str) -> None:
     nan = theirs.isnan()
     assert torch.equal(ours.isnan(), nan)
     assert torch.equal(ours[~nan].view(torch.int16), theirs[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (4, 2, 40), (6, 3, 96)])
+def test_paged_decode_reads_int8_kv_rows(isa: str, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> None:
+    """int8 rows (codes, then float16 scales and minimums per 32 values, a short last group at head_dim 40 and
+    96): the attention of their dequantization (kv_quant.dequantize_rows), over long and split contexts."""
+    from loom.attention.kv_quant import dequantize_rows, kv_row_width, quantize_rows
+
+    paged = kernel_or_skip("paged_decode", isa)
+    if dim % paged.head_dim_multiple:
+        pytest.skip(f"the {isa} build takes head_dim % {paged.head_dim_multiple} == 0")
+    g = torch.Generator().manual_seed(dim + heads)
+    block_size, num_blocks = 16, 80
+    values = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g) * 3
+    values[..., 5] += 20.0  # an outlier channel, as small models' K has
+    kv_cache = quantize_rows(values, torch.int8)
+    assert kv_cache.shape[-1] == kv_row_width(dim, torch.int8)
+    seq_lens = torch.tensor([1, 17, 300, 900], dtype=torch.int64)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=g)[:57] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), heads, dim, generator=g).to(dtype)
+    assert paged.supports(q, kv_cache)
+    ref = reference_decode(q, dequantize_rows(kv_cache, torch.float64), block_table, seq_lens, dim ** -0.5, None)
+    tol = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    for threads in (1, 2):
+        out = paged(q, kv_cache, block_table, seq_lens, dim ** -0.5, None, num_threads=threads)
+        assert torch.allclose(out.double(), ref, **tol), (threads, (out.double() - ref).abs().max())
+        one = paged(q[2:3], kv_cache, block_table[2:3], seq_lens[2:3], dim ** -0.5, 100, num_threads=threads)
+        ref_one = reference_decode(q[2:3], dequantize_rows(kv_cache, torch.float64), block_table[2:3],
+                                   seq_lens[2:3], dim ** -0.5, 100)
+        assert torch.allclose(one.double(), ref_one, **tol)
+    assert not paged.supports(q, kv_cache[..., :-1])  # a row width that is not head_dim's

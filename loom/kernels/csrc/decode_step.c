@@ -17,8 +17,9 @@
  *   out = add_rmsnorm(h, residual) with the final norm
  *
  * All activations are float32 or bfloat16 (`is_bf16`); KV caches are in that dtype, or 16-bit (`kv_type` 1:
- * bfloat16, 2: float16, rounded to nearest even on the write as torch's copy rounds). Scratch buffers are the
- * caller's (reused every step). Returns 0, or -1 when a kernel failed to allocate scratch (out undefined).
+ * bfloat16, 2: float16, rounded to nearest even on the write as torch's copy rounds), or loom's int8 rows
+ * (`kv_type` 3: group-32 codes with float16 scale and minimum, quantized exactly as
+ * loom.attention.kv_quant.quantize_rows does). Scratch buffers are the caller's (reused every step). Returns 0, or -1 when a kernel failed to allocate scratch (out undefined).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,10 +68,44 @@ typedef struct {
     float eps, scale;
     int64_t window; /* sliding window (keys seen, itself included), 0 = all */
     int is_bf16, torch_lanes, num_threads;
-    int kv_type; /* cache elements: 0 the model dtype, 1 bfloat16, 2 float16 */
+    int kv_type; /* cache elements: 0 the model dtype, 1 bfloat16, 2 float16, 3 int8 rows */
 } LoomDims;
 
-/* n activations (float32, or bfloat16 when src_bf16) into a cache row of type kv (0: the same dtype) */
+/* one (token, KV head) row of D values (float32, or bfloat16 when src_bf16) as loom's int8 KV row: per group of
+ * 32, lo = min clamped to the float16 range and stored as float16, scale = (max - lo) / 255 clamped to
+ * [2^-24, 65504] and stored as float16, codes clamp(round_half_even((x - lo) / scale), 0, 255) - 128 from the
+ * stored lo and scale; then the D codes, the scales, the minimums (quantize_rows in loom/attention/kv_quant.py,
+ * the same float32 operations in the same order) */
+static void quantize_row_i8(unsigned char *dst, const void *src, int64_t D, int src_bf16) {
+    const int64_t ng = (D + 31) / 32;
+    for (int64_t g = 0; g < ng; ++g) {
+        const int64_t d0 = 32 * g, d1 = d0 + 32 < D ? d0 + 32 : D;
+        float v[32];
+        for (int64_t d = d0; d < d1; ++d)
+            v[d - d0] = src_bf16 ? loom_bf16_to_f32(((const uint16_t *)src)[d]) : ((const float *)src)[d];
+        float mn = v[0], mx = v[0];
+        for (int64_t i = 1; i < d1 - d0; ++i) {
+            mn = v[i] < mn ? v[i] : mn;
+            mx = v[i] > mx ? v[i] : mx;
+        }
+        const float lo_c = mn < -65504.0f ? -65504.0f : mn > 65504.0f ? 65504.0f : mn;
+        const uint16_t lo16 = loom_f32_to_f16(lo_c);
+        const float lo = loom_f16_to_f32(lo16);
+        float sc = (mx - lo) / 255.0f;
+        sc = sc < 5.9604644775390625e-08f ? 5.9604644775390625e-08f : sc > 65504.0f ? 65504.0f : sc;
+        const uint16_t s16 = loom_f32_to_f16(sc);
+        const float scale = loom_f16_to_f32(s16);
+        for (int64_t d = d0; d < d1; ++d) {
+            float u = (v[d - d0] - lo) / scale;
+            u = u < 0.0f ? 0.0f : u > 255.0f ? 255.0f : u; /* clamp, then round: the same as round, then clamp */
+            dst[d] = (unsigned char)(int8_t)((int)loom_round_even(u) - 128);
+        }
+        memcpy(dst + D + 2 * g, &s16, 2);
+        memcpy(dst + D + 2 * (ng + g), &lo16, 2);
+    }
+}
+
+/* n activations (float32, or bfloat16 when src_bf16) into a cache row of type kv 0-2 (0: the same dtype) */
 static void store_kv(void *dst, const void *src, int64_t n, int src_bf16, int kv) {
     if (kv == 0 || (kv == 1 && src_bf16)) {
         memcpy(dst, src, (size_t)n * (src_bf16 ? 2 : 4));
@@ -131,9 +166,10 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
     const int bf16 = d->is_bf16, threads = d->num_threads, lanes = d->torch_lanes;
     const size_t es = bf16 ? 2 : 4;
     const int kv = d->kv_type;
-    const size_t kes = kv ? 2 : es; /* bytes per cache element */
     const int64_t H = d->hidden, D = d->head_dim, Hq = d->heads, Hkv = d->kv_heads;
     const int64_t qkv_width = (Hq + 2 * Hkv) * D, row = Hkv * D;
+    /* bytes of one (token, KV head) cache row, and of a token slot (all KV heads) */
+    const int64_t hrow = kv == 3 ? D + 4 * ((D + 31) / 32) : D * (int64_t)(kv ? 2 : es), slot_bytes = Hkv * hrow;
     for (int64_t l = 0; l < d->num_layers; ++l) {
         const LoomLayer *L = &layers[l];
         if (l == 0) {
@@ -148,10 +184,19 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         for (int64_t b = 0; b < B; ++b) {
             const int64_t slot = slot_mapping[b];
             if (slot < 0) continue;
-            store_kv((char *)L->k_cache + (size_t)(slot * row) * kes, (const char *)k + (size_t)(b * row) * es,
-                     row, bf16, kv);
-            store_kv((char *)L->v_cache + (size_t)(slot * row) * kes,
-                     (const char *)qkv + (size_t)(b * qkv_width + (Hq + Hkv) * D) * es, row, bf16, kv);
+            unsigned char *kd = (unsigned char *)L->k_cache + slot * slot_bytes;
+            unsigned char *vd = (unsigned char *)L->v_cache + slot * slot_bytes;
+            const char *ks = (const char *)k + (size_t)(b * row) * es;
+            const char *vs = (const char *)qkv + (size_t)(b * qkv_width + (Hq + Hkv) * D) * es;
+            if (kv == 3) {
+                for (int64_t hk = 0; hk < Hkv; ++hk) {
+                    quantize_row_i8(kd + hk * hrow, ks + (size_t)(hk * D) * es, D, bf16);
+                    quantize_row_i8(vd + hk * hrow, vs + (size_t)(hk * D) * es, D, bf16);
+                }
+            } else {
+                store_kv(kd, ks, row, bf16, kv);
+                store_kv(vd, vs, row, bf16, kv);
+            }
         }
         loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
                           d->block_size, d->scale, d->window, threads, bf16, kv ? kv : bf16);

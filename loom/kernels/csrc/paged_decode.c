@@ -3,7 +3,10 @@
  * output are float32 (is_bf16 = 0) or bfloat16 (is_bf16 = 1: the output rounded to nearest even); the cache
  * elements are float32 (kv_type 0), bfloat16 (1) or IEEE float16 (2: llama.cpp's default KV type, half the
  * bytes of float32 with 11 significant bits). 16-bit rows are widened to float32 in registers (bf16: a shift;
- * f16: F16C's VCVTPH2PS, exact).
+ * f16: F16C's VCVTPH2PS, exact). kv_type 3 is loom's int8 KV row (loom/attention/kv_quant.py): per (token, KV
+ * head) D int8 codes u - 128, then ceil(D / 32) float16 scales, then as many float16 minimums, one pair per
+ * group of 32 values, x = (u * scale) + lo; each tile's rows are dequantized once into float32 scratch (in
+ * torch's order of operations, so they equal loom.attention.kv_quant.dequantize_rows bit for bit).
  *
  * For each request b (one query token) and KV head h: the G = H / H_kv query heads of the group
  * (grouped-query attention, arXiv:2305.13245) attend to keys t in [start, seq_lens[b]), where
@@ -60,14 +63,15 @@ typedef struct {
     const int64_t *blocks; /* this request's row of the block table */
     int64_t block_size, H_kv, D, G, tile;
     float scale;
-    int kv; /* cache element type: 0 float32, 1 bfloat16, 2 float16 */
+    int kv; /* cache element type: 0 float32, 1 bfloat16, 2 float16, 3 int8 rows with group scales */
+    int64_t hrow; /* bytes of one (token, KV head) row of the cache */
 } req_t;
 
 /* per-thread scratch (floats) */
 typedef struct {
     float *q;      /* [H, D] the request's queries, float32 */
     float *scores; /* [G, tile] */
-    float *kbuf;   /* [tile, D] one head's 16-bit tile widened (the portable path; unused for float32) */
+    float *kbuf;   /* [tile, D] one head's tile as float32 (int8 rows; 16-bit rows on the portable path) */
     float *vbuf;   /* [tile, D] */
 } scratch_t;
 
@@ -272,6 +276,30 @@ static inline void widen_row(float *dst, const uint16_t *src, int64_t D, int kv)
 }
 #endif
 
+/* one int8 KV row (see the top of the file) as D float32 values: ((code + 128) * scale) + lo per group of 32,
+ * multiply then add, each rounded (the build has -ffp-contract=off), as dequantize_rows computes it */
+static inline void dequant_row_i8(float *dst, const unsigned char *row, int64_t D) {
+    const int64_t ng = (D + 31) / 32;
+    const int8_t *codes = (const int8_t *)row;
+    for (int64_t g = 0; g < ng; ++g) {
+        uint16_t sb, lb;
+        memcpy(&sb, row + D + 2 * g, 2);
+        memcpy(&lb, row + D + 2 * (ng + g), 2);
+        const float scale = loom_f16_to_f32(sb), lo = loom_f16_to_f32(lb);
+        const int64_t d1 = 32 * g + 32 < D ? 32 * g + 32 : D;
+        int64_t d = 32 * g;
+#if defined(__AVX2__)
+        const __m256 vs = _mm256_set1_ps(scale), vl = _mm256_set1_ps(lo), v128 = _mm256_set1_ps(128.0f);
+        for (; d + 8 <= d1; d += 8) {
+            const __m128i c = _mm_loadl_epi64((const __m128i *)(codes + d));
+            const __m256 u = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), v128);
+            _mm256_storeu_ps(dst + d, _mm256_add_ps(_mm256_mul_ps(u, vs), vl));
+        }
+#endif
+        for (; d < d1; ++d) dst[d] = ((float)codes[d] + 128.0f) * scale + lo;
+    }
+}
+
 /* q . k over D values, eight interleaved partial sums (vectorizable without reassociation) */
 static inline float dot_portable(const float *a, const float *b, int64_t D) {
     float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -299,17 +327,18 @@ typedef struct {
 static void head_tile(const req_t *R, const float *q, const rows_t *rw, int vec, int64_t nt, int64_t nt8,
                       float *scores, float *m, float *l, float *acc) {
     const int64_t D = R->D, G = R->G, tile = R->tile;
+    const int kt = R->kv == 3 ? 0 : R->kv; /* int8 rows arrive dequantized: float32 */
 #if defined(__AVX2__)
     if (vec) { /* all scores of the tile */
-        if (R->kv == 1)
+        if (kt == 1)
             qk_heads_bf16(q, G, D, rw->kb, nt8, scores, tile);
-        else if (R->kv == 2)
+        else if (kt == 2)
             qk_heads_f16(q, G, D, rw->kb, nt8, scores, tile);
         else
             qk_heads_f32(q, G, D, rw->kf, nt8, scores, tile);
     }
 #else
-    (void)vec, (void)nt8;
+    (void)vec, (void)nt8, (void)kt;
 #endif
     for (int64_t g = 0; g < G; ++g) {
         float *sc = scores + g * tile, *ag = acc + g * D;
@@ -371,9 +400,9 @@ static void head_tile(const req_t *R, const float *q, const rows_t *rw, int vec,
     }
 #if defined(__AVX2__)
     if (vec) {
-        if (R->kv == 1)
+        if (kt == 1)
             pv_all_bf16(acc, G, D, scores, tile, rw->vb, nt);
-        else if (R->kv == 2)
+        else if (kt == 2)
             pv_all_f16(acc, G, D, scores, tile, rw->vb, nt);
         else
             pv_all_f32(acc, G, D, scores, tile, rw->vf, nt);
@@ -389,9 +418,7 @@ static void head_tile(const req_t *R, const float *q, const rows_t *rw, int vec,
 static void attend_range(const req_t *R, const scratch_t *S, int64_t t0, int64_t t1, float *m, float *l,
                          float *acc) {
     const int64_t D = R->D, G = R->G, H_kv = R->H_kv, tile = R->tile, bs = R->block_size;
-    const int64_t row_stride = H_kv * D; /* elements from one key's rows to the next key's */
-    const size_t es = R->kv ? 2 : 4;
-    const int64_t row_bytes = row_stride * (int64_t)es;
+    const int64_t hrow = R->hrow, row_bytes = H_kv * hrow; /* bytes of one key's rows (all heads) */
     const unsigned char *kc = (const unsigned char *)R->k_cache, *vc = (const unsigned char *)R->v_cache;
 #if defined(__AVX2__)
     const int vec = D % 8 == 0;
@@ -401,45 +428,50 @@ static void attend_range(const req_t *R, const scratch_t *S, int64_t t0, int64_t
     for (int64_t i = 0; i < H_kv * G; ++i) m[i] = -INFINITY, l[i] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)(H_kv * G * D));
     rows_t rw;
-    int64_t rows[MAX_TILE]; /* element offset of each key's rows (all heads) in the caches */
+    int64_t rows[MAX_TILE]; /* byte offset of each key's rows (all heads) in the caches */
     unsigned sink = 0;
     for (int64_t ts = t0; ts < t1; ts += tile) {
         const int64_t nt = t1 - ts < tile ? t1 - ts : tile;
         const int64_t nt8 = (nt + 7) & ~(int64_t)7;
         int64_t bi = ts / bs, off = ts % bs; /* walk the block table */
         for (int64_t i = 0; i < nt; ++i) {
-            rows[i] = (R->blocks[bi] * bs + off) * row_stride;
+            rows[i] = (R->blocks[bi] * bs + off) * row_bytes;
             if (++off == bs) off = 0, ++bi;
         }
         /* touch every cache line of the tile (all heads) in memory order, one byte per line (see the top of
          * the file); the heads then read the tile from L1/L2 */
         for (int64_t i = 0; i < nt; ++i) {
-            const unsigned char *kr = kc + rows[i] * es, *vr = vc + rows[i] * es;
+            const unsigned char *kr = kc + rows[i], *vr = vc + rows[i];
             for (int64_t o = 0; o < row_bytes; o += 64) sink |= (unsigned)(kr[o] ^ vr[o]);
             sink |= (unsigned)(kr[row_bytes - 1] ^ vr[row_bytes - 1]); /* the last line, if the row straddles one */
         }
         for (int64_t h = 0; h < H_kv; ++h) {
             for (int64_t i = 0; i < nt; ++i) {
-                const int64_t at = rows[i] + h * D;
+                const unsigned char *kr = kc + rows[i] + h * hrow, *vr = vc + rows[i] + h * hrow;
                 if (!R->kv) {
-                    rw.kf[i] = (const float *)R->k_cache + at;
-                    rw.vf[i] = (const float *)R->v_cache + at;
+                    rw.kf[i] = (const float *)kr;
+                    rw.vf[i] = (const float *)vr;
+                } else if (R->kv == 3) { /* int8 rows: dequantized once per tile */
+                    dequant_row_i8(S->kbuf + i * D, kr, D);
+                    dequant_row_i8(S->vbuf + i * D, vr, D);
+                    rw.kf[i] = S->kbuf + i * D;
+                    rw.vf[i] = S->vbuf + i * D;
                 } else if (!vec) { /* the portable path widens the rows once */
-                    widen_row(S->kbuf + i * D, (const uint16_t *)R->k_cache + at, D, R->kv);
-                    widen_row(S->vbuf + i * D, (const uint16_t *)R->v_cache + at, D, R->kv);
+                    widen_row(S->kbuf + i * D, (const uint16_t *)kr, D, R->kv);
+                    widen_row(S->vbuf + i * D, (const uint16_t *)vr, D, R->kv);
                     rw.kf[i] = S->kbuf + i * D;
                     rw.vf[i] = S->vbuf + i * D;
                 }
 #if defined(__AVX2__)
                 else {
-                    rw.kb[i] = (const uint16_t *)R->k_cache + at;
-                    rw.vb[i] = (const uint16_t *)R->v_cache + at;
+                    rw.kb[i] = (const uint16_t *)kr;
+                    rw.vb[i] = (const uint16_t *)vr;
                 }
 #endif
             }
             for (int64_t i = nt; i < nt8; ++i) { /* padding keys, masked in head_tile */
 #if defined(__AVX2__)
-                if (R->kv && vec) {
+                if ((R->kv == 1 || R->kv == 2) && vec) {
                     rw.kb[i] = rw.kb[nt - 1];
                     continue;
                 }
@@ -466,7 +498,8 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
                        int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
                        int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
                        int kv_type) {
-    const int bf16 = is_bf16 != 0, kv = kv_type == 1 || kv_type == 2 ? kv_type : 0;
+    const int bf16 = is_bf16 != 0, kv = kv_type >= 1 && kv_type <= 3 ? kv_type : 0;
+    const int64_t hrow = kv == 3 ? D + 4 * ((D + 31) / 32) : D * (kv ? 2 : 4); /* bytes of a (token, head) row */
     const int64_t G = H / H_kv;
     if (num_threads < 1) num_threads = 1;
     int64_t tile = (TILE_FLOATS / D) & ~(int64_t)7;
@@ -512,7 +545,7 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
             t0 = t0 < end ? t0 : end;
             t1 = t1 < end ? t1 : end;
             const req_t R = {k_cache, v_cache, block_table + b * bt_stride, block_size, H_kv, D, G, tile, scale,
-                             kv};
+                             kv, hrow};
             for (int64_t i = 0; i < H * D; ++i)
                 S.q[i] = bf16 ? loom_bf16_to_f32(((const uint16_t *)q)[b * H * D + i]) : ((const float *)q)[b * H * D + i];
             if (splits == 1) {
