@@ -25,9 +25,10 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[
 
 
 def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int = 0, **overrides: object) -> Path:
-    """A 2-layer random-weight Llama or Qwen2 with the SmolLM2 tokenizer, saved as safetensors."""
+    """A 2-layer random-weight Llama, Qwen2 or Qwen3 with the SmolLM2 tokenizer, saved as safetensors (Qwen3's
+    q/k norm weights random too, so that loading them is tested, not their all-ones initialization)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(
         vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -40,6 +41,12 @@ def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int 
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif architecture == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif architecture == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 32, **common}))  # head_dim != hidden / heads, as Qwen3's
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     else:
         raise ValueError(architecture)
     model.save_pretrained(directory, safe_serialization=True)

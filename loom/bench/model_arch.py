@@ -29,6 +29,7 @@ class ModelArch:
     # bytes a decode step reads when loom runs the file packed (quantization "gguf": loom's layouts per GGML
     # type, loom/quant/gguf_repack.PACKED_BYTES_PER_WEIGHT; the untied input embedding excluded); None if unknown
     packed_decode_bytes: int | None = None
+    qk_norm: bool = False  # an RMSNorm weight [d_h] on q and on k in every layer (Qwen3)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -40,11 +41,12 @@ class ModelArch:
     def num_params(self) -> int:
         """Parameter count P of a Llama block stack (no biases).
 
-        P = V·d·(1 if tied else 2) + L·(d·H·d_h + 2·d·H_kv·d_h + H·d_h·d + 3·d·F + 2·d) + d
-        (q, k, v, o projections; gate, up, down; two RMSNorm weights per layer; final norm).
+        P = V·d·(1 if tied else 2) + L·(d·H·d_h + 2·d·H_kv·d_h + H·d_h·d + 3·d·F + 2·d [+ 2·d_h]) + d
+        (q, k, v, o projections; gate, up, down; two RMSNorm weights per layer, plus the q and k norms with
+        QK-norm; final norm).
         """
         d, dh = self.hidden_size, self.head_dim
-        attn = d * self.num_heads * dh * 2 + 2 * d * self.num_kv_heads * dh
+        attn = d * self.num_heads * dh * 2 + 2 * d * self.num_kv_heads * dh + (2 * dh if self.qk_norm else 0)
         mlp = 3 * d * self.intermediate_size
         per_layer = attn + mlp + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
@@ -105,6 +107,7 @@ def _arch_from_gguf(path: Path) -> ModelArch:
         max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
         stored_weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
         packed_decode_bytes=_packed_decode_bytes(reader, tied="output.weight" not in tensor_names),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 
@@ -135,4 +138,5 @@ def _arch_from_hf_config(cfg: dict[str, object], name: str) -> ModelArch:
         vocab_size=int(cfg["vocab_size"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        qk_norm=cfg.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (cfg.get("architectures") or []),
     )

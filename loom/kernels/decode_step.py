@@ -150,7 +150,7 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
     different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or
-    bfloat16."""
+    bfloat16, no QK-norm."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import PackedLinearMethod
 
@@ -162,6 +162,8 @@ def supports_model(model: torch.nn.Module) -> bool:
                 or layer.input_layernorm.kernels is None or a.attn.backend.decode_kernel is None:
             return False
         if not a.attn.backend.float32_kernels and model.norm.weight.dtype == torch.float32:
+            return False
+        if a.q_norm is not None:  # QK-norm (Qwen3): not in the C step; the per-layer path runs it
             return False
         for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
             method = getattr(lin, "quant_method", None)

@@ -10,7 +10,7 @@ from typing import Any
 class ModelArchConfig:
     """Shape and numerics of a Llama-family decoder, whatever checkpoint format it came from."""
 
-    architecture: str  # registry key, e.g. "LlamaForCausalLM", "Qwen2ForCausalLM"
+    architecture: str  # registry key, e.g. "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
     num_layers: int  # decoder layers
     hidden_size: int  # model width d_model
     num_heads: int  # query heads
@@ -25,6 +25,7 @@ class ModelArchConfig:
     tie_word_embeddings: bool  # lm_head shares the embedding matrix
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None  # tokens each query may look back (Mistral); None = full attention
+    qk_norm: bool = False  # RMSNorm over each head of q and of k before rotary, own weights [head_dim] (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:

@@ -1,6 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flattened, paged batch.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
 
-Architecture: Touvron et al. 2023 (arXiv:2302.13971): pre-norm RMSNorm, RoPE, SwiGLU MLP, GQA.
+Architecture: Touvron et al. 2023 (arXiv:2302.13971): pre-norm RMSNorm, RoPE, SwiGLU MLP, GQA. The variations
+are named fields of ModelArchConfig: q/k/v biases (Qwen2), a sliding window (Mistral), and QK-norm (Qwen3:
+an RMSNorm over each query and key head before rotary, Qwen3 technical report, arXiv:2505.09388).
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are stored
 stacked (qkv_proj, gate_up_proj) so each is one matmul; `load_weights` does the stacking.
 """
@@ -57,6 +59,11 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.sliding_window
         )
+        # QK-norm (Qwen3): one RMSNorm [head_dim] shared by all query heads, one by all key heads
+        self.q_norm = self.k_norm = None
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
 
     def forward(
         self,
@@ -69,10 +76,14 @@ class LlamaAttention(nn.Module):
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [n, (H + 2 H_kv) d]
         rope_width = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :rope_width].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # each head's q and k normalized over head_dim before rotary
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
+            qk = torch.cat([q, k], dim=1)
         # q and k side by side are rotated in one pass: [n, H + H_kv, d], then split back (views).
-        qk = apply_rotary(
-            qkv[:, :rope_width].view(n, self.num_heads + self.num_kv_heads, self.head_dim), *cos_sin, self.kernels
-        )
+        qk = apply_rotary(qk, *cos_sin, self.kernels)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, rope_width:].view(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
@@ -340,6 +351,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(arch, backend, dtype, device, quant_config, o_proj_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): Llama with QK-norm (arch.qk_norm); `attention_bias` puts biases on q/k/v and o_proj alike,
+    as in Llama (false in the released models)."""
 
 
 def _shares_table(head: LMHead) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from loom.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from loom.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 # Read-only: a new architecture adds an entry here.
 MODEL_REGISTRY: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
@@ -13,6 +13,7 @@ MODEL_REGISTRY: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": MistralForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
     }
 )
 

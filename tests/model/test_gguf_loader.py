@@ -21,7 +21,7 @@ _TO_GGUF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
 
 
@@ -51,6 +51,9 @@ def write_gguf(tiny: TinyModel, path: Path, gguf_arch: str) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    if getattr(cfg, "head_dim", None):
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -87,7 +90,8 @@ def test_tensor_name_mapping() -> None:
 
 
 @pytest.mark.parametrize(
-    "name,gguf_arch", [("llama_gqa", "llama"), ("llama_mha_tied", "llama"), ("qwen2_gqa", "qwen2")]
+    "name,gguf_arch", [("llama_gqa", "llama"), ("llama_mha_tied", "llama"), ("qwen2_gqa", "qwen2"),
+                       ("qwen3_qknorm", "qwen3")]
 )
 def test_synthetic_gguf_matches_hf(
     name: str, gguf_arch: str, tiny_models: dict[str, TinyModel], tmp_path: Path
@@ -96,9 +100,11 @@ def test_synthetic_gguf_matches_hf(
     path = tmp_path / f"{name}.gguf"
     write_gguf(tiny, path, gguf_arch)
     loaded = load_model(str(path), torch.float32, CPU, quantization="none")
-    assert loaded.arch.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[gguf_arch]
+    assert loaded.arch.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                        "qwen3": "Qwen3ForCausalLM"}[gguf_arch]
     assert loaded.arch.tie_word_embeddings == tiny.hf.config.tie_word_embeddings
     assert loaded.arch.attention_bias == (gguf_arch == "qwen2")
+    assert loaded.arch.qk_norm == (gguf_arch == "qwen3")
     assert loaded.eos_token_ids == frozenset({3, 4}) and loaded.tokenizer is None
     harness = PagedHarness(loaded.model, loaded.arch, block_size=4)
     prompts = {0: [5, 17, 33, 2, 8, 60, 41], 1: [9, 90, 11]}

@@ -33,7 +33,7 @@ def test_batched_prefill_then_decode_matches_hf(tiny: TinyModel) -> None:
             torch.testing.assert_close(out[i][-1], hf_logits(tiny.hf, prompt)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm"])
 def test_chunked_prefill_mixed_with_decode(name: str, tiny_models: dict[str, TinyModel]) -> None:
     """A 13-token prompt split 6 + 7 over two forwards, while another request decodes alongside."""
     tiny = tiny_models[name]
@@ -70,3 +70,21 @@ def test_bfloat16_load_runs_close_to_fp32(tiny_models: dict[str, TinyModel]) -> 
     assert logits.dtype == torch.float32
     ref = hf_logits(tiny.hf, prompt)
     assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_qwen3_shapes_and_quantized_checkpoint(tiny_models: dict[str, TinyModel], tmp_path) -> None:
+    """Qwen3 beyond the forward pass: `loom analyze` counts its q/k norm weights, and `loom quantize` writes a
+    GPTQ-format checkpoint of it that loads back (QK-norm weights carried through) close to the dense model."""
+    from loom.bench.model_arch import load_model_arch
+    from loom.quant.quantize import quantize
+
+    tiny = tiny_models["qwen3_qknorm"]
+    arch = load_model_arch(str(tiny.path))
+    assert arch.qk_norm and arch.num_params == sum(p.numel() for p in tiny.hf.parameters())
+    quantize(str(tiny.path), str(tmp_path / "q8"), "rtn", bits=8, group_size=32)
+    loaded = load_model(str(tmp_path / "q8"), torch.float32, CPU)
+    assert loaded.arch.architecture == "Qwen3ForCausalLM" and loaded.arch.qk_norm
+    harness = PagedHarness(loaded.model, loaded.arch, block_size=4)
+    prompt = [5, 17, 33, 2, 8, 60, 41]
+    got, ref = harness.step({0: prompt})[0], hf_logits(tiny.hf, prompt)
+    assert float((got - ref).norm() / ref.norm()) < 0.05  # 8-bit weights; a lost q/k norm gives ~100%

@@ -17,7 +17,7 @@ import torch
 from loom.model.arch import ModelArchConfig
 
 # general.architecture -> our architecture name
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # GGUF per-layer tensor stem -> Hugging Face module path under model.layers.{i}
 _LAYER_NAMES = {
@@ -27,6 +27,8 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # QK-norm (qwen3)
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -87,6 +89,7 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=None,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 

@@ -9,7 +9,8 @@ from typing import Any
 from loom.model.arch import ModelArchConfig
 
 # config.json model_type -> architecture, for configs saved without an `architectures` list
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -56,9 +57,9 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
     window = config.get("sliding_window")
-    if architecture == "Qwen2ForCausalLM":
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if config.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=true (per-layer windows) is not supported")
+            raise ValueError(f"{architecture} with use_sliding_window=true (per-layer windows) is not supported")
         return None
     if architecture == "MistralForCausalLM" and window is not None:
         return int(window)
@@ -66,7 +67,7 @@ def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
 
 
 def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
-    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2 fields).
+    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2, Qwen3 fields).
 
     Raises:
         ValueError: a required key is missing, or an unsupported sliding-window layout.
@@ -92,6 +93,7 @@ def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             sliding_window=_sliding_window(architecture, config),
+            qk_norm=architecture == "Qwen3ForCausalLM",
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks the key {exc.args[0]!r}") from None
