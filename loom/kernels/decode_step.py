@@ -36,7 +36,7 @@ _Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), (
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed), ("down", _Packed),
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
+                ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
@@ -82,6 +82,8 @@ class ModelDecodeStep:
                 setattr(entry, name, self._chain(lin))
             entry.norm1 = layer.input_layernorm.weight.data_ptr()
             entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+            if a.q_norm is not None:  # QK-norm (Qwen3)
+                entry.q_norm, entry.k_norm = a.q_norm.weight.data_ptr(), a.k_norm.weight.data_ptr()
         self.final_norm = model.norm.weight
         self._keep = model  # the recorded pointers stay valid while the model lives
         self._caches_id: int | None = None
@@ -150,7 +152,7 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
     different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or
-    bfloat16, no QK-norm."""
+    bfloat16; QK-norm (Qwen3) included."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import PackedLinearMethod
 
@@ -163,8 +165,8 @@ def supports_model(model: torch.nn.Module) -> bool:
             return False
         if not a.attn.backend.float32_kernels and model.norm.weight.dtype == torch.float32:
             return False
-        if a.q_norm is not None:  # QK-norm (Qwen3): not in the C step; the per-layer path runs it
-            return False
+        if a.q_norm is not None and (a.q_norm.kernels is None or a.k_norm.kernels is None):
+            return False  # QK-norm runs loom's fused RMSNorm in both paths, or the per-layer path alone
         for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
             method = getattr(lin, "quant_method", None)
             if not isinstance(method, PackedLinearMethod) or method.scheme.activations != "float" \

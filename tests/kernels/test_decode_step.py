@@ -139,3 +139,38 @@ def test_mixed_layout_shards_run_as_a_chain_of_parts(batch: int) -> None:
         model, arch, step, [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17][:batch])
     assert torch.equal(one_call, per_layer)
     assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
+
+
+@pytest.mark.parametrize("isa", kernel_isas("decode_step"))
+def test_decode_step_runs_qk_norm(tmp_path, isa: str) -> None:
+    """A Qwen3-shaped model (QK-norm, head_dim 32 != hidden / heads) packed as w8a16: the one-call step norms
+    each q and k head with the per-layer path's kernel, so the two agree bit for bit on the best ISA."""
+    from transformers import Qwen3Config
+
+    from loom.kernels.decode_step import ModelDecodeStep
+    from tests.model.model_harness import save_tiny_model
+
+    config = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128)
+    save_tiny_model(config, tmp_path, seed=5)
+    loaded = load_model(str(tmp_path), torch.float32, CPU, quantization="w8a16")
+    model, inner = loaded.model, loaded.model.model
+    if get_kernel("decode_step") is None:
+        pytest.skip("the decode step does not build here (no compiler)")
+    assert inner.layers[0].self_attn.q_norm is not None and inner.decode_step is not None  # the model takes it
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    per_layer, per_layer_caches, one_call, caches = _both_paths(model, loaded.arch, step,
+                                                                [[1, 2, 3, 4, 5], [9] * 20, [7] * 17])
+    if isa == kernel_isas("decode_step")[0]:
+        assert torch.equal(one_call, per_layer)
+        assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
+    else:
+        assert float((one_call - per_layer).norm() / per_layer.norm()) < 1e-4
+    # and the step is not the same without the norms: a step that skipped them would differ by far more
+    saved = [(e.q_norm, e.k_norm) for e in step.layers]
+    for e in step.layers:
+        e.q_norm = e.k_norm = None
+    _, _, no_norm, _ = _both_paths(model, loaded.arch, step, [[1, 2, 3, 4, 5], [9] * 20, [7] * 17])
+    for e, (qn, kn) in zip(step.layers, saved):
+        e.q_norm, e.k_norm = qn, kn
+    assert float((no_norm - per_layer).norm() / per_layer.norm()) > 1e-2

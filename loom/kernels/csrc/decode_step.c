@@ -9,6 +9,7 @@
  *
  *   for each layer:  (normed, residual) = add_rmsnorm(h, residual)     (layer 0: rmsnorm of the embedding)
  *                    qkv = normed Wqkv^T (+ b)                          (loom_gemm_*_f: int16 x codes)
+ *                    (QK-norm models: each q head and k head rmsnorm-ed over D first, with q_norm / k_norm)
  *                    q, k = rotary(qkv[:, :Hq D]), rotary(qkv[:, Hq D : (Hq + Hkv) D])
  *                    K/V cache rows at slot_mapping[b] = k, v           (slot < 0: padding, not written)
  *                    a = paged_decode(q, caches, block_table, seq_lens)
@@ -61,6 +62,7 @@ typedef struct {
     LoomPacked qkv, o, gate_up, down;
     const void *norm1, *norm2; /* [hidden] model dtype: input_layernorm, post_attention_layernorm */
     void *k_cache, *v_cache;   /* [num_blocks, block_size, Hkv, D] model dtype or kv_type */
+    const void *q_norm, *k_norm; /* [D] model dtype: QK-norm weights (Qwen3), or NULL */
 } LoomLayer;
 
 typedef struct {
@@ -170,6 +172,10 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
     const int64_t qkv_width = (Hq + 2 * Hkv) * D, row = Hkv * D;
     /* bytes of one (token, KV head) cache row, and of a token slot (all KV heads) */
     const int64_t hrow = kv == 3 ? D + 4 * ((D + 31) / 32) : D * (int64_t)(kv ? 2 : es), slot_bytes = Hkv * hrow;
+    /* QK-norm scratch: the normed q and k heads of every row, [B, (Hq + Hkv) D] */
+    char *qkn = NULL;
+    for (int64_t l = 0; l < d->num_layers && !qkn; ++l)
+        if (layers[l].q_norm && !(qkn = (char *)malloc((size_t)(B * (Hq + Hkv) * D) * es))) return -1;
     for (int64_t l = 0; l < d->num_layers; ++l) {
         const LoomLayer *L = &layers[l];
         if (l == 0) {
@@ -178,9 +184,24 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         } else {
             loom_add_rmsnorm(h, residual, L->norm1, normed, residual, B, H, d->eps, bf16);
         }
-        if (gemm(&L->qkv, normed, H, B, qkv, bf16, threads)) return -1;
-        loom_rotary(qkv, qkv_width, cos, signed_sin, q, B, Hq, D, bf16);
-        loom_rotary((const char *)qkv + (size_t)(Hq * D) * es, qkv_width, cos, signed_sin, k, B, Hkv, D, bf16);
+        if (gemm(&L->qkv, normed, H, B, qkv, bf16, threads)) {
+            free(qkn);
+            return -1;
+        }
+        const char *qsrc = (const char *)qkv, *ksrc = (const char *)qkv + (size_t)(Hq * D) * es;
+        int64_t qstride = qkv_width, kstride = qkv_width;
+        if (L->q_norm) { /* every head of a row is D contiguous values: Hq (Hkv) rows of D per token */
+            char *qn = qkn, *kn = qkn + (size_t)(B * Hq * D) * es;
+            for (int64_t b = 0; b < B; ++b) {
+                loom_add_rmsnorm(qsrc + (size_t)(b * qkv_width) * es, NULL, L->q_norm, qn + (size_t)(b * Hq * D) * es,
+                                 NULL, Hq, D, d->eps, bf16);
+                loom_add_rmsnorm(ksrc + (size_t)(b * qkv_width) * es, NULL, L->k_norm, kn + (size_t)(b * Hkv * D) * es,
+                                 NULL, Hkv, D, d->eps, bf16);
+            }
+            qsrc = qn, ksrc = kn, qstride = Hq * D, kstride = Hkv * D;
+        }
+        loom_rotary(qsrc, qstride, cos, signed_sin, q, B, Hq, D, bf16);
+        loom_rotary(ksrc, kstride, cos, signed_sin, k, B, Hkv, D, bf16);
         for (int64_t b = 0; b < B; ++b) {
             const int64_t slot = slot_mapping[b];
             if (slot < 0) continue;
@@ -200,12 +221,22 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         }
         loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
                           d->block_size, d->scale, d->window, threads, bf16, kv ? kv : bf16);
-        if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) return -1;
+        if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) {
+            free(qkn);
+            return -1;
+        }
         loom_add_rmsnorm(h, residual, L->norm2, normed, residual, B, H, d->eps, bf16);
-        if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) return -1;
+        if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) {
+            free(qkn);
+            return -1;
+        }
         loom_silu_mul(gate_up, act, B, d->inter, bf16, lanes, torch_chunk);
-        if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) return -1;
+        if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) {
+            free(qkn);
+            return -1;
+        }
     }
+    free(qkn);
     loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16);
     return 0;
 }
