@@ -25,10 +25,11 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[
 
 
 def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int = 0, **overrides: object) -> Path:
-    """A 2-layer random-weight Llama, Qwen2 or Qwen3 with the SmolLM2 tokenizer, saved as safetensors (Qwen3's
+    """A 2-layer random-weight Llama, Qwen2, Qwen3 or OLMo 2 with the SmolLM2 tokenizer, saved as safetensors (Qwen3's
     q/k norm weights random too, so that loading them is tested, not their all-ones initialization)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(
         vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -47,6 +48,12 @@ def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int 
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif architecture == "olmo2":
+        model = Olmo2ForCausalLM(Olmo2Config(**common))
+        with torch.no_grad():  # the norms' all-ones initialization would not test their loading
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
     else:
         raise ValueError(architecture)
     model.save_pretrained(directory, safe_serialization=True)

@@ -29,7 +29,7 @@ class ModelArch:
     # bytes a decode step reads when loom runs the file packed (quantization "gguf": loom's layouts per GGML
     # type, loom/quant/gguf_repack.PACKED_BYTES_PER_WEIGHT; the untied input embedding excluded); None if unknown
     packed_decode_bytes: int | None = None
-    qk_norm: bool = False  # an RMSNorm weight [d_h] on q and on k in every layer (Qwen3)
+    qk_norm: str | None = None  # q/k RMSNorm weights per layer: "per_head" [d_h] each (Qwen3), "projection" (OLMo 2)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -46,7 +46,11 @@ class ModelArch:
         QK-norm; final norm).
         """
         d, dh = self.hidden_size, self.head_dim
-        attn = d * self.num_heads * dh * 2 + 2 * d * self.num_kv_heads * dh + (2 * dh if self.qk_norm else 0)
+        attn = d * self.num_heads * dh * 2 + 2 * d * self.num_kv_heads * dh
+        if self.qk_norm == "per_head":
+            attn += 2 * dh
+        elif self.qk_norm == "projection":
+            attn += (self.num_heads + self.num_kv_heads) * dh
         mlp = 3 * d * self.intermediate_size
         per_layer = attn + mlp + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
@@ -107,7 +111,7 @@ def _arch_from_gguf(path: Path) -> ModelArch:
         max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
         stored_weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
         packed_decode_bytes=_packed_decode_bytes(reader, tied="output.weight" not in tensor_names),
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm="per_head" if "blk.0.attn_q_norm.weight" in tensor_names else None,
     )
 
 
@@ -138,5 +142,5 @@ def _arch_from_hf_config(cfg: dict[str, object], name: str) -> ModelArch:
         vocab_size=int(cfg["vocab_size"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        qk_norm=cfg.get("model_type") == "qwen3" or "Qwen3ForCausalLM" in (cfg.get("architectures") or []),
+        qk_norm={"qwen3": "per_head", "olmo2": "projection"}.get(str(cfg.get("model_type"))),
     )

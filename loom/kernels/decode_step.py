@@ -152,7 +152,7 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
     different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or
-    bfloat16; QK-norm (Qwen3) included."""
+    bfloat16; per-head QK-norm (Qwen3) included, post-norm layers (OLMo 2) not."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import PackedLinearMethod
 
@@ -160,13 +160,15 @@ def supports_model(model: torch.nn.Module) -> bool:
         return False
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
+        if not hasattr(layer, "input_layernorm"):  # post-norm layers (OLMo 2): the per-layer path
+            return False
         if not isinstance(a.attn.backend, CpuPagedBackend) or a.kernels is None or m.kernels is None \
                 or layer.input_layernorm.kernels is None or a.attn.backend.decode_kernel is None:
             return False
         if not a.attn.backend.float32_kernels and model.norm.weight.dtype == torch.float32:
             return False
-        if a.q_norm is not None and (a.q_norm.kernels is None or a.k_norm.kernels is None):
-            return False  # QK-norm runs loom's fused RMSNorm in both paths, or the per-layer path alone
+        if a.q_norm is not None and (a.qk_norm != "per_head" or a.q_norm.kernels is None or a.k_norm.kernels is None):
+            return False  # per-head QK-norm runs loom's fused RMSNorm in both paths, else the per-layer path alone
         for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
             method = getattr(lin, "quant_method", None)
             if not isinstance(method, PackedLinearMethod) or method.scheme.activations != "float" \

@@ -25,9 +25,15 @@ class ModelArchConfig:
     tie_word_embeddings: bool  # lm_head shares the embedding matrix
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None  # tokens each query may look back (Mistral); None = full attention
-    qk_norm: bool = False  # RMSNorm over each head of q and of k before rotary, own weights [head_dim] (Qwen3)
+    # RMSNorm of q and k before rotary: None; "per_head": one weight [head_dim] for every q head and one for every
+    # k head (Qwen3); "projection": over the whole q projection [num_heads * head_dim] and k [num_kv_heads *
+    # head_dim] (OLMo 2)
+    qk_norm: str | None = None
+    post_norm: bool = False  # norms on the attention and MLP outputs, before each residual add, none on inputs (OLMo 2)
 
     def __post_init__(self) -> None:
+        if self.qk_norm not in (None, "per_head", "projection"):
+            raise ValueError(f"qk_norm must be None, 'per_head' or 'projection', got {self.qk_norm!r}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

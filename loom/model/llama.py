@@ -1,8 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
 
 Architecture: Touvron et al. 2023 (arXiv:2302.13971): pre-norm RMSNorm, RoPE, SwiGLU MLP, GQA. The variations
-are named fields of ModelArchConfig: q/k/v biases (Qwen2), a sliding window (Mistral), and QK-norm (Qwen3:
-an RMSNorm over each query and key head before rotary, Qwen3 technical report, arXiv:2505.09388).
+are named fields of ModelArchConfig: q/k/v biases (Qwen2), a sliding window (Mistral), QK-norm (an RMSNorm of
+the queries and keys before rotary: per head in Qwen3, Qwen3 technical report, arXiv:2505.09388; over the whole
+projection in OLMo 2, arXiv:2501.00656) and post-norm layers (OLMo 2: the attention and MLP outputs are normed
+before each residual add, the inputs are not).
 Parameter names follow the Hugging Face checkpoints, except that q/k/v and gate/up are stored
 stacked (qkv_proj, gate_up_proj) so each is one matmul; `load_weights` does the stacking.
 """
@@ -59,11 +61,15 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.sliding_window
         )
-        # QK-norm (Qwen3): one RMSNorm [head_dim] shared by all query heads, one by all key heads
+        # QK-norm: one RMSNorm [head_dim] shared by all query heads and one by all key heads (Qwen3), or one over
+        # the whole q projection and one over k (OLMo 2)
+        self.qk_norm = arch.qk_norm
         self.q_norm = self.k_norm = None
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
+        if arch.qk_norm is not None:
+            per_head = arch.qk_norm == "per_head"
+            q_width, k_width = (arch.head_dim, arch.head_dim) if per_head else (arch.q_size, arch.kv_size)
+            self.q_norm = RMSNorm(q_width, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
+            self.k_norm = RMSNorm(k_width, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
 
     def forward(
         self,
@@ -77,10 +83,15 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [n, (H + 2 H_kv) d]
         rope_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         qk = qkv[:, :rope_width].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # each head's q and k normalized over head_dim before rotary
+        if self.qk_norm == "per_head":  # each head's q and k normalized over head_dim before rotary
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
+            qk = torch.cat([q, k], dim=1)
+        elif self.qk_norm == "projection":  # q [n, H d] and k [n, H_kv d] normalized as wholes
+            q_size = self.num_heads * self.head_dim
+            q = self.q_norm(qkv[:, :q_size].contiguous()).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm(qkv[:, q_size:rope_width].contiguous()).view(n, self.num_kv_heads, self.head_dim)
             qk = torch.cat([q, k], dim=1)
         # q and k side by side are rotated in one pass: [n, H + H_kv, d], then split back (views).
         qk = apply_rotary(qk, *cos_sin, self.kernels)
@@ -151,6 +162,44 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
+class Olmo2DecoderLayer(nn.Module):
+    """A post-norm layer (OLMo 2): x + norm(attn(x)), then h + norm(mlp(h)); no norm on the inputs."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        o_proj_bias: bool,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant_config: QuantizationConfig,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
+        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
+            dtype=dtype, device=device)
+        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp")
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
+            dtype=dtype, device=device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (hidden, residual) convention of LlamaDecoderLayer: the layer input is hidden + residual (hidden
+        alone for the first layer); returns (norm(mlp(h)), h) with h = x + norm(attn(x)), whose sum the next layer
+        (or the final norm) takes."""
+        x = hidden if residual is None else hidden + residual
+        h = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, kv_cache, attn_metadata))
+        return self.post_feedforward_layernorm(self.mlp(h)), h
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -164,8 +213,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, device,
                                            packed=quant_config.embedding_packed())
+        layer_cls = Olmo2DecoderLayer if arch.post_norm else LlamaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}")
+            layer_cls(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}")
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
@@ -351,6 +401,10 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__(arch, backend, dtype, device, quant_config, o_proj_bias=False)
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """OLMo 2: post-norm layers (arch.post_norm) and QK-norm over the whole q and k projections."""
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
 
 from tests.model.model_harness import VOCAB, TinyModel, save_tiny_model
 
@@ -27,6 +27,8 @@ TINY_CONFIGS = {
     "mistral_window": lambda: MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=5),
     # QK-norm, and a head_dim that is not hidden_size / num_heads (as Qwen3's 128 with hidden 1024 and 16 heads)
     "qwen3_qknorm": lambda: Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    # post-norm layers and QK-norm over the whole q and k projections
+    "olmo2_postnorm": lambda: Olmo2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False),
 }  # fmt: skip
 
 

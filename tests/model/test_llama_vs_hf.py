@@ -33,7 +33,7 @@ def test_batched_prefill_then_decode_matches_hf(tiny: TinyModel) -> None:
             torch.testing.assert_close(out[i][-1], hf_logits(tiny.hf, prompt)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm"])
 def test_chunked_prefill_mixed_with_decode(name: str, tiny_models: dict[str, TinyModel]) -> None:
     """A 13-token prompt split 6 + 7 over two forwards, while another request decodes alongside."""
     tiny = tiny_models[name]
@@ -80,11 +80,26 @@ def test_qwen3_shapes_and_quantized_checkpoint(tiny_models: dict[str, TinyModel]
 
     tiny = tiny_models["qwen3_qknorm"]
     arch = load_model_arch(str(tiny.path))
-    assert arch.qk_norm and arch.num_params == sum(p.numel() for p in tiny.hf.parameters())
+    assert arch.qk_norm == "per_head" and arch.num_params == sum(p.numel() for p in tiny.hf.parameters())
     quantize(str(tiny.path), str(tmp_path / "q8"), "rtn", bits=8, group_size=32)
     loaded = load_model(str(tmp_path / "q8"), torch.float32, CPU)
-    assert loaded.arch.architecture == "Qwen3ForCausalLM" and loaded.arch.qk_norm
+    assert loaded.arch.architecture == "Qwen3ForCausalLM" and loaded.arch.qk_norm == "per_head"
     harness = PagedHarness(loaded.model, loaded.arch, block_size=4)
     prompt = [5, 17, 33, 2, 8, 60, 41]
     got, ref = harness.step({0: prompt})[0], hf_logits(tiny.hf, prompt)
     assert float((got - ref).norm() / ref.norm()) < 0.05  # 8-bit weights; a lost q/k norm gives ~100%
+
+
+def test_olmo2_layers_and_shapes(tiny_models: dict[str, TinyModel]) -> None:
+    """OLMo 2's named variations: post-norm layers (no input norm) and QK-norm over the whole projections; loom
+    analyze counts its parameters as transformers does."""
+    from loom.bench.model_arch import load_model_arch
+    from loom.model.llama import Olmo2DecoderLayer
+
+    tiny = tiny_models["olmo2_postnorm"]
+    loaded = load_model(str(tiny.path), torch.float32, CPU)
+    assert loaded.arch.post_norm and loaded.arch.qk_norm == "projection"
+    layer = loaded.model.model.layers[0]
+    assert isinstance(layer, Olmo2DecoderLayer) and not hasattr(layer, "input_layernorm")
+    assert layer.self_attn.q_norm.weight.shape == (loaded.arch.q_size,)
+    assert load_model_arch(str(tiny.path)).num_params == sum(p.numel() for p in tiny.hf.parameters())

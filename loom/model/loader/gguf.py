@@ -89,7 +89,7 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=None,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm="per_head" if "blk.0.attn_q_norm.weight" in tensor_names else None,
     )
 
 

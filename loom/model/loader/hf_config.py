@@ -10,7 +10,7 @@ from loom.model.arch import ModelArchConfig
 
 # config.json model_type -> architecture, for configs saved without an `architectures` list
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
 
 
 def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
-    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2, Qwen3 fields).
+    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2, Qwen3, OLMo 2 fields).
 
     Raises:
         ValueError: a required key is missing, or an unsupported sliding-window layout.
@@ -93,7 +93,8 @@ def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             sliding_window=_sliding_window(architecture, config),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm={"Qwen3ForCausalLM": "per_head", "Olmo2ForCausalLM": "projection"}.get(architecture),
+            post_norm=architecture == "Olmo2ForCausalLM",
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks the key {exc.args[0]!r}") from None
