@@ -333,6 +333,20 @@ class LlamaForCausalLM(nn.Module):
                 continue  # the tied head reads the embedding
             module_name, param, shard = _stacked_target(name)
             key = (module_name, param, shard)
+            if key not in expected and (module_name, param, 0) in expected and isinstance(tensor, torch.Tensor):
+                # a projection the checkpoint stores fused (Phi-3's qkv_proj, gate_up_proj): split it into the
+                # shards of our stacked layer, in order
+                module = self.get_submodule(module_name)
+                sizes = list(module.output_sizes)
+                if tensor.shape[0] != sum(sizes):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not split into {sizes}")
+                for i, piece in enumerate(tensor.split(sizes, dim=0)):
+                    try:
+                        module.load(param, piece, i)
+                    except ValueError as exc:
+                        raise ValueError(f"{name} (shard {i}): {exc}") from exc
+                    loaded.add((module_name, param, i))
+                continue
             if key not in expected:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
             module = self.get_submodule(module_name)
@@ -405,6 +419,12 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo 2: post-norm layers (arch.post_norm) and QK-norm over the whole q and k projections."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: Llama whose checkpoints store q/k/v and gate/up fused (split at load into the stacked layers),
+    with a sliding window where configured. LongRoPE ("su") scaling, of the 128k-context models, is not
+    supported yet (a clear error at load)."""
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

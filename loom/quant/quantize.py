@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq", "fp8", "sparse24")
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2"}
+               "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
 
 
 @dataclass(slots=True)

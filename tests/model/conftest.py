@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config
 
 from tests.model.model_harness import VOCAB, TinyModel, save_tiny_model
 
@@ -29,6 +29,9 @@ TINY_CONFIGS = {
     "qwen3_qknorm": lambda: Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
     # post-norm layers and QK-norm over the whole q and k projections
     "olmo2_postnorm": lambda: Olmo2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False),
+    # fused qkv_proj / gate_up_proj in the checkpoint, and a sliding window
+    "phi3_fused": lambda: Phi3Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=6,
+                                     pad_token_id=0),
 }  # fmt: skip
 
 

@@ -33,7 +33,7 @@ def test_batched_prefill_then_decode_matches_hf(tiny: TinyModel) -> None:
             torch.testing.assert_close(out[i][-1], hf_logits(tiny.hf, prompt)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm", "phi3_fused"])
 def test_chunked_prefill_mixed_with_decode(name: str, tiny_models: dict[str, TinyModel]) -> None:
     """A 13-token prompt split 6 + 7 over two forwards, while another request decodes alongside."""
     tiny = tiny_models[name]
@@ -103,3 +103,40 @@ def test_olmo2_layers_and_shapes(tiny_models: dict[str, TinyModel]) -> None:
     assert isinstance(layer, Olmo2DecoderLayer) and not hasattr(layer, "input_layernorm")
     assert layer.self_attn.q_norm.weight.shape == (loaded.arch.q_size,)
     assert load_model_arch(str(tiny.path)).num_params == sum(p.numel() for p in tiny.hf.parameters())
+
+
+def test_phi3_fused_checkpoint_and_what_is_refused(tiny_models: dict[str, TinyModel]) -> None:
+    """Phi-3 stores q/k/v and gate/up fused: they load into the stacked layers (a wrong split is named);
+    LongRoPE and partial rotary are refused by name rather than run wrongly."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from loom.model.loader.hf_config import hf_arch_config
+
+    tiny = tiny_models["phi3_fused"]
+    names = set().union(*(load_file(f).keys() for f in tiny.path.glob("*.safetensors")))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    loaded = load_model(str(tiny.path), torch.float32, CPU)
+    assert loaded.arch.architecture == "Phi3ForCausalLM" and loaded.arch.sliding_window == 6
+    config = json.loads((tiny.path / "config.json").read_text())
+    longrope = {**config, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                           "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}}
+    longrope.pop("rope_parameters", None)
+    with pytest.raises(ValueError, match="longrope"):
+        load_model_from_config(longrope)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        hf_arch_config({**config, "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}})
+    bad = loaded.model
+    with pytest.raises(ValueError, match="does not split"):
+        bad.load_weights([("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(7, 64))])
+
+
+def load_model_from_config(config: dict) -> None:
+    """Build loom's model for a config.json dict (no weights): where rope scaling is checked."""
+    from loom.attention.cpu_paged import CpuPagedBackend
+    from loom.model.loader.hf_config import hf_arch_config
+    from loom.model.registry import get_model_class
+
+    arch = hf_arch_config(config)
+    get_model_class(arch.architecture)(arch, CpuPagedBackend(), torch.float32, CPU)

@@ -25,7 +25,8 @@ def _logits(model, arch) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("method", ["w8a16", "w4a16", "w8a8", "fp8"])
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_mha_tied", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm"])
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mha_tied", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm",
+                                  "phi3_fused"])
 def test_quantized_methods_stay_near_the_dense_model(tiny_models, name: str, method: str) -> None:
     path = str(tiny_models[name].path)
     dense = load_model(path, torch.float32, CPU, quantization="none")

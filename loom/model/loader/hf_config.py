@@ -10,7 +10,7 @@ from loom.model.arch import ModelArchConfig
 
 # config.json model_type -> architecture, for configs saved without an `architectures` list
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -45,6 +45,9 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None). transformers 5 nests both under `rope_parameters`."""
     params = dict(config.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = float(params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} (rotary on part of each head) is not supported")
     scaling = params or config.get("rope_scaling") or None
     if scaling is not None:
         scaling = dict(scaling)
@@ -61,13 +64,13 @@ def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
         if config.get("use_sliding_window"):
             raise ValueError(f"{architecture} with use_sliding_window=true (per-layer windows) is not supported")
         return None
-    if architecture == "MistralForCausalLM" and window is not None:
+    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") and window is not None:
         return int(window)
     return None
 
 
 def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
-    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2, Qwen3, OLMo 2 fields).
+    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Phi-3 fields).
 
     Raises:
         ValueError: a required key is missing, or an unsupported sliding-window layout.
