@@ -25,11 +25,12 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[
 
 
 def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int = 0, **overrides: object) -> Path:
-    """A 2-layer random-weight Llama, Qwen2, Qwen3, OLMo 2 or Phi-3 with the SmolLM2 tokenizer, saved as safetensors (Qwen3's
+    """A 2-layer random-weight Llama, Qwen2, Qwen3, OLMo 2, Phi-3 or Mixtral with the SmolLM2 tokenizer, saved as safetensors (Qwen3's
     q/k norm weights random too, so that loading them is tested, not their all-ones initialization)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
+                              Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     common = dict(
         vocab_size=len(hf_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -48,6 +49,11 @@ def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int 
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    elif architecture == "mixtral":  # 4 experts, top 2; router weights scaled up so that routing varies by token
+        model = MixtralForCausalLM(MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **common}))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(50.0)
     elif architecture == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint
         model = Phi3ForCausalLM(Phi3Config(**{"pad_token_id": 0, **common}))
     elif architecture == "olmo2":

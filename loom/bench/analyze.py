@@ -42,6 +42,7 @@ def floor_summary(roof: Roofline, work: Workload) -> dict[str, float | str]:
     return {
         "model": a.name,
         "params": a.num_params,
+        "params_per_decoded_token": a.num_decode_params,
         "weight_bytes_per_step": roof.weight_bytes,
         "stored_weight_bytes": a.stored_weight_bytes or 0,
         "kv_bytes_per_token": roof.kv_bytes_per_token,

@@ -30,6 +30,8 @@ class ModelArch:
     # type, loom/quant/gguf_repack.PACKED_BYTES_PER_WEIGHT; the untied input embedding excluded); None if unknown
     packed_decode_bytes: int | None = None
     qk_norm: str | None = None  # q/k RMSNorm weights per layer: "per_head" [d_h] each (Qwen3), "projection" (OLMo 2)
+    num_experts: int = 0  # E, SwiGLU experts per layer of a mixture-of-experts model (0: dense)
+    experts_per_tok: int = 0  # k, experts each token runs
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -52,6 +54,8 @@ class ModelArch:
         elif self.qk_norm == "projection":
             attn += (self.num_heads + self.num_kv_heads) * dh
         mlp = 3 * d * self.intermediate_size
+        if self.num_experts:  # E experts and the router [E, d]
+            mlp = self.num_experts * mlp + self.num_experts * d
         per_layer = attn + mlp + 2 * d
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return embed + self.num_layers * per_layer + d
@@ -61,11 +65,17 @@ class ModelArch:
         """Parameters read and multiplied for every decoded token.
 
         Everything except the input embedding table when it is untied (a lookup reads only B rows).
-        With tied embeddings the lm_head matmul reads the whole table, so this equals num_params.
+        With tied embeddings the lm_head matmul reads the whole table, so this equals num_params. A
+        mixture-of-experts model counts the k experts a token runs, not all E (its active parameters; a batch
+        whose tokens pick different experts reads more of them).
         """
+        inactive = 0
+        if self.num_experts:
+            inactive = self.num_layers * (self.num_experts - self.experts_per_tok) * 3 * self.hidden_size \
+                * self.intermediate_size
         if self.tie_word_embeddings:
-            return self.num_params
-        return self.num_params - self.vocab_size * self.hidden_size
+            return self.num_params - inactive
+        return self.num_params - self.vocab_size * self.hidden_size - inactive
 
 
 def load_model_arch(model: str | Path | None) -> ModelArch:
@@ -143,4 +153,6 @@ def _arch_from_hf_config(cfg: dict[str, object], name: str) -> ModelArch:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         qk_norm={"qwen3": "per_head", "olmo2": "projection"}.get(str(cfg.get("model_type"))),
+        num_experts=int(cfg.get("num_local_experts") or 0),
+        experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if cfg.get("num_local_experts") else 0,
     )

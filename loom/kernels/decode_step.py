@@ -160,8 +160,8 @@ def supports_model(model: torch.nn.Module) -> bool:
         return False
     for layer in model.layers:
         a, m = layer.self_attn, layer.mlp
-        if not hasattr(layer, "input_layernorm"):  # post-norm layers (OLMo 2): the per-layer path
-            return False
+        if not hasattr(layer, "input_layernorm") or not hasattr(m, "gate_up_proj"):
+            return False  # post-norm layers (OLMo 2), mixture-of-experts FFNs: the per-layer path
         if not isinstance(a.attn.backend, CpuPagedBackend) or a.kernels is None or m.kernels is None \
                 or layer.input_layernorm.kernels is None or a.attn.backend.decode_kernel is None:
             return False

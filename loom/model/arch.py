@@ -30,10 +30,14 @@ class ModelArchConfig:
     # head_dim] (OLMo 2)
     qk_norm: str | None = None
     post_norm: bool = False  # norms on the attention and MLP outputs, before each residual add, none on inputs (OLMo 2)
+    num_experts: int = 0  # mixture-of-experts FFN: experts per layer (0 = the dense SwiGLU MLP)
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
 
     def __post_init__(self) -> None:
         if self.qk_norm not in (None, "per_head", "projection"):
             raise ValueError(f"qk_norm must be None, 'per_head' or 'projection', got {self.qk_norm!r}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -34,9 +34,12 @@ from loom.model.layers import (
     apply_rotary,
 )
 
-# checkpoint projection -> (stacked parameter, shard index)
+# checkpoint projection -> (stacked parameter, shard index); Mixtral's experts name gate / up / down w1 / w3 / w2
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+            "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1)}  # fmt: skip
+# checkpoint module names that are another name of ours
+_RENAMED = {"block_sparse_moe": "mlp", "w2": "down_proj"}
 
 
 class LlamaAttention(nn.Module):
@@ -123,6 +126,56 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))  # in place: silu's output is a fresh tensor
 
 
+class SparseMoeBlock(nn.Module):
+    """Mixture-of-experts FFN (Mixtral, Jiang et al. 2024, arXiv:2401.04088): a router picks each token's top-k of
+    E SwiGLU experts by softmax probability, renormalized over the k; the output is the probability-weighted sum
+    of those experts' outputs.
+
+    Tokens are grouped by expert: one sort of the (token, slot) pairs by expert id, then each expert that got
+    tokens runs once on all of them (no per-token loop), and the weighted outputs are added back per token in
+    expert order, as transformers' MixtralExperts adds them. The router stays dense in the model dtype (its
+    logits decide the routing); each expert's projections go through the quantization seam like any MLP's.
+    """
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 quant_config: QuantizationConfig, prefix: str) -> None:
+        super().__init__()
+        self.top_k = arch.num_experts_per_tok
+        self.gate = Linear(arch.hidden_size, arch.num_experts, False, dtype, device, quant_config=NoQuantConfig(),
+                           prefix=f"{prefix}.gate")
+        self.experts = nn.ModuleList(
+            LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.experts.{e}")
+            for e in range(arch.num_experts)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> (weights [n, top_k] float32, expert ids [n, top_k] int64)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] -> [n, hidden], x's dtype."""
+        weights, ids = self.route(x)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = self.experts[e](x.index_select(0, rows))
+                out.index_add_(0, rows, (y * weights.flatten()[order[start : start + count], None]).to(x.dtype))
+            start += count
+        return out
+
+    def expert_token_counts(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens routed to each expert [num_experts] int64 for x [n, hidden] (load-balance metrics)."""
+        return torch.bincount(self.route(x)[1].flatten(), minlength=len(self.experts))
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -140,7 +193,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
             dtype=dtype, device=device)
-        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp")
+        self.mlp: nn.Module = (
+            SparseMoeBlock(arch, dtype, device, quant_config, f"{prefix}.mlp") if arch.num_experts
+            else LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp"))
 
     def forward(
         self,
@@ -421,6 +476,10 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo 2: post-norm layers (arch.post_norm) and QK-norm over the whole q and k projections."""
 
 
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Mistral with a sparse mixture-of-experts FFN in every layer (SparseMoeBlock)."""
+
+
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama whose checkpoints store q/k/v and gate/up fused (split at load into the stacked layers),
     with a sliding window where configured. LongRoPE ("su") scaling, of the 128k-context models, is not
@@ -439,7 +498,7 @@ def _shares_table(head: LMHead) -> bool:
 
 def _stacked_target(name: str) -> tuple[str, str, int | None]:
     """Map a checkpoint name to (our module name, parameter name, shard index or None)."""
-    parts = name.split(".")
+    parts = [_RENAMED.get(p, p) for p in name.split(".")]
     for i, part in enumerate(parts):
         if part in _STACKED:
             stacked, shard = _STACKED[part]

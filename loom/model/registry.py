@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from loom.model.llama import (LlamaForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                              Qwen3ForCausalLM)
+from loom.model.llama import (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM,
+                              Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
 
 # Read-only: a new architecture adds an entry here.
 MODEL_REGISTRY: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
@@ -17,6 +17,7 @@ MODEL_REGISTRY: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
         "Olmo2ForCausalLM": Olmo2ForCausalLM,
         "Phi3ForCausalLM": Phi3ForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
     }
 )
 

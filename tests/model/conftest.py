@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config
 
 from tests.model.model_harness import VOCAB, TinyModel, save_tiny_model
 
@@ -30,6 +30,9 @@ TINY_CONFIGS = {
     # post-norm layers and QK-norm over the whole q and k projections
     "olmo2_postnorm": lambda: Olmo2Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False),
     # fused qkv_proj / gate_up_proj in the checkpoint, and a sliding window
+    # a mixture-of-experts FFN: 4 experts, top 2
+    "mixtral_moe": lambda: MixtralConfig(**_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                         tie_word_embeddings=False),
     "phi3_fused": lambda: Phi3Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=6,
                                      pad_token_id=0),
 }  # fmt: skip

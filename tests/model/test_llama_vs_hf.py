@@ -33,7 +33,8 @@ def test_batched_prefill_then_decode_matches_hf(tiny: TinyModel) -> None:
             torch.testing.assert_close(out[i][-1], hf_logits(tiny.hf, prompt)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm", "phi3_fused"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm", "phi3_fused",
+                                  "mixtral_moe"])
 def test_chunked_prefill_mixed_with_decode(name: str, tiny_models: dict[str, TinyModel]) -> None:
     """A 13-token prompt split 6 + 7 over two forwards, while another request decodes alongside."""
     tiny = tiny_models[name]
@@ -140,3 +141,47 @@ def load_model_from_config(config: dict) -> None:
 
     arch = hf_arch_config(config)
     get_model_class(arch.architecture)(arch, CpuPagedBackend(), torch.float32, CPU)
+
+
+def test_mixture_of_experts_groups_tokens_by_expert(tiny_models: dict[str, TinyModel]) -> None:
+    """Mixtral's FFN: the grouped computation equals the definition token by token (softmax over the router's
+    logits, top 2, renormalized, weighted sum of the chosen experts); the router stays dense under a packed
+    method while the experts are packed; and the one-call C step declines MoE layers."""
+    from loom.model.llama import SparseMoeBlock
+    from loom.quant.methods import PackedLinearMethod
+
+    tiny = tiny_models["mixtral_moe"]
+    loaded = load_model(str(tiny.path), torch.float32, CPU)
+    assert loaded.arch.num_experts == 4 and loaded.arch.num_experts_per_tok == 2
+    moe = loaded.model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoeBlock)
+    x = torch.randn(11, loaded.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = moe(x)
+        logits = x @ moe.gate.weight.T
+        want = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            p = torch.softmax(logits[t], -1)
+            top = torch.topk(p, 2)
+            for w, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+                want[t] += w * moe.experts[e](x[t : t + 1])[0]
+        counts = moe.expert_token_counts(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert int(counts.sum()) == 2 * x.shape[0] and int((counts > 0).sum()) > 1  # tokens spread over experts
+    packed = load_model(str(tiny.path), torch.float32, CPU, quantization="w8a16")
+    pmoe = packed.model.model.layers[0].mlp
+    assert not isinstance(pmoe.gate.quant_method, PackedLinearMethod)
+    assert all(isinstance(e.gate_up_proj.quant_method, PackedLinearMethod) for e in pmoe.experts)
+    assert packed.model.model.decode_step is None
+
+
+def test_analyze_counts_total_and_active_expert_parameters(tiny_models: dict[str, TinyModel]) -> None:
+    from loom.bench.model_arch import load_model_arch
+
+    tiny = tiny_models["mixtral_moe"]
+    arch = load_model_arch(str(tiny.path))
+    assert arch.num_experts == 4 and arch.experts_per_tok == 2
+    assert arch.num_params == sum(p.numel() for p in tiny.hf.parameters())
+    expert = 3 * arch.hidden_size * arch.intermediate_size
+    untied_embedding = arch.vocab_size * arch.hidden_size
+    assert arch.num_decode_params == arch.num_params - untied_embedding - arch.num_layers * 2 * expert

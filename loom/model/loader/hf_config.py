@@ -10,7 +10,8 @@ from loom.model.arch import ModelArchConfig
 
 # config.json model_type -> architecture, for configs saved without an `architectures` list
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                "mixtral": "MixtralForCausalLM"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -64,13 +65,13 @@ def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
         if config.get("use_sliding_window"):
             raise ValueError(f"{architecture} with use_sliding_window=true (per-layer windows) is not supported")
         return None
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM") and window is not None:
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and window is not None:
         return int(window)
     return None
 
 
 def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
-    """ModelArchConfig of a parsed config.json (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Phi-3 fields).
+    """ModelArchConfig of a parsed config.json (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2, Phi-3 fields).
 
     Raises:
         ValueError: a required key is missing, or an unsupported sliding-window layout.
@@ -98,6 +99,8 @@ def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
             sliding_window=_sliding_window(architecture, config),
             qk_norm={"Qwen3ForCausalLM": "per_head", "Olmo2ForCausalLM": "projection"}.get(architecture),
             post_norm=architecture == "Olmo2ForCausalLM",
+            num_experts=int(config.get("num_local_experts", 0)) if architecture == "MixtralForCausalLM" else 0,
+            num_experts_per_tok=int(config.get("num_experts_per_tok", 0)) if architecture == "MixtralForCausalLM" else 0,
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks the key {exc.args[0]!r}") from None
