@@ -32,6 +32,9 @@ class ModelArch:
     qk_norm: str | None = None  # q/k RMSNorm weights per layer: "per_head" [d_h] each (Qwen3), "projection" (OLMo 2)
     num_experts: int = 0  # E, SwiGLU experts per layer of a mixture-of-experts model (0: dense)
     experts_per_tok: int = 0  # k, experts each token runs
+    moe_intermediate_size: int = 0  # F_e, width of an expert (0: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # F_s, the shared expert every token runs (Qwen2-MoE), 0: none
+    num_dense_mlp_layers: int = 0  # layers of an MoE model that keep the dense MLP
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -45,20 +48,29 @@ class ModelArch:
 
         P = V·d·(1 if tied else 2) + L·(d·H·d_h + 2·d·H_kv·d_h + H·d_h·d + 3·d·F + 2·d [+ 2·d_h]) + d
         (q, k, v, o projections; gate, up, down; two RMSNorm weights per layer, plus the q and k norms with
-        QK-norm; final norm).
+        QK-norm; final norm). A mixture-of-experts layer has E experts of 3·d·F_e, the router E·d and a shared
+        expert 3·d·F_s + d in place of 3·d·F.
         """
+        return self._count(self.num_experts)
+
+    def _count(self, experts: int) -> int:
+        """Parameters with `experts` of each MoE layer's experts (all E: the total; k: those a token runs)."""
         d, dh = self.hidden_size, self.head_dim
         attn = d * self.num_heads * dh * 2 + 2 * d * self.num_kv_heads * dh
         if self.qk_norm == "per_head":
             attn += 2 * dh
         elif self.qk_norm == "projection":
             attn += (self.num_heads + self.num_kv_heads) * dh
-        mlp = 3 * d * self.intermediate_size
-        if self.num_experts:  # E experts and the router [E, d]
-            mlp = self.num_experts * mlp + self.num_experts * d
-        per_layer = attn + mlp + 2 * d
+        dense = 3 * d * self.intermediate_size
+        mlp = self.num_layers * dense
+        if self.num_experts:
+            sparse = experts * 3 * d * (self.moe_intermediate_size or self.intermediate_size) + self.num_experts * d
+            if self.shared_expert_intermediate_size:
+                sparse += 3 * d * self.shared_expert_intermediate_size + d
+            moe_layers = self.num_layers - self.num_dense_mlp_layers
+            mlp = self.num_dense_mlp_layers * dense + moe_layers * sparse
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_layers * per_layer + d
+        return embed + self.num_layers * (attn + 2 * d) + mlp + d
 
     @property
     def num_decode_params(self) -> int:
@@ -69,13 +81,10 @@ class ModelArch:
         mixture-of-experts model counts the k experts a token runs, not all E (its active parameters; a batch
         whose tokens pick different experts reads more of them).
         """
-        inactive = 0
-        if self.num_experts:
-            inactive = self.num_layers * (self.num_experts - self.experts_per_tok) * 3 * self.hidden_size \
-                * self.intermediate_size
+        active = self._count(self.experts_per_tok)
         if self.tie_word_embeddings:
-            return self.num_params - inactive
-        return self.num_params - self.vocab_size * self.hidden_size - inactive
+            return active
+        return active - self.vocab_size * self.hidden_size
 
 
 def load_model_arch(model: str | Path | None) -> ModelArch:
@@ -139,20 +148,22 @@ def _packed_decode_bytes(reader: object, tied: bool) -> int:
 
 
 def _arch_from_hf_config(cfg: dict[str, object], name: str) -> ModelArch:
-    d = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
+    """The engine's own reading of config.json (loom.model.loader.hf_config), as a ModelArch.
+
+    Raises:
+        ValueError: what hf_arch_config raises (a missing key, an unsupported variation).
+    """
+    from loom.model.loader.hf_config import hf_arch_config
+
+    if not cfg.get("architectures") and not cfg.get("model_type"):  # a bare shape description: the Llama family
+        cfg = {**cfg, "model_type": "llama"}
+    a = hf_arch_config(cfg)
     return ModelArch(
-        name=name,
-        num_layers=int(cfg["num_hidden_layers"]),
-        hidden_size=d,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or d // heads),
-        intermediate_size=int(cfg["intermediate_size"]),
-        vocab_size=int(cfg["vocab_size"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        qk_norm={"qwen3": "per_head", "olmo2": "projection"}.get(str(cfg.get("model_type"))),
-        num_experts=int(cfg.get("num_local_experts") or 0),
-        experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if cfg.get("num_local_experts") else 0,
+        name=name, num_layers=a.num_layers, hidden_size=a.hidden_size, num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, intermediate_size=a.intermediate_size,
+        vocab_size=a.vocab_size, tie_word_embeddings=a.tie_word_embeddings,
+        max_position_embeddings=a.max_position_embeddings, qk_norm=a.qk_norm, num_experts=a.num_experts,
+        experts_per_tok=a.num_experts_per_tok, moe_intermediate_size=a.moe_intermediate_size,
+        shared_expert_intermediate_size=a.shared_expert_intermediate_size,
+        num_dense_mlp_layers=len(a.dense_mlp_layers) if a.num_experts else 0,
     )

@@ -32,6 +32,10 @@ class ModelArchConfig:
     post_norm: bool = False  # norms on the attention and MLP outputs, before each residual add, none on inputs (OLMo 2)
     num_experts: int = 0  # mixture-of-experts FFN: experts per layer (0 = the dense SwiGLU MLP)
     num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # width of each expert's MLP (0 = intermediate_size)
+    moe_renormalize: bool = True  # top-k probabilities renormalized to sum to 1 (Mixtral; Qwen-MoE norm_topk_prob)
+    shared_expert_intermediate_size: int = 0  # a shared expert every token runs, sigmoid-gated (Qwen2-MoE); 0 = none
+    dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP (Qwen-MoE mlp_only_layers)
 
     def __post_init__(self) -> None:
         if self.qk_norm not in (None, "per_head", "projection"):

@@ -141,18 +141,28 @@ class SparseMoeBlock(nn.Module):
                  quant_config: QuantizationConfig, prefix: str) -> None:
         super().__init__()
         self.top_k = arch.num_experts_per_tok
+        self.renormalize = arch.moe_renormalize
         self.gate = Linear(arch.hidden_size, arch.num_experts, False, dtype, device, quant_config=NoQuantConfig(),
                            prefix=f"{prefix}.gate")
+        width = arch.moe_intermediate_size or arch.intermediate_size
         self.experts = nn.ModuleList(
-            LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.experts.{e}")
+            LlamaMLP(arch.hidden_size, width, dtype, device, quant_config, f"{prefix}.experts.{e}")
             for e in range(arch.num_experts)
         )
+        # Qwen2-MoE: a shared expert every token runs, scaled by sigmoid(shared_expert_gate(x))
+        self.shared_expert = self.shared_expert_gate = None
+        if arch.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(arch.hidden_size, arch.shared_expert_intermediate_size, dtype, device,
+                                          quant_config, f"{prefix}.shared_expert")
+            self.shared_expert_gate = Linear(arch.hidden_size, 1, False, dtype, device, quant_config=NoQuantConfig(),
+                                             prefix=f"{prefix}.shared_expert_gate")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, hidden] -> (weights [n, top_k] float32, expert ids [n, top_k] int64)."""
+        """x [n, hidden] -> (weights [n, top_k] float32, expert ids [n, top_k] int64): the top-k softmax
+        probabilities, renormalized over the k where the family does (Mixtral; Qwen-MoE's norm_topk_prob)."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        return weights / weights.sum(dim=-1, keepdim=True), ids
+        return (weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden], x's dtype."""
@@ -169,6 +179,8 @@ class SparseMoeBlock(nn.Module):
                 y = self.experts[e](x.index_select(0, rows))
                 out.index_add_(0, rows, (y * weights.flatten()[order[start : start + count], None]).to(x.dtype))
             start += count
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def expert_token_counts(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +205,10 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
             dtype=dtype, device=device)
+        index = int(prefix.rsplit(".", 1)[-1])
         self.mlp: nn.Module = (
-            SparseMoeBlock(arch, dtype, device, quant_config, f"{prefix}.mlp") if arch.num_experts
+            SparseMoeBlock(arch, dtype, device, quant_config, f"{prefix}.mlp")
+            if arch.num_experts and index not in arch.dense_mlp_layers
             else LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp"))
 
     def forward(
@@ -478,6 +492,18 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral with a sparse mixture-of-experts FFN in every layer (SparseMoeBlock)."""
+
+
+class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    """Qwen2-MoE: Qwen2 with MoE FFNs (no renormalization by default, a sigmoid-gated shared expert)."""
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE: Qwen3's per-head QK-norm with MoE FFNs."""
+
+
+class OlmoeForCausalLM(LlamaForCausalLM):
+    """OLMoE: pre-norm layers with QK-norm over the whole projections and MoE FFNs."""
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from loom.model.llama import (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM,
-                              Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+                              OlmoeForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
+                              Qwen3MoeForCausalLM)
 
 # Read-only: a new architecture adds an entry here.
 MODEL_REGISTRY: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
@@ -18,6 +19,9 @@ MODEL_REGISTRY: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
         "Olmo2ForCausalLM": Olmo2ForCausalLM,
         "Phi3ForCausalLM": Phi3ForCausalLM,
         "MixtralForCausalLM": MixtralForCausalLM,
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "OlmoeForCausalLM": OlmoeForCausalLM,
     }
 )
 

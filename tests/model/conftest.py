@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 from tests.model.model_harness import VOCAB, TinyModel, save_tiny_model
 
@@ -33,6 +34,15 @@ TINY_CONFIGS = {
     # a mixture-of-experts FFN: 4 experts, top 2
     "mixtral_moe": lambda: MixtralConfig(**_COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                          tie_word_embeddings=False),
+    # a shared expert, no renormalization, and a dense layer among the sparse ones
+    "qwen2moe_shared": lambda: Qwen2MoeConfig(**_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                              mlp_only_layers=[1], tie_word_embeddings=False),
+    "qwen3moe_qknorm": lambda: Qwen3MoeConfig(**_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, norm_topk_prob=True, head_dim=32,
+                                              tie_word_embeddings=False),
+    "olmoe": lambda: OlmoeConfig(**_COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                 tie_word_embeddings=False),
     "phi3_fused": lambda: Phi3Config(**_COMMON, num_key_value_heads=2, tie_word_embeddings=False, sliding_window=6,
                                      pad_token_id=0),
 }  # fmt: skip

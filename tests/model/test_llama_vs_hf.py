@@ -34,7 +34,7 @@ def test_batched_prefill_then_decode_matches_hf(tiny: TinyModel) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_gqa", "qwen3_qknorm", "olmo2_postnorm", "phi3_fused",
-                                  "mixtral_moe"])
+                                  "mixtral_moe", "qwen2moe_shared", "qwen3moe_qknorm", "olmoe"])
 def test_chunked_prefill_mixed_with_decode(name: str, tiny_models: dict[str, TinyModel]) -> None:
     """A 13-token prompt split 6 + 7 over two forwards, while another request decodes alongside."""
     tiny = tiny_models[name]
@@ -175,13 +175,18 @@ def test_mixture_of_experts_groups_tokens_by_expert(tiny_models: dict[str, TinyM
     assert packed.model.model.decode_step is None
 
 
-def test_analyze_counts_total_and_active_expert_parameters(tiny_models: dict[str, TinyModel]) -> None:
+@pytest.mark.parametrize("name", ["mixtral_moe", "qwen2moe_shared", "qwen3moe_qknorm", "olmoe"])
+def test_analyze_counts_total_and_active_expert_parameters(tiny_models: dict[str, TinyModel], name: str) -> None:
+    """loom analyze's parameter count equals transformers' (experts, router, shared expert, dense layers, q/k
+    norms), and a decoded token runs k of the E experts of each sparse layer."""
     from loom.bench.model_arch import load_model_arch
 
-    tiny = tiny_models["mixtral_moe"]
+    tiny = tiny_models[name]
     arch = load_model_arch(str(tiny.path))
     assert arch.num_experts == 4 and arch.experts_per_tok == 2
-    assert arch.num_params == sum(p.numel() for p in tiny.hf.parameters())
-    expert = 3 * arch.hidden_size * arch.intermediate_size
+    # (ModelArch counts no biases: Qwen2-MoE's q/k/v biases are left out of both sides)
+    assert arch.num_params == sum(p.numel() for n, p in tiny.hf.named_parameters() if not n.endswith(".bias"))
+    expert = 3 * arch.hidden_size * (arch.moe_intermediate_size or arch.intermediate_size)
     untied_embedding = arch.vocab_size * arch.hidden_size
-    assert arch.num_decode_params == arch.num_params - untied_embedding - arch.num_layers * 2 * expert
+    sparse_layers = arch.num_layers - arch.num_dense_mlp_layers
+    assert arch.num_decode_params == arch.num_params - untied_embedding - sparse_layers * 2 * expert

@@ -11,7 +11,11 @@ from loom.model.arch import ModelArchConfig
 # config.json model_type -> architecture, for configs saved without an `architectures` list
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                "mixtral": "MixtralForCausalLM"}
+                "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                "olmoe": "OlmoeForCausalLM"}
+# the mixture-of-experts families: how each names its expert count (transformers 5 writes num_local_experts for all)
+_MOE = {"MixtralForCausalLM": "num_local_experts", "Qwen2MoeForCausalLM": "num_experts",
+        "Qwen3MoeForCausalLM": "num_experts", "OlmoeForCausalLM": "num_experts"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -61,7 +65,7 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
     window = config.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         if config.get("use_sliding_window"):
             raise ValueError(f"{architecture} with use_sliding_window=true (per-layer windows) is not supported")
         return None
@@ -71,7 +75,8 @@ def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
 
 
 def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
-    """ModelArchConfig of a parsed config.json (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2, Phi-3 fields).
+    """ModelArchConfig of a parsed config.json (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE, OLMo 2, OLMoE,
+    Phi-3 fields).
 
     Raises:
         ValueError: a required key is missing, or an unsupported sliding-window layout.
@@ -95,15 +100,41 @@ def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
             rope_scaling=scaling,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False))
+            or (architecture == "Qwen2MoeForCausalLM" and bool(config.get("qkv_bias", True))),
             sliding_window=_sliding_window(architecture, config),
-            qk_norm={"Qwen3ForCausalLM": "per_head", "Olmo2ForCausalLM": "projection"}.get(architecture),
+            qk_norm={"Qwen3ForCausalLM": "per_head", "Qwen3MoeForCausalLM": "per_head", "Olmo2ForCausalLM": "projection",
+                     "OlmoeForCausalLM": "projection"}.get(architecture),
             post_norm=architecture == "Olmo2ForCausalLM",
-            num_experts=int(config.get("num_local_experts", 0)) if architecture == "MixtralForCausalLM" else 0,
-            num_experts_per_tok=int(config.get("num_experts_per_tok", 0)) if architecture == "MixtralForCausalLM" else 0,
+            **_moe_fields(architecture, config),
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks the key {exc.args[0]!r}") from None
+
+
+def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """ModelArchConfig's mixture-of-experts fields of a config.json ({} for a dense family).
+
+    Raises:
+        ValueError: OLMoE's clip_qkv (not supported).
+    """
+    if architecture not in _MOE:
+        return {}
+    if config.get("clip_qkv") is not None:
+        raise ValueError(f"clip_qkv {config['clip_qkv']} (clamping q/k/v) is not supported")
+    num_layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_dense = set(config.get("mlp_only_layers") or [])
+    return dict(
+        num_experts=int(config.get(_MOE[architecture]) or config.get("num_local_experts") or config["num_experts"]),
+        num_experts_per_tok=int(config["num_experts_per_tok"]),
+        moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
+        # Mixtral always renormalizes; the Qwen-MoE and OLMoE configs say so in norm_topk_prob
+        moe_renormalize=architecture == "MixtralForCausalLM" or bool(config.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0)
+        if architecture == "Qwen2MoeForCausalLM" else 0,
+        dense_mlp_layers=tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step),
+    )
 
 
 def eos_ids_of(value: Any) -> set[int]:
