@@ -35,9 +35,11 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
     if compute not in DTYPES:
         raise ValueError(f"--compute-dtype must be one of {tuple(DTYPES)}, got {compute!r}")
     # the engine's --kv-cache-dtype auto: float16 under packed weights (llama.cpp's KV type), else the compute dtype
-    kv = ns.kv_dtype or ("float16" if ns.dtype == "packed" and compute == "float32" else compute)
+    kv = ns.kv_dtype if ns.kv_dtype is not None else (
+        "float16" if ns.dtype == "packed" and compute == "float32" else compute)
+    kv = "fp8" if kv == "fp8_e4m3" else kv  # the engine's --kv-cache-dtype name
     if kv not in BYTES_PER_KV_ELEMENT:
-        raise ValueError(f"--kv-dtype must be one of {tuple(BYTES_PER_KV_ELEMENT)}, got {kv!r}")
+        raise ValueError(f"--kv-dtype must be one of {tuple(BYTES_PER_KV_ELEMENT)} (or fp8_e4m3), got {kv!r}")
     if ns.dtype not in ("stored", "packed") and ns.dtype not in BYTES_PER_WEIGHT:
         raise ValueError(f"--dtype must be 'stored', 'packed' or one of {tuple(BYTES_PER_WEIGHT)}, got {ns.dtype!r}")
     if ns.dtype == "packed":
@@ -56,7 +58,14 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
         probed = probe_machine(compute, ns.threads)
         machine = MachineSpec(ns.bandwidth_gbs * 1e9 if ns.bandwidth_gbs else probed.bandwidth,
                               ns.gflops * 1e9 if ns.gflops else probed.flops, compute, probed.threads, "probe")
-    return Roofline(arch, machine, b, BYTES_PER_KV_ELEMENT[kv])
+    kv_bytes = BYTES_PER_KV_ELEMENT[kv]
+    if kv in ("int8", "fp8"):  # the engine's rows carry their scales (loom/attention/kv_quant.py)
+        import torch
+
+        from loom.attention.kv_quant import kv_row_bytes
+
+        kv_bytes = kv_row_bytes(arch.head_dim, torch.int8 if kv == "int8" else torch.float8_e4m3fn) / arch.head_dim
+    return Roofline(arch, machine, b, kv_bytes)
 
 
 def _engine_dtype() -> str:

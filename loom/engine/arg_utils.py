@@ -44,8 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="exact number of KV blocks; overrides --kv-cache-memory-gb")
     g.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=SUPPORTED_KV_CACHE_DTYPES,
                    help="KV cache storage; auto = --dtype, except float16 for packed weights on the CPU (the GGUF "
-                        "default: llama.cpp's KV type, half the bytes of float32); int8/fp8_e4m3 keep a float32 scale per token and KV head "
-                        "(default: %(default)s)")
+                        "default: llama.cpp's KV type, half the bytes of float32); int8: codes with a float16 scale "
+                        "and minimum per 32 values; fp8_e4m3: a float32 scale per token and KV head (default: "
+                        "%(default)s)")
     g.add_argument("--kv-offload-memory", dest="kv_offload_memory_gb", type=float, metavar="GIB",
                    default=defaults.kv_offload_memory_gb,
                    help="GiB of host memory for KV blocks evicted from the prefix cache or swapped out by "

@@ -74,7 +74,7 @@ def check_room(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | No
     """
     limit = ctx.engine.max_model_len
     if num_prompt_tokens > limit or (num_prompt_tokens == limit and max_tokens != 0):
-        raise RequestError(f"{prompt_name} of {num_prompt_tokens} tokens leave no room to generate within "
+        raise RequestError(f"{prompt_name} of {num_prompt_tokens} tokens leaves no room to generate within "
                            f"max_model_len={limit}", prompt_name)
     if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
         asked = f"{max_tokens} in the completion" + (f" ({name}'s default)" if default else "")

@@ -132,6 +132,12 @@ def test_cli_analyze_with_given_machine(tmp_path: Path, capsys: pytest.CaptureFi
     assert packed.func(packed) == 0
     floors = json.loads(out.read_text())
     assert floors["floors"]["weight_dtype"] == "packed" and floors["floors"]["kv_bytes_per_token"] == 23040
+    # quantized KV rows carry their scales, as the engine stores them (int8: 72 bytes per row of 64; fp8: 68)
+    for kv, per_token in (("int8", 12960), ("fp8_e4m3", 12240), ("fp8", 12240)):
+        q = _parser().parse_args(["analyze", "--bandwidth-gbs", "10", "--gflops", "100", "--kv-dtype", kv,
+                                  "--json", str(out)])
+        assert q.func(q) == 0
+        assert json.loads(out.read_text())["floors"]["kv_bytes_per_token"] == per_token
     bad = _parser().parse_args(["analyze", "--bandwidth-gbs", "10", "--gflops", "100", "--dtype", "float64"])
     with pytest.raises(ValueError, match="--dtype"):
         bad.func(bad)
