@@ -35,8 +35,8 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
     if compute not in DTYPES:
         raise ValueError(f"--compute-dtype must be one of {tuple(DTYPES)}, got {compute!r}")
     # the engine's --kv-cache-dtype auto: float16 under packed weights (llama.cpp's KV type), else the compute dtype
-    kv = ns.kv_dtype if ns.kv_dtype is not None else (
-        "float16" if ns.dtype == "packed" and compute == "float32" else compute)
+    kv = ns.kv_dtype if ns.kv_dtype is not None else (  # packed weight formats run a float32 model
+        "float16" if ns.dtype not in FLOAT_DTYPES and compute == "float32" else compute)
     kv = "fp8" if kv == "fp8_e4m3" else kv  # the engine's --kv-cache-dtype name
     if kv not in BYTES_PER_KV_ELEMENT:
         raise ValueError(f"--kv-dtype must be one of {tuple(BYTES_PER_KV_ELEMENT)} (or fp8_e4m3), got {kv!r}")

@@ -402,7 +402,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # the tied head reads the embedding
             module_name, param, shard = _stacked_target(name)
             key = (module_name, param, shard)
-            if key not in expected and (module_name, param, 0) in expected and isinstance(tensor, torch.Tensor):
+            if key not in expected and (module_name, param, 0) in expected and isinstance(tensor, torch.Tensor) \
+                    and tensor.dim() >= 1:
                 # a projection the checkpoint stores fused (Phi-3's qkv_proj, gate_up_proj): split it into the
                 # shards of our stacked layer, in order
                 module = self.get_submodule(module_name)

@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 
 QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq", "fp8", "sparse24")
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
+# the architectures loom quantize writes (its writers and AWQ / SmoothQuant's folds assume pre-norm layers with
+# separate q/k/v and gate/up tensors: not OLMo 2's post-norms, Phi-3's fused checkpoints or MoE experts)
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
+               "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclass(slots=True)

@@ -190,3 +190,20 @@ def test_analyze_counts_total_and_active_expert_parameters(tiny_models: dict[str
     untied_embedding = arch.vocab_size * arch.hidden_size
     sparse_layers = arch.num_layers - arch.num_dense_mlp_layers
     assert arch.num_decode_params == arch.num_params - untied_embedding - sparse_layers * 2 * expert
+
+
+def test_quantized_checkpoints_of_moe_and_fused_families_are_refused_by_name(tiny_models, tmp_path) -> None:
+    """GPTQ / AWQ / compressed-tensors files of Mixtral-style or Phi-3 checkpoints name projections the
+    per-shard lookup does not know: refused with the architecture named, not half-loaded."""
+    import json
+    import shutil
+
+    for name in ("mixtral_moe", "phi3_fused"):
+        src, dst = tiny_models[name].path, tmp_path / name
+        shutil.copytree(src, dst)
+        config = json.loads((dst / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                         "sym": True}
+        (dst / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match="not supported yet"):
+            load_model(str(dst), torch.float32, CPU)

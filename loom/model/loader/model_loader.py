@@ -155,6 +155,10 @@ def load_model(
         arch = hf_arch_config(config)
         gptq_qc, awq_qc = gptq_quantization_config(config), awq_quantization_config(config)
         fp8_qc = compressed_tensors_config(config)
+        if (gptq_qc or awq_qc or fp8_qc) and (arch.num_experts or arch.architecture == "Phi3ForCausalLM"):
+            # their checkpoints name projections our per-shard lookup does not know (w1/w3/w2, fused qkv_proj)
+            raise ValueError(f"quantized (GPTQ / AWQ / compressed-tensors) checkpoints of {arch.architecture} are "
+                             "not supported yet; load the unquantized checkpoint with --quantization w8a16|w4a16|fp8")
         gptq = None if gptq_qc is None else read_gptq_checkpoint(gptq_qc, safetensors_tensor_names(path))
         if awq_qc is not None:
             quant_config = awq_quant_config(quantization, awq_qc, safetensors_tensor_names(path))
