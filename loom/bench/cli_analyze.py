@@ -15,7 +15,7 @@ from loom.bench.analyze import (
     to_json,
 )
 from loom.bench.model_arch import load_model_arch
-from loom.bench.roofline import BYTES_PER_KV_ELEMENT, BYTES_PER_WEIGHT, Roofline
+from loom.bench.roofline import BYTES_PER_WEIGHT, Roofline, kv_bytes_per_element
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,9 +37,7 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
     # the engine's --kv-cache-dtype auto: float16 under packed weights (llama.cpp's KV type), else the compute dtype
     kv = ns.kv_dtype if ns.kv_dtype is not None else (  # packed weight formats run a float32 model
         "float16" if ns.dtype not in FLOAT_DTYPES and compute == "float32" else compute)
-    kv = "fp8" if kv == "fp8_e4m3" else kv  # the engine's --kv-cache-dtype name
-    if kv not in BYTES_PER_KV_ELEMENT:
-        raise ValueError(f"--kv-dtype must be one of {tuple(BYTES_PER_KV_ELEMENT)} (or fp8_e4m3), got {kv!r}")
+    kv_bytes = kv_bytes_per_element(kv, arch.head_dim, "--kv-dtype")
     if ns.dtype not in ("stored", "packed") and ns.dtype not in BYTES_PER_WEIGHT:
         raise ValueError(f"--dtype must be 'stored', 'packed' or one of {tuple(BYTES_PER_WEIGHT)}, got {ns.dtype!r}")
     if ns.dtype == "packed":
@@ -58,13 +56,6 @@ def build_roofline(ns: argparse.Namespace) -> Roofline:
         probed = probe_machine(compute, ns.threads)
         machine = MachineSpec(ns.bandwidth_gbs * 1e9 if ns.bandwidth_gbs else probed.bandwidth,
                               ns.gflops * 1e9 if ns.gflops else probed.flops, compute, probed.threads, "probe")
-    kv_bytes = BYTES_PER_KV_ELEMENT[kv]
-    if kv in ("int8", "fp8"):  # the engine's rows carry their scales (loom/attention/kv_quant.py)
-        import torch
-
-        from loom.attention.kv_quant import kv_row_bytes
-
-        kv_bytes = kv_row_bytes(arch.head_dim, torch.int8 if kv == "int8" else torch.float8_e4m3fn) / arch.head_dim
     return Roofline(arch, machine, b, kv_bytes)
 
 

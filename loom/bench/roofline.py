@@ -27,7 +27,28 @@ BYTES_PER_WEIGHT: dict[str, float] = {
     "float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0,
     "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32,
 }
+# nominal bytes per KV element; the quantized formats' rows also carry scales (kv_bytes_per_element)
 BYTES_PER_KV_ELEMENT: dict[str, float] = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0}
+
+
+def kv_bytes_per_element(kv_dtype: str, head_dim: int, param: str = "kv_dtype") -> float:
+    """b_kv as the engine stores it: the float formats' element size; int8 / fp8 (or the engine's name fp8_e4m3)
+    with their rows' scales (loom/attention/kv_quant.py: int8 72 bytes per row of 64).
+
+    Raises:
+        ValueError: an unknown `kv_dtype` (named as `param`).
+    """
+    if kv_dtype not in BYTES_PER_KV_ELEMENT and kv_dtype != "fp8_e4m3":
+        raise ValueError(f"{param} must be one of {(*BYTES_PER_KV_ELEMENT, 'fp8_e4m3')}, got {kv_dtype!r}")
+    kv_dtype = "fp8" if kv_dtype == "fp8_e4m3" else kv_dtype
+    nominal = BYTES_PER_KV_ELEMENT[kv_dtype]
+    if kv_dtype not in ("int8", "fp8"):
+        return nominal
+    import torch
+
+    from loom.attention.kv_quant import kv_row_bytes
+
+    return kv_row_bytes(head_dim, torch.int8 if kv_dtype == "int8" else torch.float8_e4m3fn) / head_dim
 
 
 def _lookup(table: dict[str, float], name: str, param: str) -> float:
@@ -49,7 +70,7 @@ class Roofline:
     def build(cls, arch: ModelArch, machine: MachineSpec, weight_dtype: str, kv_dtype: str) -> "Roofline":
         """Raises ValueError naming `weight_dtype` or `kv_dtype` when unknown."""
         return cls(arch, machine, _lookup(BYTES_PER_WEIGHT, weight_dtype, "weight_dtype"),
-                   _lookup(BYTES_PER_KV_ELEMENT, kv_dtype, "kv_dtype"))
+                   kv_bytes_per_element(kv_dtype, arch.head_dim))
 
     @property
     def num_params(self) -> int:

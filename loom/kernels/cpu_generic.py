@@ -13,6 +13,8 @@ import ctypes
 
 import torch
 
+from loom.attention.kv_quant import kv_row_width
+
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' is_bf16 flag
 # paged_decode's kv_type: cache elements (int8: loom's rows of codes + float16 group scales and minimums)
 _KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
@@ -87,7 +89,7 @@ class PagedDecode:
             return False
         heads, head_dim = query.shape[1], query.shape[2]
         kv_heads = kv_cache.shape[3]
-        row = head_dim + 4 * -(-head_dim // 32) if kv_cache.dtype == torch.int8 else head_dim
+        row = kv_row_width(head_dim, kv_cache.dtype)  # int8 rows carry their scales
         if head_dim < 1 or kv_heads < 1 or kv_cache.shape[4] != row or heads % kv_heads:
             return False
         if head_dim % self.head_dim_multiple or (self.max_head_dim is not None and head_dim > self.max_head_dim):

@@ -42,6 +42,19 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 _RENAMED = {"block_sparse_moe": "mlp", "w2": "down_proj"}
 
 
+def _rms_norm(width: int, arch: ModelArchConfig, kernels: Any, dtype: torch.dtype, device: torch.device) -> RMSNorm:
+    """An RMSNorm [width] with the model's epsilon, in the model dtype on its device."""
+    return RMSNorm(width, arch.rms_norm_eps, kernels).to(dtype=dtype, device=device)
+
+
+def _feed_forward(arch: ModelArchConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
+                  quant_config: QuantizationConfig, prefix: str) -> nn.Module:
+    """A layer's FFN: the MoE block in the sparse layers of an MoE model, else the dense SwiGLU MLP."""
+    if arch.num_experts and layer_index not in arch.dense_mlp_layers:
+        return SparseMoeBlock(arch, dtype, device, quant_config, prefix)
+    return LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, prefix)
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -71,8 +84,8 @@ class LlamaAttention(nn.Module):
         if arch.qk_norm is not None:
             per_head = arch.qk_norm == "per_head"
             q_width, k_width = (arch.head_dim, arch.head_dim) if per_head else (arch.q_size, arch.kv_size)
-            self.q_norm = RMSNorm(q_width, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
-            self.k_norm = RMSNorm(k_width, arch.rms_norm_eps, self.kernels).to(dtype=dtype, device=device)
+            self.q_norm = _rms_norm(q_width, arch, self.kernels, dtype, device)
+            self.k_norm = _rms_norm(k_width, arch, self.kernels, dtype, device)
 
     def forward(
         self,
@@ -86,15 +99,11 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [n, (H + 2 H_kv) d]
         rope_width = (self.num_heads + self.num_kv_heads) * self.head_dim
         qk = qkv[:, :rope_width].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "per_head":  # each head's q and k normalized over head_dim before rotary
+        if self.qk_norm is not None:  # rows of one head each ("per_head") or of a token's whole q / k
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
-            qk = torch.cat([q, k], dim=1)
-        elif self.qk_norm == "projection":  # q [n, H d] and k [n, H_kv d] normalized as wholes
-            q_size = self.num_heads * self.head_dim
-            q = self.q_norm(qkv[:, :q_size].contiguous()).view(n, self.num_heads, self.head_dim)
-            k = self.k_norm(qkv[:, q_size:rope_width].contiguous()).view(n, self.num_kv_heads, self.head_dim)
+            rows = (-1, self.head_dim) if self.qk_norm == "per_head" else (n, -1)
+            q = self.q_norm(q.reshape(rows)).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(rows)).view(n, self.num_kv_heads, self.head_dim)
             qk = torch.cat([q, k], dim=1)
         # q and k side by side are rotated in one pass: [n, H + H_kv, d], then split back (views).
         qk = apply_rotary(qk, *cos_sin, self.kernels)
@@ -201,15 +210,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(dtype=dtype, device=device)
+        self.input_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
         self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
-            dtype=dtype, device=device)
-        index = int(prefix.rsplit(".", 1)[-1])
-        self.mlp: nn.Module = (
-            SparseMoeBlock(arch, dtype, device, quant_config, f"{prefix}.mlp")
-            if arch.num_experts and index not in arch.dense_mlp_layers
-            else LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp"))
+        self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
+        self.mlp = _feed_forward(arch, int(prefix.rsplit(".", 1)[-1]), dtype, device, quant_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -247,11 +251,9 @@ class Olmo2DecoderLayer(nn.Module):
         super().__init__()
         kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
         self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
-            dtype=dtype, device=device)
-        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, f"{prefix}.mlp")
-        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels).to(
-            dtype=dtype, device=device)
+        self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
+        self.mlp = _feed_forward(arch, int(prefix.rsplit(".", 1)[-1]), dtype, device, quant_config, f"{prefix}.mlp")
+        self.post_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
 
     def forward(
         self,

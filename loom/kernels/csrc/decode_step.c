@@ -171,7 +171,8 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
     const int64_t H = d->hidden, D = d->head_dim, Hq = d->heads, Hkv = d->kv_heads;
     const int64_t qkv_width = (Hq + 2 * Hkv) * D, row = Hkv * D;
     /* bytes of one (token, KV head) cache row, and of a token slot (all KV heads) */
-    const int64_t hrow = kv == 3 ? D + 4 * ((D + 31) / 32) : D * (int64_t)(kv ? 2 : es), slot_bytes = Hkv * hrow;
+    const int cache_kv = kv ? kv : bf16; /* paged_decode's kv_type of these caches */
+    const int64_t hrow = loom_kv_row_bytes(D, cache_kv), slot_bytes = Hkv * hrow;
     /* QK-norm scratch: the normed q and k heads of every row, [B, (Hq + Hkv) D] */
     char *qkn = NULL;
     for (int64_t l = 0; l < d->num_layers && !qkn; ++l)
@@ -184,10 +185,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         } else {
             loom_add_rmsnorm(h, residual, L->norm1, normed, residual, B, H, d->eps, bf16);
         }
-        if (gemm(&L->qkv, normed, H, B, qkv, bf16, threads)) {
-            free(qkn);
-            return -1;
-        }
+        if (gemm(&L->qkv, normed, H, B, qkv, bf16, threads)) goto fail;
         const char *qsrc = (const char *)qkv, *ksrc = (const char *)qkv + (size_t)(Hq * D) * es;
         int64_t qstride = qkv_width, kstride = qkv_width;
         if (L->q_norm) { /* every head of a row is D contiguous values: Hq (Hkv) rows of D per token */
@@ -220,23 +218,17 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
             }
         }
         loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
-                          d->block_size, d->scale, d->window, threads, bf16, kv ? kv : bf16);
-        if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) {
-            free(qkn);
-            return -1;
-        }
+                          d->block_size, d->scale, d->window, threads, bf16, cache_kv);
+        if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) goto fail;
         loom_add_rmsnorm(h, residual, L->norm2, normed, residual, B, H, d->eps, bf16);
-        if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) {
-            free(qkn);
-            return -1;
-        }
+        if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) goto fail;
         loom_silu_mul(gate_up, act, B, d->inter, bf16, lanes, torch_chunk);
-        if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) {
-            free(qkn);
-            return -1;
-        }
+        if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) goto fail;
     }
     free(qkn);
     loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16);
     return 0;
+fail: /* a kernel could not allocate its scratch */
+    free(qkn);
+    return -1;
 }

@@ -499,7 +499,7 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
                        int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
                        int kv_type) {
     const int bf16 = is_bf16 != 0, kv = kv_type >= 1 && kv_type <= 3 ? kv_type : 0;
-    const int64_t hrow = kv == 3 ? D + 4 * ((D + 31) / 32) : D * (kv ? 2 : 4); /* bytes of a (token, head) row */
+    const int64_t hrow = loom_kv_row_bytes(D, kv); /* bytes of a (token, head) row */
     const int64_t G = H / H_kv;
     if (num_threads < 1) num_threads = 1;
     int64_t tile = (TILE_FLOATS / D) & ~(int64_t)7;

@@ -97,6 +97,13 @@ static inline uint16_t loom_f32_to_f16(float f) {
 #endif
 }
 
+/* Bytes of one (token, KV head) row of D values in a cache of element type kv: 0 float32, 1 bfloat16, 2 float16,
+ * 3 loom's int8 row (D codes, then a float16 scale and a float16 minimum per group of 32 values:
+ * loom/attention/kv_quant.py's kv_row_width). */
+static inline int64_t loom_kv_row_bytes(int64_t D, int kv) {
+    return kv == 3 ? D + 4 * ((D + 31) / 32) : D * (kv ? 2 : 4);
+}
+
 /* Round to nearest, ties to even, for |v| <= 2^22 without libm (the generic build must not depend on
  * nearbyintf being inlined): adding and subtracting 1.5 * 2^23 leaves the float32 rounding of v to an
  * integer under the default rounding mode. Needs IEEE semantics (no -ffast-math), which loom builds with. */
