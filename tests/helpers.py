@@ -25,8 +25,9 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[
 
 
 def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int = 0, **overrides: object) -> Path:
-    """A 2-layer random-weight Llama, Qwen2, Qwen3, OLMo 2, Phi-3 or Mixtral with the SmolLM2 tokenizer, saved as safetensors (Qwen3's
-    q/k norm weights random too, so that loading them is tested, not their all-ones initialization)."""
+    """A 2-layer random-weight Llama, Qwen2, Qwen3, OLMo 2, Phi-3, Mixtral, Gemma 2 or Gemma 3 with the SmolLM2
+    tokenizer, saved as safetensors (Qwen3's q/k norm weights random too, so that loading them is tested, not their
+    all-ones initialization). Gemma's layer 0 slides over 8 tokens and layer 1 is global."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config,
                               Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -56,6 +57,22 @@ def save_tiny_model(directory: Path, architecture: str, hf_tokenizer, seed: int 
                 layer.mlp.gate.weight.mul_(50.0)
     elif architecture == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint
         model = Phi3ForCausalLM(Phi3Config(**{"pad_token_id": 0, **common}))
+    elif architecture in ("gemma2", "gemma3"):
+        from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+        gemma = {"head_dim": 32, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                 "query_pre_attn_scalar": 24, "pad_token_id": 0, **common}
+        if architecture == "gemma2":  # caps low enough to bite on random weights
+            model = Gemma2ForCausalLM(Gemma2Config(**{"attn_logit_softcapping": 3.0, "final_logit_softcapping": 8.0,
+                                                       **gemma}))
+        else:
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**{"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, **gemma}))
+        with torch.no_grad():  # Gemma's norms scale by (1 + w) with w = 0 at initialization
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(-0.5, 0.5)
     elif architecture == "olmo2":
         model = Olmo2ForCausalLM(Olmo2Config(**common))
         with torch.no_grad():  # the norms' all-ones initialization would not test their loading

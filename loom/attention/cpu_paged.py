@@ -190,7 +190,8 @@ class CpuPagedBackend:
     def __init__(self, float32_kernels: bool = False) -> None:
         """float32_kernels: let loom's C decode kernel serve float32 caches too (off on the oracle path,
         quantization "none", which keeps SDPA; bfloat16 caches always use a kernel when one builds)."""
-        self._plan: _StepPlan | None = None  # plan of the step being run, reused across layers
+        # plans of the step being run, one per sliding window (Gemma's layers alternate two), reused across layers
+        self._plans: dict[int | None, _StepPlan] = {}
         # loom's C decode kernels for CPU caches, best first (AVX512-BF16, then AVX2 / portable); empty where none
         # builds (LOOM_CPU_KERNELS=0, no compiler): then SDPA over gathered blocks serves every decode
         self.decode_kernels: list[Any] = paged_decode_kernels()
@@ -231,15 +232,12 @@ class CpuPagedBackend:
     def _step_plan(
         self, attn_metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype
     ) -> _StepPlan:
-        plan = self._plan
-        if (
-            plan is None
-            or plan.attn_metadata is not attn_metadata
-            or plan.sliding_window != sliding_window
-            or plan.dtype != dtype
-        ):
+        plan = self._plans.get(sliding_window)
+        if plan is None or plan.attn_metadata is not attn_metadata or plan.dtype != dtype:
+            if plan is not None and plan.attn_metadata is not attn_metadata:
+                self._plans.clear()  # a new step: drop the last step's plans of every window
             plan = plan_step(attn_metadata, sliding_window, dtype)
-            self._plan = plan
+            self._plans[sliding_window] = plan
         return plan
 
     @property

@@ -28,6 +28,45 @@ def causal_mask(
     return allowed
 
 
+def softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Paged attention whose scores are soft-capped before the softmax, s -> cap * tanh(s / cap) (Gemma 2,
+    arXiv:2408.00118), one request at a time in plain torch (the fused kernels have no cap). Writes this step's
+    K/V into kv_cache first, as every backend does.
+
+    Shapes: query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim];
+    returns [num_tokens, num_heads, head_dim], query's dtype (softmax in float32).
+    """
+    write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+    output = torch.empty_like(query)
+    group = query.shape[1] // kv_cache.shape[-2]
+    starts = attn_metadata.query_start_loc_cpu
+    for i in range(attn_metadata.num_reqs):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        seq_len = attn_metadata.seq_lens_cpu[i]
+        k, v = gather_kv(kv_cache, attn_metadata.block_tables[i], seq_len, attn_metadata.block_size, query.dtype)
+        k = k.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+        v = v.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(query[start:end].transpose(0, 1), k.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        mask = causal_mask(end - start, seq_len, sliding_window, query.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        output[start:end] = torch.matmul(probs, v).transpose(0, 1)
+    return output
+
+
 class TorchReferenceBackend:
     """Paged attention with torch's scaled_dot_product_attention, one request per call.
 

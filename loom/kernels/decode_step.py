@@ -152,7 +152,7 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
     different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or
-    bfloat16; per-head QK-norm (Qwen3) included, post-norm layers (OLMo 2) not."""
+    bfloat16; per-head QK-norm (Qwen3) included, post-norm layers (OLMo 2) and Gemma's layers not."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import PackedLinearMethod
 
@@ -162,6 +162,9 @@ def supports_model(model: torch.nn.Module) -> bool:
         a, m = layer.self_attn, layer.mlp
         if not hasattr(layer, "input_layernorm") or not hasattr(m, "gate_up_proj"):
             return False  # post-norm layers (OLMo 2), mixture-of-experts FFNs: the per-layer path
+        if hasattr(layer, "pre_feedforward_layernorm") or m.act != "silu" or a.local_rope \
+                or a.attn.sliding_window != model.layers[0].self_attn.attn.sliding_window:
+            return False  # Gemma's sandwich norms, GeGLU, per-layer windows and rope bases: the per-layer path
         if not isinstance(a.attn.backend, CpuPagedBackend) or a.kernels is None or m.kernels is None \
                 or layer.input_layernorm.kernels is None or a.attn.backend.decode_kernel is None:
             return False

@@ -36,8 +36,28 @@ class ModelArchConfig:
     moe_renormalize: bool = True  # top-k probabilities renormalized to sum to 1 (Mixtral; Qwen-MoE norm_topk_prob)
     shared_expert_intermediate_size: int = 0  # a shared expert every token runs, sigmoid-gated (Qwen2-MoE); 0 = none
     dense_mlp_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP (Qwen-MoE mlp_only_layers)
+    # Gemma 2 / 3
+    layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention" | "full_attention"; None = all alike
+    rope_local_theta: float | None = None  # rotary base of the sliding layers, unscaled (Gemma 3); None = rope_theta
+    sandwich_norm: bool = False  # norms before and after both attention and MLP, 4 per layer (Gemma 2 / 3)
+    norm_weight_offset: float = 0.0  # the checkpoint's RMSNorm weight w scales by (offset + w) (Gemma: 1.0)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU, Gemma)
+    embedding_scale: float | None = None  # embedding rows are multiplied by it (Gemma: sqrt(hidden_size)); None = 1
+    attention_scale: float | None = None  # softmax scale (Gemma: query_pre_attn_scalar ** -0.5); None = head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before softmax (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
 
     def __post_init__(self) -> None:
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {self.hidden_act!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
+            if unknown:
+                raise ValueError(f"layer_types: unknown kinds {sorted(unknown)}; known: full_attention, sliding_attention")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
         if self.qk_norm not in (None, "per_head", "projection"):
             raise ValueError(f"qk_norm must be None, 'per_head' or 'projection', got {self.qk_norm!r}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -59,3 +79,20 @@ class ModelArchConfig:
     def kv_size(self) -> int:
         """Width of each of the key and value projections: num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """Tokens layer `layer`'s queries look back (query included), None = full attention."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_rope_is_local(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with the local rotary base (a sliding layer of Gemma 3)."""
+        return self.rope_local_theta is not None and self.layer_sliding_window(layer) is not None
+
+    @property
+    def sliding_window_all_layers(self) -> int | None:
+        """The window when every layer slides by the same one (Mistral), else None: what the KV cache manager may
+        free early for every layer alike."""
+        windows = {self.layer_sliding_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None

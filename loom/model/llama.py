@@ -49,10 +49,15 @@ def _rms_norm(width: int, arch: ModelArchConfig, kernels: Any, dtype: torch.dtyp
 
 def _feed_forward(arch: ModelArchConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
                   quant_config: QuantizationConfig, prefix: str) -> nn.Module:
-    """A layer's FFN: the MoE block in the sparse layers of an MoE model, else the dense SwiGLU MLP."""
+    """A layer's FFN: the MoE block in the sparse layers of an MoE model, else the dense gated MLP."""
     if arch.num_experts and layer_index not in arch.dense_mlp_layers:
         return SparseMoeBlock(arch, dtype, device, quant_config, prefix)
-    return LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, prefix)
+    return LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, prefix, arch.hidden_act)
+
+
+def _layer_index(prefix: str) -> int:
+    """i of a module prefix "model.layers.{i}"."""
+    return int(prefix.rsplit(".", 1)[-1])
 
 
 class LlamaAttention(nn.Module):
@@ -74,9 +79,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(arch.q_size, arch.hidden_size, o_proj_bias, dtype, device,
                              quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.kernels: Any = fused_kernels_for(dtype, device, quant_config.float32_kernels)  # fused rotary, or None
-        self.attn = PagedAttention(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.sliding_window
-        )
+        layer_index = _layer_index(prefix.rsplit(".", 1)[0])
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend,
+                                   arch.layer_sliding_window(layer_index), arch.attention_scale,
+                                   arch.attn_logit_softcapping)
+        self.local_rope = arch.layer_rope_is_local(layer_index)  # rotates with the local base (Gemma 3 sliding)
         # QK-norm: one RMSNorm [head_dim] shared by all query heads and one by all key heads (Qwen3), or one over
         # the whole q projection and one over k (OLMo 2)
         self.qk_norm = arch.qk_norm
@@ -113,11 +120,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020, arXiv:2002.05202): down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward (Shazeer 2020, arXiv:2002.05202): down(act(gate(x)) * up(x)), act = SiLU (SwiGLU) or
+    GELU with the tanh approximation (GeGLU, Gemma)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device,
-                 quant_config: QuantizationConfig, prefix: str) -> None:
+                 quant_config: QuantizationConfig, prefix: str, act: str = "silu") -> None:
         super().__init__()
+        self.act = act
         sizes = [intermediate_size, intermediate_size]
         self.gate_up_proj = MergedLinear(hidden_size, sizes, False, dtype, device, quant_config=quant_config,
                                          prefix=f"{prefix}.gate_up_proj")
@@ -127,6 +136,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.act == "gelu_pytorch_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         if self.kernels is not None:
             act = self.kernels.silu_mul(gate_up)  # one C call for bf16 on CPU, None otherwise
             if act is not None:
@@ -213,7 +225,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
         self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
-        self.mlp = _feed_forward(arch, int(prefix.rsplit(".", 1)[-1]), dtype, device, quant_config, f"{prefix}.mlp")
+        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -252,7 +264,7 @@ class Olmo2DecoderLayer(nn.Module):
         kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
         self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
-        self.mlp = _feed_forward(arch, int(prefix.rsplit(".", 1)[-1]), dtype, device, quant_config, f"{prefix}.mlp")
+        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp")
         self.post_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
 
     def forward(
@@ -271,6 +283,45 @@ class Olmo2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), h
 
 
+class GemmaDecoderLayer(nn.Module):
+    """A sandwich-norm layer (Gemma 2 / 3): h = x + post_attn_norm(attn(input_norm(x))), then
+    h + post_ffw_norm(mlp(pre_ffw_norm(h)))."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        o_proj_bias: bool,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        quant_config: QuantizationConfig,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
+        self.input_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
+        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
+        self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
+        self.pre_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
+        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp")
+        self.post_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (hidden, residual) convention of LlamaDecoderLayer: the layer input is hidden + residual (hidden
+        alone for the first layer); returns (post_ffw_norm(mlp(...)), h), whose sum the next layer takes."""
+        x = hidden if residual is None else hidden + residual
+        attn_out = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attn_metadata)
+        h = x + self.post_attention_layernorm(attn_out)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), h
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -284,7 +335,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, device,
                                            packed=quant_config.embedding_packed())
-        layer_cls = Olmo2DecoderLayer if arch.post_norm else LlamaDecoderLayer
+        # Gemma multiplies the embedding rows by sqrt(hidden_size), a float32 scalar cast to the model dtype
+        self.embedding_scale = None if arch.embedding_scale is None else \
+            torch.tensor(arch.embedding_scale, dtype=torch.float32).to(dtype)
+        layer_cls = GemmaDecoderLayer if arch.sandwich_norm else Olmo2DecoderLayer if arch.post_norm \
+            else LlamaDecoderLayer
         self.layers = nn.ModuleList(
             layer_cls(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}")
             for i in range(arch.num_layers)
@@ -294,6 +349,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         ).to(device=device)
+        # Gemma 3's sliding layers rotate with their own base and no scaling
+        self.rotary_emb_local = None if arch.rope_local_theta is None else RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_local_theta, None).to(device=device)
         self.decode_step: Any = None  # ModelDecodeStep once loaded, when the model is what it runs
 
     def prepare_decode_step(self) -> None:
@@ -320,14 +378,18 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         cos_sin = self.rotary_emb.cos_sin(positions)
+        cos_sin_local = None if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
         if self.decode_step is not None:  # a pure decode step in one C call, when it serves this step
             out = self.decode_step.run(hidden, cos_sin, kv_caches, attn_metadata)
             if out is not None:
                 return out
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, attn_metadata)
+            layer_cos_sin = cos_sin_local if layer.self_attn.local_rope else cos_sin
+            hidden, residual = layer(hidden, residual, layer_cos_sin, kv_cache, attn_metadata)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
@@ -383,8 +445,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
-        return self.lm_head(hidden)
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (soft-capped where the family does: Gemma 2)."""
+        logits = self.lm_head(hidden)
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -425,6 +491,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 if module.weight.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(module.weight.shape)}")
+                if self.arch.norm_weight_offset:  # Gemma scales by (1 + w): add the 1 in float32, as it does
+                    tensor = tensor.float() + self.arch.norm_weight_offset
                 module.weight.data.copy_(tensor)
             else:
                 try:
@@ -513,6 +581,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama whose checkpoints store q/k/v and gate/up fused (split at load into the stacked layers),
     with a sliding window where configured. LongRoPE ("su") scaling, of the 128k-context models, is not
     supported yet (a clear error at load)."""
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3 text (Gemma Team 2025, arXiv:2503.19786): sandwich norms with (1 + w) RMSNorm weights, per-head
+    QK-norm, GeGLU MLP, embeddings scaled by sqrt(hidden_size), local sliding-window layers (their own rotary
+    base) interleaved with global ones (arch.layer_types), softmax scale query_pre_attn_scalar ** -0.5."""
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2 (Gemma Team 2024, arXiv:2408.00118): Gemma 3's layer without QK-norm, one rotary base, and
+    soft-capping of the attention scores and of the final logits (cap * tanh(x / cap))."""
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

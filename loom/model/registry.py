@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from loom.model.llama import (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM,
+from loom.model.llama import (Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM,
                               OlmoeForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
                               Qwen3MoeForCausalLM)
 
@@ -22,6 +22,8 @@ MODEL_REGISTRY: Mapping[str, type[LlamaForCausalLM]] = MappingProxyType(
         "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
         "OlmoeForCausalLM": OlmoeForCausalLM,
+        "Gemma2ForCausalLM": Gemma2ForCausalLM,
+        "Gemma3ForCausalLM": Gemma3ForCausalLM,
     }
 )
 

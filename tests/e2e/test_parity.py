@@ -60,7 +60,7 @@ def test_gguf_greedy_batched_matches_transformers(llm, prompt_ids, reference) ->
     _check(llm.generate(prompt_ids, GREEDY, use_tqdm=False), reference)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "mixtral"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "olmo2", "phi3", "mixtral", "gemma2", "gemma3"])
 def test_tiny_random_safetensors_match_transformers(tmp_path, hf_tokenizer, architecture: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM

@@ -19,13 +19,19 @@ class PagedAttention(nn.Module):
         head_dim: int,
         backend: AttentionBackend,
         sliding_window: int | None,
+        scale: float | None = None,
+        logit_softcapping: float | None = None,
     ) -> None:
+        """scale: the softmax scale, None = head_dim ** -0.5; logit_softcapping: scores -> cap * tanh(s / cap)
+        before the softmax (Gemma 2), run by loom.attention.reference.softcapped_attention (the backends' fused
+        kernels have no cap)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.logit_softcapping = logit_softcapping
         self.backend = backend
 
     def forward(
@@ -38,7 +44,11 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
-        out = self.backend.forward(
-            query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window
-        )
+        if self.logit_softcapping is not None:
+            from loom.attention.reference import softcapped_attention
+
+            out = softcapped_attention(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window,
+                                       self.logit_softcapping)
+        else:
+            out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -17,7 +17,12 @@ import torch
 from loom.model.arch import ModelArchConfig
 
 # general.architecture -> our architecture name
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# Gemma's sliding/global layer pattern, fixed by llama.cpp per architecture (src/llama-model.cpp, set_swa_pattern):
+# every n-th layer is global; the 27B models scale the softmax by (hidden / heads) ** -0.5 instead of head_dim's
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # GGUF per-layer tensor stem -> Hugging Face module path under model.layers.{i}
 _LAYER_NAMES = {
@@ -33,6 +38,9 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's sandwich norms: ffn_norm is the norm before the MLP, and two more follow attention and the MLP
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -73,13 +81,30 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
     hidden_size = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
     vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    num_layers = int(meta("block_count"))
+    head_dim = int(meta("attention.key_length", hidden_size // num_heads))
+    gemma: dict[str, Any] = {}
+    if gguf_arch in _GEMMA_SWA_PATTERN:
+        pattern = _GEMMA_SWA_PATTERN[gguf_arch]
+        softcaps = {key: meta(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        gemma = dict(
+            sliding_window=int(meta("attention.sliding_window")),
+            layer_types=tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                              for i in range(num_layers)),
+            rope_local_theta=10000.0 if gguf_arch == "gemma3" else None,  # llama.cpp's fixed local base
+            sandwich_norm=True, norm_weight_offset=1.0, hidden_act="gelu_pytorch_tanh",
+            embedding_scale=float(hidden_size) ** 0.5,
+            attention_scale=float(hidden_size // num_heads if num_layers == _GEMMA_27B_LAYERS[gguf_arch]
+                                  else head_dim) ** -0.5,
+            **{key: None if value is None else float(value) for key, value in softcaps.items()},
+        )
     return ModelArchConfig(
         architecture=GGUF_ARCHITECTURES[gguf_arch],
-        num_layers=int(meta("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden_size,
         num_heads=num_heads,
         num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden_size // num_heads)),
+        head_dim=head_dim,
         intermediate_size=int(meta("feed_forward_length")),
         vocab_size=int(vocab),
         max_position_embeddings=int(meta("context_length", 2048)),
@@ -88,8 +113,8 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        sliding_window=None,
         qk_norm="per_head" if "blk.0.attn_q_norm.weight" in tensor_names else None,
+        **({"sliding_window": None} | gemma),
     )
 
 
@@ -130,22 +155,25 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_tensor_name(name: str) -> str | None:
-    """Hugging Face name of a GGUF tensor name, or None for tensors the model does not use."""
+def gguf_tensor_name(name: str, gguf_arch: str | None = None) -> str | None:
+    """Hugging Face name of a GGUF tensor name, or None for tensors the model does not use. gguf_arch (the file's
+    general.architecture) picks Gemma's names of its sandwich norms."""
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = _GEMMA_LAYER_NAMES if gguf_arch in _GEMMA_SWA_PATTERN else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     return None
 
 
 def gguf_tensor_types(reader: gguf.GGUFReader) -> dict[str, str]:
     """Hugging Face weight name -> GGML type name ("Q4_1", "Q8_0", "F32", ...) of every model tensor."""
     types = {}
+    gguf_arch = gguf_field(reader, "general.architecture")
     for tensor in reader.tensors:
-        hf_name = gguf_tensor_name(tensor.name)
+        hf_name = gguf_tensor_name(tensor.name, gguf_arch)
         if hf_name is not None:
             types[hf_name] = tensor.tensor_type.name
     return types
@@ -163,11 +191,12 @@ def iter_gguf_weights(
     """
     from loom.quant.gguf_repack import REPACKED_TYPES, repack_gguf, unpermute_packed_rows
 
-    permuted = gguf_field(reader, "general.architecture") == "llama"
+    gguf_arch = gguf_field(reader, "general.architecture")
+    permuted = gguf_arch == "llama"
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into arch.rope_scaling
-        hf_name = gguf_tensor_name(tensor.name)
+        hf_name = gguf_tensor_name(tensor.name, gguf_arch)
         if hf_name is None:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no known parameter")
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
@@ -183,6 +212,10 @@ def iter_gguf_weights(
         if not array.flags.writeable:
             array = array.copy()  # unquantized tensors come back as read-only views of the mmap
         weight = torch.from_numpy(array).reshape(shape)
+        if arch.norm_weight_offset and hf_name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norm weights with the 1 added; Hugging Face's layout (and
+            # transformers' GGUF reader) has w alone
+            weight = weight - arch.norm_weight_offset
         if permuted and ".self_attn.q_proj." in hf_name:
             weight = unpermute_rope_rows(weight, arch.num_heads)
         elif permuted and ".self_attn.k_proj." in hf_name:

@@ -12,7 +12,8 @@ from loom.model.arch import ModelArchConfig
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                "olmoe": "OlmoeForCausalLM"}
+                "olmoe": "OlmoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # the mixture-of-experts families: how each names its expert count (transformers 5 writes num_local_experts for all)
 _MOE = {"MixtralForCausalLM": "num_local_experts", "Qwen2MoeForCausalLM": "num_experts",
         "Qwen3MoeForCausalLM": "num_experts", "OlmoeForCausalLM": "num_experts"}
@@ -47,8 +48,11 @@ def hf_architecture(config: dict[str, Any]) -> str:
 
 
 def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling or None). transformers 5 nests both under `rope_parameters`."""
+    """(rope_theta, rope_scaling or None). transformers 5 nests both under `rope_parameters` (per layer type for
+    Gemma 3: the global layers' entry is the model's rope; the sliding layers' is `_local_rope_theta`'s)."""
     params = dict(config.get("rope_parameters") or {})
+    if "full_attention" in params:
+        params = dict(params["full_attention"] or {})
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     partial = float(params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
@@ -63,20 +67,64 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
+def _local_rope_theta(architecture: str, config: dict[str, Any]) -> float | None:
+    """Gemma 3's rotary base of the sliding layers (unscaled default rope), None for every other family.
+
+    Raises:
+        ValueError: the sliding layers' rope is scaled (not supported).
+    """
+    if architecture != "Gemma3ForCausalLM":
+        return None
+    local = (config.get("rope_parameters") or {}).get("sliding_attention")
+    if local is None:  # transformers 4 configs
+        return float(config.get("rope_local_base_freq", 10000.0))
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"sliding-layer rope type {local.get('rope_type')!r} is not supported (only 'default')")
+    return float(local.get("rope_theta", 10000.0))
+
+
+def _gemma_fields(architecture: str, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """ModelArchConfig's Gemma fields of a config.json ({} for other families): the layer pattern (layer_types,
+    or every `sliding_window_pattern`-th layer global in older configs), (1 + w) norms, GeGLU, the embedding and
+    softmax scales, soft-capping."""
+    if architecture not in _GEMMA:
+        return {}
+    types = config.get("layer_types")
+    if types is None:  # transformers 4: Gemma 2 alternates (even layers slide), Gemma 3 every 6th layer is global
+        pattern = int(config.get("sliding_window_pattern") or (2 if architecture == "Gemma2ForCausalLM" else 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{architecture} with hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    cap_attn, cap_final = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
+    return dict(
+        layer_types=tuple(types),
+        rope_local_theta=_local_rope_theta(architecture, config),
+        sandwich_norm=True,
+        norm_weight_offset=1.0,
+        hidden_act="gelu_pytorch_tanh",
+        embedding_scale=float(config["hidden_size"]) ** 0.5,
+        attention_scale=float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        attn_logit_softcapping=None if cap_attn is None else float(cap_attn),
+        final_logit_softcapping=None if cap_final is None else float(cap_final),
+    )
+
+
 def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
     window = config.get("sliding_window")
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         if config.get("use_sliding_window"):
             raise ValueError(f"{architecture} with use_sliding_window=true (per-layer windows) is not supported")
         return None
-    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") and window is not None:
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", *_GEMMA) and window is not None:
         return int(window)
     return None
 
 
 def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
     """ModelArchConfig of a parsed config.json (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2/3-MoE, OLMo 2, OLMoE,
-    Phi-3 fields).
+    Phi-3, Gemma 2, Gemma 3 fields).
 
     Raises:
         ValueError: a required key is missing, or an unsupported sliding-window layout.
@@ -104,9 +152,10 @@ def hf_arch_config(config: dict[str, Any]) -> ModelArchConfig:
             or (architecture == "Qwen2MoeForCausalLM" and bool(config.get("qkv_bias", True))),
             sliding_window=_sliding_window(architecture, config),
             qk_norm={"Qwen3ForCausalLM": "per_head", "Qwen3MoeForCausalLM": "per_head", "Olmo2ForCausalLM": "projection",
-                     "OlmoeForCausalLM": "projection"}.get(architecture),
+                     "OlmoeForCausalLM": "projection", "Gemma3ForCausalLM": "per_head"}.get(architecture),
             post_norm=architecture == "Olmo2ForCausalLM",
             **_moe_fields(architecture, config),
+            **_gemma_fields(architecture, config, int(config["num_hidden_layers"])),
         )
     except KeyError as exc:
         raise ValueError(f"config.json lacks the key {exc.args[0]!r}") from None

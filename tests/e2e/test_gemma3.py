@@ -1,0 +1,58 @@
+"""Gemma-3-270M, the real GGUF: loom's greedy tokens equal transformers' in float32 (its local layers slide over
+512 tokens, so one prompt is longer than the window), and the packed model runs from the file's own blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom import LLM, SamplingParams
+from tests.helpers import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3, 4, 5,",
+    "The three primary colors are",
+    "Bonjour ! Comment ça va ? 日本語も少し話せます。",
+    "Water boils at a temperature of",
+    "import numpy as np\n\ndef softmax(x):",
+]
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def gemma_prompts(gemma3_gguf) -> list[list[int]]:
+    from loom.model.loader.tokenizer import tokenizer_from_path
+
+    tokenizer = tokenizer_from_path(gemma3_gguf)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    # one prompt past the 512-token window of the local layers, so that the window and the global layers both act
+    long = tokenizer.encode(" ".join(f"Item {i} is {'red' if i % 3 else 'blue'}." for i in range(120)))
+    assert len(long) > 600
+    prompts[-1] = long + prompts[-1][1:]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(gemma3_gguf, gemma_prompts) -> list[tuple[list[int], list[float]]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32)
+    with torch.no_grad():
+        return [hf_greedy(hf.eval(), ids, NEW_TOKENS) for ids in gemma_prompts]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_matches_transformers(gemma3_gguf, gemma_prompts, gemma_reference) -> None:
+    llm = LLM(model=str(gemma3_gguf), dtype="float32", quantization="none", block_size=16)
+    outputs = llm.generate(gemma_prompts, GREEDY, use_tqdm=False)
+    for out, (ref_tokens, ref_logprobs) in zip(outputs, gemma_reference, strict=True):
+        comp = out.outputs[0]
+        assert comp.token_ids == ref_tokens
+        got = [comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)]
+        assert got == pytest.approx(ref_logprobs, abs=1e-3)
+    stats = llm.engine.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks
