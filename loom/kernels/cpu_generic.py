@@ -144,6 +144,9 @@ class FusedOps:
         self._silu = lib.loom_silu_mul
         self._silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_int64]
         self._silu.restype = None
+        self._gelu = lib.loom_gelu_tanh_mul
+        self._gelu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._gelu.restype = None
         self._rope = lib.loom_rotary
         self._rope.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                                + [ctypes.c_int])
@@ -209,6 +212,21 @@ class FusedOps:
         out = torch.empty(m, inter, dtype=dtype)
         if m and inter:
             self._silu(gate_up.data_ptr(), out.data_ptr(), m, inter, flag, self._lanes, _torch_chunk(m * inter))
+        return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """gate_up [M, 2I] float32 or bfloat16 -> gelu_tanh(gate) * up [M, I] of its dtype (GeGLU: Gemma's MLP;
+        gelu_tanh = F.gelu(approximate="tanh") within a few ulp; bf16: gelu rounded to bf16, then the product
+        rounded). None when not applicable."""
+        dtype = gate_up.dtype
+        flag = _DTYPES.get(dtype)
+        if flag is None or gate_up.dim() != 2 or not gate_up.is_cpu or not gate_up.is_contiguous() \
+                or gate_up.shape[1] % 2:
+            return None
+        m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(m, inter, dtype=dtype)
+        if m and inter:
+            self._gelu(gate_up.data_ptr(), out.data_ptr(), m, inter, flag)
         return out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:

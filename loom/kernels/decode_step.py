@@ -36,15 +36,19 @@ _Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), (
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed), ("down", _Packed),
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
+                ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("post_attn_norm", ctypes.c_void_p), ("post_ffw_norm", ctypes.c_void_p), ("window", ctypes.c_int64),
+                ("local_rope", ctypes.c_int64)]
 
 
 class _Dims(ctypes.Structure):
     _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("window", ctypes.c_int64), ("is_bf16", ctypes.c_int), ("torch_lanes", ctypes.c_int),
-                ("num_threads", ctypes.c_int), ("kv_type", ctypes.c_int)]
+                ("is_bf16", ctypes.c_int), ("torch_lanes", ctypes.c_int), ("num_threads", ctypes.c_int),
+                ("kv_type", ctypes.c_int), ("act", ctypes.c_int)]
+
+_ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # LoomDims.act
 
 
 class DecodeStep:
@@ -53,7 +57,7 @@ class DecodeStep:
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         fn = lib.loom_decode_step
         fn.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-                       + [ctypes.c_void_p] * 10 + [ctypes.c_int64])
+                       + [ctypes.c_void_p] * 10 + [ctypes.c_int64] + [ctypes.c_void_p] * 2)
         fn.restype = ctypes.c_int
         self._fn = fn
         self.isa = isa
@@ -73,7 +77,7 @@ class ModelDecodeStep:
         self.sliding_window = attn.attn.sliding_window
         self.dims = _Dims(len(model.layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
                           attn.head_dim, layer0.mlp.down_proj.input_size, 0, layer0.input_layernorm.eps,
-                          attn.attn.scale, self.sliding_window or 0, _DTYPE_FLAGS[self.dtype], _torch_lanes(), 1)
+                          attn.attn.scale, _DTYPE_FLAGS[self.dtype], _torch_lanes(), 1, 0, _ACTS[layer0.mlp.act])
         self.layers = (_Layer * len(model.layers))()
         self._parts: list[_Packed] = []  # the chained parts of mixed-layout projections (kept alive here)
         for entry, layer in zip(self.layers, model.layers, strict=True):
@@ -81,18 +85,26 @@ class ModelDecodeStep:
             for name, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj), ("down", m.down_proj)):
                 setattr(entry, name, self._chain(lin))
             entry.norm1 = layer.input_layernorm.weight.data_ptr()
-            entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()
-            if a.q_norm is not None:  # QK-norm (Qwen3)
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's sandwich: two norms more
+                entry.norm2 = layer.pre_feedforward_layernorm.weight.data_ptr()
+                entry.post_attn_norm = layer.post_attention_layernorm.weight.data_ptr()
+                entry.post_ffw_norm = layer.post_feedforward_layernorm.weight.data_ptr()
+            else:
+                entry.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+            if a.q_norm is not None:  # QK-norm (Qwen3, Gemma 3)
                 entry.q_norm, entry.k_norm = a.q_norm.weight.data_ptr(), a.k_norm.weight.data_ptr()
+            entry.window = a.attn.sliding_window or 0
+            entry.local_rope = int(a.local_rope)
         self.final_norm = model.norm.weight
         self._keep = model  # the recorded pointers stay valid while the model lives
         self._caches_id: int | None = None
         self._scratch: dict[int, list[torch.Tensor]] = {}
 
     def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor],
-            attn_metadata: Any) -> torch.Tensor | None:
-        """hidden [B, hidden_size] (the embedding rows), cos_sin from RotaryEmbedding.cos_sin -> final-norm hidden
-        states [B, hidden_size], or None when this step is not a pure decode step it serves."""
+            attn_metadata: Any, cos_sin_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """hidden [B, hidden_size] (the embedding rows, scaled where the family scales them), cos_sin from
+        RotaryEmbedding.cos_sin (cos_sin_local: the local rotary's, for Gemma 3's sliding layers) -> final-norm
+        hidden states [B, hidden_size], or None when this step is not a pure decode step it serves."""
         batch = hidden.shape[0]
         if batch == 0 or batch > self.max_rows or attn_metadata.max_query_len != 1 or attn_metadata.num_reqs != batch:
             return None
@@ -116,6 +128,7 @@ class ModelDecodeStep:
             scratch = self._scratch[batch] = self._alloc(batch)
         residual, normed, h, qkv, q, k, attn, gate_up, act, out = scratch
         cos, sin = cos_sin
+        cos_local, sin_local = cos_sin_local if cos_sin_local is not None else cos_sin
         hidden = hidden.contiguous()
         slots = attn_metadata.slot_mapping
         table = decode.block_ids
@@ -123,7 +136,8 @@ class ModelDecodeStep:
                              cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), table.stride(0),
                              decode.seq_lens.data_ptr(), batch, out.data_ptr(), residual.data_ptr(), normed.data_ptr(),
                              h.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(),
-                             gate_up.data_ptr(), act.data_ptr(), _torch_chunk(batch * self.dims.inter))
+                             gate_up.data_ptr(), act.data_ptr(), _torch_chunk(batch * self.dims.inter),
+                             cos_local.data_ptr(), sin_local.data_ptr())
         if rc != 0:
             raise MemoryError("loom_decode_step could not allocate its scratch memory")
         return out.clone()  # the scratch is reused by the next step
@@ -152,7 +166,8 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
     different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or
-    bfloat16; per-head QK-norm (Qwen3) included, post-norm layers (OLMo 2) and Gemma's layers not."""
+    bfloat16; per-head QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
+    bases included; post-norm layers (OLMo 2), MoE FFNs and soft-capped attention (Gemma 2) not."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import PackedLinearMethod
 
@@ -162,9 +177,8 @@ def supports_model(model: torch.nn.Module) -> bool:
         a, m = layer.self_attn, layer.mlp
         if not hasattr(layer, "input_layernorm") or not hasattr(m, "gate_up_proj"):
             return False  # post-norm layers (OLMo 2), mixture-of-experts FFNs: the per-layer path
-        if hasattr(layer, "pre_feedforward_layernorm") or m.act != "silu" or a.local_rope \
-                or a.attn.sliding_window != model.layers[0].self_attn.attn.sliding_window:
-            return False  # Gemma's sandwich norms, GeGLU, per-layer windows and rope bases: the per-layer path
+        if a.attn.logit_softcapping is not None or m.act != model.layers[0].mlp.act:
+            return False  # Gemma 2's soft-capped attention scores: the per-layer path
         if not isinstance(a.attn.backend, CpuPagedBackend) or a.kernels is None or m.kernels is None \
                 or layer.input_layernorm.kernels is None or a.attn.backend.decode_kernel is None:
             return False

@@ -137,6 +137,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act == "gelu_pytorch_tanh":
+            if self.kernels is not None:  # loom's GeGLU, the one the C decode step runs (within ulps of torch's)
+                act = self.kernels.gelu_tanh_mul(gate_up)
+                if act is not None:
+                    return self.down_proj(act)
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         if self.kernels is not None:
@@ -383,7 +387,7 @@ class LlamaModel(nn.Module):
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
         if self.decode_step is not None:  # a pure decode step in one C call, when it serves this step
-            out = self.decode_step.run(hidden, cos_sin, kv_caches, attn_metadata)
+            out = self.decode_step.run(hidden, cos_sin, kv_caches, attn_metadata, cos_sin_local)
             if out is not None:
                 return out
         residual: torch.Tensor | None = None

@@ -389,3 +389,32 @@ def test_paged_decode_reads_int8_kv_rows(isa: str, dtype: torch.dtype, heads: in
                                    seq_lens[2:3], dim ** -0.5, 100)
         assert torch.allclose(one.double(), ref_one, **tol)
     assert not paged.supports(q, kv_cache[..., :-1])  # a row width that is not head_dim's
+
+
+@pytest.mark.parametrize("isa", kernel_isas("fused_ops"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 2048), (3, 13), (65, 100)])
+def test_gelu_tanh_mul_matches_a_float64_reference(isa: str, dtype: torch.dtype, rows: int, inter: int) -> None:
+    """GeGLU's gelu_tanh(gate) * up against the definition in float64, 0.5 g (1 + tanh(u)) with u = sqrt(2/pi)
+    (g + 0.044715 g^3), written g / (1 + e^(-2u)) (the same function; the tanh form cancels to 0 in the left
+    tail even in float64): within float32's rounding of the exact product, over a range that reaches both tails;
+    odd widths (a scalar tail) and more rows than the kernel's parallel threshold. Against torch's float32
+    F.gelu(approximate="tanh"): within 1e-6 absolute (torch's tanh form flushes the left tail to 0)."""
+    fused = kernel_or_skip("fused_ops", isa)
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    gelu = gate / (1 + torch.exp(-2 * (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+    out = fused.gelu_tanh_mul(gate_up)
+    assert out.dtype == dtype and out.shape == (rows, inter)
+    if dtype == torch.float32:
+        ref = gelu * up
+        # relative 1e-5: in the left tail e^(-2u) turns the float32 rounding of 2u (|2u| up to ~88) into relative
+        # error of the result, as it does for any float32 evaluation; the far tail underflows
+        assert torch.all((out.double() - ref).abs() <= 1e-5 * ref.abs() + 8 * f32_ulp(ref.float()) + 1e-35)
+        torch_ref = F.gelu(gate_up.chunk(2, dim=-1)[0], approximate="tanh") * gate_up.chunk(2, dim=-1)[1]
+        assert torch.all((out.double() - torch_ref.double()).abs() <= 8 * f32_ulp(torch_ref) + 1e-6)
+    else:  # gelu rounded to bf16, then the product rounded: one bf16 step of each at most
+        ref = (gelu.to(torch.bfloat16).double() * up).float()
+        assert torch.all((out.float() - ref).abs() <= 2 * bf16_ulp(ref) + 1e-6)
+    assert fused.gelu_tanh_mul(torch.randn(2, 7)) is None  # odd width

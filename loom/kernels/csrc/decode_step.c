@@ -13,8 +13,9 @@
  *                    q, k = rotary(qkv[:, :Hq D]), rotary(qkv[:, Hq D : (Hq + Hkv) D])
  *                    K/V cache rows at slot_mapping[b] = k, v           (slot < 0: padding, not written)
  *                    a = paged_decode(q, caches, block_table, seq_lens)
- *                    h = a Wo^T; (normed, residual) = add_rmsnorm(h, residual)
- *                    h = silu_mul(normed Wgu^T) Wdown^T
+ *                    h = a Wo^T; (Gemma: h = rmsnorm(h) with post_attn_norm)
+ *                    (normed, residual) = add_rmsnorm(h, residual)
+ *                    h = silu_mul(normed Wgu^T) Wdown^T                (Gemma: gelu_tanh_mul, then h = rmsnorm(h))
  *   out = add_rmsnorm(h, residual) with the final norm
  *
  * All activations are float32 or bfloat16 (`is_bf16`); KV caches are in that dtype, or 16-bit (`kv_type` 1:
@@ -39,6 +40,7 @@ void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, v
                       int64_t H, float eps, int is_bf16);
 void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16, int torch_lanes,
                    int64_t torch_chunk);
+void loom_gelu_tanh_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16);
 void loom_rotary(const void *x, int64_t row_stride, const float *cos, const float *signed_sin, void *out, int64_t n,
                  int64_t heads, int64_t dim, int is_bf16);
 void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
@@ -62,15 +64,20 @@ typedef struct {
     LoomPacked qkv, o, gate_up, down;
     const void *norm1, *norm2; /* [hidden] model dtype: input_layernorm, post_attention_layernorm */
     void *k_cache, *v_cache;   /* [num_blocks, block_size, Hkv, D] model dtype or kv_type */
-    const void *q_norm, *k_norm; /* [D] model dtype: QK-norm weights (Qwen3), or NULL */
+    const void *q_norm, *k_norm; /* [D] model dtype: QK-norm weights (Qwen3, Gemma 3), or NULL */
+    /* Gemma's sandwich norms, or NULL: on the attention output (post_attention_layernorm; norm2 is then
+     * pre_feedforward_layernorm) and on the MLP output (post_feedforward_layernorm) */
+    const void *post_attn_norm, *post_ffw_norm;
+    int64_t window;     /* sliding window of this layer (keys seen, itself included), 0 = all */
+    int64_t local_rope; /* 1: rotate with the local tables (Gemma 3's sliding layers), 0: the global ones */
 } LoomLayer;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, block_size;
     float eps, scale;
-    int64_t window; /* sliding window (keys seen, itself included), 0 = all */
     int is_bf16, torch_lanes, num_threads;
     int kv_type; /* cache elements: 0 the model dtype, 1 bfloat16, 2 float16, 3 int8 rows */
+    int act;     /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU-tanh (GeGLU, Gemma) */
 } LoomDims;
 
 /* one (token, KV head) row of D values (float32, or bfloat16 when src_bf16) as loom's int8 KV row: per group of
@@ -155,7 +162,8 @@ static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void
 }
 
 /*
- * hidden [B, hidden] (the embedding rows, read only); cos / signed_sin float32 [B, D]; slot_mapping int64 [B];
+ * hidden [B, hidden] (the embedding rows, read only); cos / signed_sin float32 [B, D] (cos_local / signed_sin_local:
+ * the tables of layers with local_rope, or NULL when none has it); slot_mapping int64 [B];
  * block_table int64 [B, bt_stride]; seq_lens int64 [B] (>= 1); out [B, hidden]: the final-norm hidden states.
  * Scratch (model dtype): residual, normed, h [B, hidden]; qkv [B, (Hq + 2 Hkv) D]; q [B, Hq, D];
  * k [B, Hkv, D]; attn [B, Hq D]; gate_up [B, 2 inter]; act [B, inter].
@@ -164,7 +172,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
                      const float *cos, const float *signed_sin, const int64_t *slot_mapping,
                      const int64_t *block_table, int64_t bt_stride, const int64_t *seq_lens, int64_t B, void *out,
                      void *residual, void *normed, void *h, void *qkv, void *q, void *k, void *attn, void *gate_up,
-                     void *act, int64_t torch_chunk) {
+                     void *act, int64_t torch_chunk, const float *cos_local, const float *signed_sin_local) {
     const int bf16 = d->is_bf16, threads = d->num_threads, lanes = d->torch_lanes;
     const size_t es = bf16 ? 2 : 4;
     const int kv = d->kv_type;
@@ -198,8 +206,9 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
             }
             qsrc = qn, ksrc = kn, qstride = Hq * D, kstride = Hkv * D;
         }
-        loom_rotary(qsrc, qstride, cos, signed_sin, q, B, Hq, D, bf16);
-        loom_rotary(ksrc, kstride, cos, signed_sin, k, B, Hkv, D, bf16);
+        const float *c = L->local_rope ? cos_local : cos, *sn = L->local_rope ? signed_sin_local : signed_sin;
+        loom_rotary(qsrc, qstride, c, sn, q, B, Hq, D, bf16);
+        loom_rotary(ksrc, kstride, c, sn, k, B, Hkv, D, bf16);
         for (int64_t b = 0; b < B; ++b) {
             const int64_t slot = slot_mapping[b];
             if (slot < 0) continue;
@@ -218,12 +227,18 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
             }
         }
         loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
-                          d->block_size, d->scale, d->window, threads, bf16, cache_kv);
+                          d->block_size, d->scale, L->window, threads, bf16, cache_kv);
         if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) goto fail;
+        /* in place: the norm reads a row's sum of squares before it writes the row, element by element */
+        if (L->post_attn_norm) loom_add_rmsnorm(h, NULL, L->post_attn_norm, h, NULL, B, H, d->eps, bf16);
         loom_add_rmsnorm(h, residual, L->norm2, normed, residual, B, H, d->eps, bf16);
         if (gemm(&L->gate_up, normed, H, B, gate_up, bf16, threads)) goto fail;
-        loom_silu_mul(gate_up, act, B, d->inter, bf16, lanes, torch_chunk);
+        if (d->act == 1)
+            loom_gelu_tanh_mul(gate_up, act, B, d->inter, bf16);
+        else
+            loom_silu_mul(gate_up, act, B, d->inter, bf16, lanes, torch_chunk);
         if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) goto fail;
+        if (L->post_ffw_norm) loom_add_rmsnorm(h, NULL, L->post_ffw_norm, h, NULL, B, H, d->eps, bf16);
     }
     free(qkn);
     loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16);

@@ -315,6 +315,55 @@ void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_
     }
 }
 
+/* ---- GELU (tanh approximation) * up ---- */
+
+#define GELU_BETA 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_KAPPA 0.044715f
+
+/* 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)) with u = sqrt(2/pi) (g + 0.044715 g^3): one exponential, no
+ * cancellation near u = 0 (where 1 - 2 / (1 + e^(2u)) would lose tanh's low bits) */
+static inline float gelu_tanh_scalar(float g) {
+    const float u = GELU_BETA * (g + GELU_KAPPA * g * g * g);
+    return g / (1.0f + expf(-2.0f * u));
+}
+
+/*
+ * GeGLU's gating (Shazeer 2020, arXiv:2002.05202; Gemma): gate_up [M, 2I] = [gate | up] -> out [M, I],
+ *   out = gelu_tanh(gate) * up                         (float32)
+ *   out = bf16(bf16(gelu_tanh(gate)) * up)             (bfloat16, gelu in float32)
+ * gelu_tanh is torch's F.gelu(approximate="tanh") (Hendrycks & Gimpel 2016, arXiv:1606.08415) written as
+ * g / (1 + e^(-2u)); within a few ulp of torch's, not bit-equal (torch evaluates tanh with SLEEF): the per-layer
+ * path calls this same function wherever the decode step runs it, so the two paths stay equal.
+ */
+void loom_gelu_tanh_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16) {
+    const int bf16 = is_bf16 != 0;
+    const size_t es = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M >= PARALLEL_MIN_ROWS)
+    for (int64_t m = 0; m < M; ++m) {
+        const void *g = (const char *)gate_up + (size_t)(m * 2 * I) * es;
+        const void *u = (const char *)g + (size_t)I * es;
+        void *o = (char *)out + (size_t)(m * I) * es;
+        int64_t i = 0;
+#if defined(__AVX2__)
+        const vf one = _mm256_set1_ps(1.0f), beta2 = _mm256_set1_ps(-2.0f * GELU_BETA);
+        const vf kappa = _mm256_set1_ps(GELU_KAPPA);
+        for (; i + 8 <= I; i += 8) {
+            const vf gv = load8(g, i, bf16);
+            const vf inner = _mm256_add_ps(gv, _mm256_mul_ps(kappa, _mm256_mul_ps(_mm256_mul_ps(gv, gv), gv)));
+            const vf e = sleef_exp8(_mm256_mul_ps(beta2, inner));
+            vf s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            if (bf16) s = vround_bf16(s);
+            store8(o, i, _mm256_mul_ps(s, load8(u, i, bf16)), bf16);
+        }
+#endif
+        for (; i < I; ++i) {
+            float s = gelu_tanh_scalar(get(g, i, bf16));
+            if (bf16) s = round_bf16(s);
+            put(o, i, s * get(u, i, bf16), bf16);
+        }
+    }
+}
+
 /* ---- rotary ---- */
 
 /*
