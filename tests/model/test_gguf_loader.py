@@ -159,3 +159,24 @@ def test_bundled_smollm2_arch_tokenizer_and_eos(loom_smollm2) -> None:  # noqa: 
     tok = loom_smollm2.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_gemma3_270m_gguf_arch_and_names(gemma3_gguf) -> None:  # noqa: ANN001
+    """The real Gemma-3-270M file: llama.cpp's fixed layer pattern (every 6th layer global) and local rotary base,
+    its sandwich-norm tensor names, and norm weights read back without the 1 the converter added."""
+    from loom.model.loader.gguf import gguf_arch_config, gguf_tensor_name, iter_gguf_weights, open_gguf
+
+    reader = open_gguf(gemma3_gguf)
+    arch = gguf_arch_config(reader)
+    assert arch.architecture == "Gemma3ForCausalLM"
+    assert (arch.num_layers, arch.hidden_size, arch.head_dim) == (18, 640, 256)
+    assert [i for i in range(18) if arch.layer_sliding_window(i) is None] == [5, 11, 17]
+    assert arch.sliding_window == 512 and arch.rope_theta == 1e6 and arch.rope_local_theta == 1e4
+    assert arch.tie_word_embeddings and arch.vocab_size == 262144 and arch.attention_scale == 256**-0.5
+    assert gguf_tensor_name("blk.3.ffn_norm.weight", "gemma3") == "model.layers.3.pre_feedforward_layernorm.weight"
+    assert gguf_tensor_name("blk.3.ffn_norm.weight", "llama") == "model.layers.3.post_attention_layernorm.weight"
+    assert gguf_tensor_name("blk.3.post_ffw_norm.weight", "gemma3") == "model.layers.3.post_feedforward_layernorm.weight"
+    raw = {t.name: t for t in reader.tensors}["blk.0.attn_q_norm.weight"]
+    q_norm = next(w for name, w in iter_gguf_weights(reader, arch, keep_packed=True)
+                  if name == "model.layers.0.self_attn.q_norm.weight")
+    assert torch.equal(q_norm + 1.0, torch.from_numpy(raw.data.copy()))

@@ -99,3 +99,39 @@ def test_unsupported_rope_type_is_refused(tmp_path: Path, tiny_models: dict[str,
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="yarn"):
         load_model(str(tmp_path / "m"), torch.float32, CPU)
+
+
+def test_gemma_configs_of_both_transformers_layouts() -> None:
+    """Gemma 3 as transformers 5 writes it (layer_types, rope_parameters per layer type) and as transformers 4 /
+    the released checkpoints wrote it (sliding_window_pattern, rope_local_base_freq, rope_scaling); Gemma 2's
+    alternating pattern and soft-caps; what is refused."""
+    common = dict(hidden_size=640, num_attention_heads=4, num_key_value_heads=1, head_dim=256, intermediate_size=2048,
+                  vocab_size=262144, num_hidden_layers=12, sliding_window=512, query_pre_attn_scalar=256)
+    new = hf_arch_config({**common, "model_type": "gemma3_text", "layer_types": ["sliding_attention"] * 5
+                          + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"],
+                          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                 "rope_theta": 1e6},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    old = hf_arch_config({**common, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 6,
+                          "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    for arch in (new, old):
+        assert arch.architecture == "Gemma3ForCausalLM" and arch.qk_norm == "per_head" and arch.sandwich_norm
+        assert [arch.layer_sliding_window(i) for i in (0, 4, 5, 6, 11)] == [512, 512, None, 512, None]
+        assert arch.layer_rope_is_local(0) and not arch.layer_rope_is_local(5)
+        assert arch.rope_theta == 1e6 and arch.rope_local_theta == 1e4 and arch.rope_scaling["factor"] == 8.0
+        assert arch.embedding_scale == pytest.approx(640**0.5) and arch.attention_scale == 256**-0.5
+        assert arch.norm_weight_offset == 1.0 and arch.hidden_act == "gelu_pytorch_tanh"
+        assert arch.sliding_window_all_layers is None  # the KV manager frees nothing early for a hybrid model
+    gemma2 = hf_arch_config({**common, "model_type": "gemma2", "attn_logit_softcapping": 50.0,
+                             "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 144})
+    assert gemma2.layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
+    assert gemma2.rope_local_theta is None and gemma2.qk_norm is None and gemma2.attention_scale == 144**-0.5
+    assert gemma2.attn_logit_softcapping == 50.0 and gemma2.final_logit_softcapping == 30.0
+    with pytest.raises(ValueError, match="hidden_activation"):
+        hf_arch_config({**common, "model_type": "gemma3_text", "hidden_activation": "relu"})
+    with pytest.raises(ValueError, match="sliding-layer rope"):
+        hf_arch_config({**common, "model_type": "gemma3_text", "rope_parameters": {
+            "full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_type": "linear", "factor": 2.0}}})
+    with pytest.raises(ValueError, match="layer_types"):
+        hf_arch_config({**common, "model_type": "gemma3_text", "layer_types": ["full_attention"] * 3})
