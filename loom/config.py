@@ -55,6 +55,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # one of SUPPORTED_KV_CACHE_DTYPES
     kv_offload_memory_bytes: int = 0  # host tier for evicted / swapped-out blocks, bytes; 0 = no host tier
+    # models that mix sliding-window and global layers (Gemma 2 / 3): one block table per KV cache group, so the
+    # sliding layers hold only their window (loom/core/kv_groups.py); False = one table, every layer every block
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
@@ -103,6 +106,7 @@ class EngineArgs:
     kv_cache_memory_gb: float = 0.5  # GiB for the paged K/V tensors
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True  # Gemma 2 / 3: a block table per KV cache group, sliding layers hold their window
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_waiting_requests: int | None = None
@@ -152,6 +156,7 @@ class EngineArgs:
             kv_cache_memory_bytes=int(self.kv_cache_memory_gb * (1 << 30)),
             num_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            hybrid_kv_cache=self.hybrid_kv_cache,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offload_memory_bytes=int(self.kv_offload_memory_gb * (1 << 30)),
         )

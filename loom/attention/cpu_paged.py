@@ -190,8 +190,9 @@ class CpuPagedBackend:
     def __init__(self, float32_kernels: bool = False) -> None:
         """float32_kernels: let loom's C decode kernel serve float32 caches too (off on the oracle path,
         quantization "none", which keeps SDPA; bfloat16 caches always use a kernel when one builds)."""
-        # plans of the step being run, one per sliding window (Gemma's layers alternate two), reused across layers
-        self._plans: dict[int | None, _StepPlan] = {}
+        # plans of the step being run, one per (metadata, sliding window): Gemma's layers alternate two windows,
+        # and a hybrid KV cache gives each group of layers its own metadata; reused across layers
+        self._plans: dict[tuple[int, int | None], _StepPlan] = {}
         # loom's C decode kernels for CPU caches, best first (AVX512-BF16, then AVX2 / portable); empty where none
         # builds (LOOM_CPU_KERNELS=0, no compiler): then SDPA over gathered blocks serves every decode
         self.decode_kernels: list[Any] = paged_decode_kernels()
@@ -232,12 +233,13 @@ class CpuPagedBackend:
     def _step_plan(
         self, attn_metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype
     ) -> _StepPlan:
-        plan = self._plans.get(sliding_window)
+        key = (id(attn_metadata), sliding_window)  # a plan holds its metadata, so the id is not reused meanwhile
+        plan = self._plans.get(key)
         if plan is None or plan.attn_metadata is not attn_metadata or plan.dtype != dtype:
-            if plan is not None and plan.attn_metadata is not attn_metadata:
-                self._plans.clear()  # a new step: drop the last step's plans of every window
+            if len(self._plans) >= 64:
+                self._plans.clear()  # earlier steps' plans
             plan = plan_step(attn_metadata, sliding_window, dtype)
-            self._plans[sliding_window] = plan
+            self._plans[key] = plan
         return plan
 
     @property

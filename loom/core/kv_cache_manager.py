@@ -56,9 +56,13 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         num_host_blocks: int = 0,
         sliding_window: int | None = None,
+        block_pool: BlockPool | None = None,
+        group: int = 0,
     ) -> None:
         """Args: num_host_blocks: capacity of the host tier in blocks (0 = none); sliding_window: tokens
-        each query attends back (query included), None = full attention.
+        each query attends back (query included), None = full attention; block_pool: a pool shared with the
+        other groups of a hybrid KV cache (HybridKVCacheManager), None = a pool of num_blocks of its own;
+        group: this manager's KV cache group, which keys its blocks in the shared prefix cache.
 
         Raises ValueError when num_blocks or block_size < 1, num_host_blocks < 0 or sliding_window < 1.
         """
@@ -73,7 +77,10 @@ class KVCacheManager:
         self.sliding_window = sliding_window  # tokens, or None
         self.host: HostBlockTier | None = HostBlockTier(num_host_blocks) if num_host_blocks > 0 else None
         on_evict = self.host.offload_cached_block if self.host is not None and enable_prefix_caching else None
-        self.block_pool = BlockPool(num_blocks, on_evict=on_evict)
+        if block_pool is not None and self.host is not None:
+            raise ValueError("a host tier needs a block pool of the manager's own")
+        self.block_pool = block_pool if block_pool is not None else BlockPool(num_blocks, on_evict=on_evict)
+        self.group = group
         # request_id -> its blocks, position order; None = released early (outside the sliding window)
         self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         self.num_window_blocks_freed = 0  # blocks released early by the sliding window, cumulative
@@ -112,6 +119,10 @@ class KVCacheManager:
             extra: tuple[object, ...] = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
             hashes.append(hash_block_tokens(parent, tuple(request.token_ids_slice(i * bs, (i + 1) * bs)), extra))
 
+    def _key(self, block_hash: int) -> int:
+        """The prefix-cache key of a block hash in this manager's group (group 0: the hash itself)."""
+        return block_hash if self.group == 0 else hash_block_tokens(block_hash, (), ("kv_group", self.group))
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's full blocks: (blocks, num_computed_tokens).
 
@@ -126,7 +137,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+            block = self.block_pool.get_cached_block(self._key(block_hash))
             if block is None:
                 break
             blocks.append(block)
@@ -196,12 +207,11 @@ class KVCacheManager:
         else:
             assert len(hits) * bs == num_new_computed_tokens
         self._free_outside_window(request.request_id, request.num_computed_tokens)
-        held = self.req_to_blocks.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = _cdiv(num_tokens, bs) - len(held) - len(hits)
-        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
+        num_needed = _cdiv(num_tokens, bs) - len(self.req_to_blocks.get(request.request_id, [])) - len(hits)
         shared_tail = self._shared_partial_block(request) if num_new_tokens else None
-        if max(num_needed, 0) + num_hits_free + (shared_tail is not None) > self.block_pool.num_free_blocks:
+        if self.num_blocks_to_take(request, num_new_tokens, hits, num_new_computed_tokens) \
+                > self.block_pool.num_free_blocks:
             return None
         if shared_tail is not None:
             self._copy_on_write(request.request_id, shared_tail)
@@ -219,6 +229,19 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_tokens)
         self._free_outside_window(request.request_id, request.num_computed_tokens + num_new_computed_tokens)
         return [b.block_id for b in new_blocks]
+
+    def num_blocks_to_take(self, request: Request, num_new_tokens: int, hits: list[KVBlock],
+                           num_new_computed_tokens: int) -> int:
+        """Free blocks `allocate_slots` with these arguments would take from the pool: new blocks, hits now in
+        the free queue, and a copy-on-write copy. Releases the blocks outside the window first (as
+        allocate_slots does), so that they count as free."""
+        self._free_outside_window(request.request_id, request.num_computed_tokens)
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = _cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request.request_id, [])) \
+            - len(hits)
+        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
+        shared_tail = self._shared_partial_block(request) if num_new_tokens else None
+        return max(num_needed, 0) + num_hits_free + (shared_tail is not None)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Let `child_id` hold the blocks of `parent_id` too (one more reference each; beam search).
@@ -293,7 +316,7 @@ class KVCacheManager:
         for i in range(start, end):
             block = blocks[i]
             if block is not None and block.block_hash is None:
-                self.block_pool.cache_block(block, request.block_hashes[i])
+                self.block_pool.cache_block(block, self._key(request.block_hashes[i]))
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def free(self, request: Request) -> None:
@@ -384,4 +407,146 @@ class KVCacheManager:
             self.host.check_invariants()
 
 
-__all__ = ["ComputedPrefix", "KVCacheManager", "hash_block_tokens"]
+class HybridKVCacheManager:
+    """The KV cache of a model whose layers mix attention kinds (Gemma 2 / 3: sliding-window and global layers),
+    one KVCacheManager per KV cache group (loom/core/kv_groups.py) over one shared pool of blocks.
+
+    Each group keeps its own block table per request: a full-attention group holds every block of the context, a
+    sliding-window group releases the blocks that left its window (loom's sliding-window rule, per group), so a
+    long request's local layers hold about a window of blocks. Every group is allocated in the same call, all or
+    nothing. Prefix caching keys each group's blocks apart in the shared hash table; a prefix hit is the longest
+    prefix that every group still has cached (a sliding group's released blocks stay cached until evicted), so a
+    hit is never longer than what every layer can serve. The host tier (offload, swap) is not supported:
+    preemption recomputes; tree candidates get no scratch blocks (one chain per request).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 sliding_windows: list[int | None]) -> None:
+        """sliding_windows: each group's window in tokens (None = full attention), group order.
+
+        Raises ValueError when num_blocks or block_size < 1, a window < 1, or fewer than two groups.
+        """
+        if len(sliding_windows) < 2:
+            raise ValueError("a hybrid KV cache needs at least two groups")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, 0, window, self.block_pool, g)
+                       for g, window in enumerate(sliding_windows)]
+        self.prefix_cache_queries = 0  # tokens looked up, cumulative
+        self.prefix_cache_hits = 0  # tokens found, cumulative
+        self.num_blocks_recomputed = 0  # computed blocks (positions, not pages) dropped by preemptions, cumulative
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests, in [0, 1]."""
+        return self.block_pool.usage
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVBlock | None]]:
+        """The full-attention group's blocks of each request (its holders are every group's holders)."""
+        return self.groups[0].req_to_blocks
+
+    @property
+    def num_window_blocks_freed(self) -> int:
+        """Blocks the sliding groups released early, cumulative."""
+        return sum(g.num_window_blocks_freed for g in self.groups)
+
+    @property
+    def offload_counters(self) -> OffloadCounters:
+        return OffloadCounters(0, 0, self.num_blocks_recomputed)
+
+    def update_block_hashes(self, request: Request) -> None:
+        self.groups[0].update_block_hashes(request)
+
+    def find_computed_prefix(self, request: Request) -> ComputedPrefix:
+        """The longest prefix every group has cached: ComputedPrefix whose `blocks` is one list per group."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return ComputedPrefix([[] for _ in self.groups], [], 0)
+        per_group = [g.get_computed_blocks(request)[0] for g in self.groups]
+        num_blocks = min(len(blocks) for blocks in per_group)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_blocks * self.block_size
+        return ComputedPrefix([blocks[:num_blocks] for blocks in per_group], [], num_blocks * self.block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[list[KVBlock]] | None = None, num_new_computed_tokens: int = 0,
+                       restore_slots: list[int] | None = None) -> list[int] | None:
+        """KVCacheManager.allocate_slots for every group at once (new_computed_blocks: one list per group, from
+        `find_computed_prefix`): the ids of every group's new blocks, or None (nothing allocated) when the pool
+        cannot supply all of them."""
+        assert not restore_slots, "the hybrid KV cache has no host tier"
+        hits = new_computed_blocks or [[] for _ in self.groups]
+        # hits held by another group's request too count once per group that takes them from the free queue
+        needed = sum(g.num_blocks_to_take(request, num_new_tokens, h, num_new_computed_tokens)
+                     for g, h in zip(self.groups, hits, strict=True))
+        if needed > self.block_pool.num_free_blocks:
+            return None
+        new_ids: list[int] = []
+        for g, h in zip(self.groups, hits, strict=True):
+            ids = g.allocate_slots(request, num_new_tokens, h, num_new_computed_tokens)
+            assert ids is not None, "the pool had room for every group"
+            new_ids.extend(ids)
+        return new_ids
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        for g in self.groups:
+            g.fork(parent_id, child_id)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return [copy for g in self.groups for copy in g.take_block_copies()]
+
+    def free(self, request: Request) -> None:
+        for g in self.groups:
+            g.free(request)
+
+    def preempt(self, request: Request, swap: bool) -> bool:
+        """Release a preempted request's blocks in every group; always recompute (no host tier)."""
+        self.num_blocks_recomputed += _cdiv(request.num_computed_tokens, self.block_size)
+        for g in self.groups:
+            g.preempt(request, swap=False)
+        return False
+
+    def take_step_copies(self) -> StepCopies:
+        return StepCopies()
+
+    def allocate_scratch(self, num_blocks: int) -> list[int] | None:
+        """None: tree candidates' scratch blocks would need one table per group (not supported)."""
+        return None
+
+    def free_scratch(self) -> None:
+        return None
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The full-attention group's block table (KVCacheManager.get_block_ids)."""
+        return self.groups[0].get_block_ids(request_id)
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Every group's block table of the request, group order (KVCacheManager.get_block_ids each)."""
+        return [g.get_block_ids(request_id) for g in self.groups]
+
+    def check_invariants(self) -> None:
+        """Every group's holders together equal the ref counts; the free queue and hash table are sound."""
+        self.block_pool.check_invariants()
+        holders = [0] * self.block_pool.num_blocks
+        for g in self.groups:
+            assert g.req_to_blocks.keys() == self.groups[0].req_to_blocks.keys(), "groups hold different requests"
+            for request_id, blocks in g.req_to_blocks.items():
+                ids = [b.block_id for b in blocks if b is not None]
+                assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice in group {g.group}"
+                assert len(blocks) == len(self.groups[0].req_to_blocks[request_id]), "groups cover different spans"
+                for block_id in ids:
+                    holders[block_id] += 1
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"
+            )
+        if not self.enable_prefix_caching:
+            assert not self.block_pool.cached_block_hash_to_block
+
+
+__all__ = ["ComputedPrefix", "HybridKVCacheManager", "KVCacheManager", "hash_block_tokens"]

@@ -26,6 +26,9 @@ class ScheduledRequest:
     # holding start_position and scratch blocks from there (the runner copies that block's earlier rows in
     # first). Only for greedy requests; the runner keeps the branch with the longest accepted run.
     spec_branches: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    # a hybrid KV cache (loom/core/kv_groups.py): each KV cache group's block table, group order (block_table is
+    # group 0's); None = one group, block_table serves every layer
+    group_block_tables: list[list[int]] | None = None
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from loom.config import CacheConfig, SchedulerConfig
-from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from loom.core.offload import OffloadCounters
 from loom.core.sched_output import (
     EngineCoreOutput,
@@ -94,6 +94,7 @@ class Scheduler:
         spec_disable_by_batch_size: int | None = None,
         spec_tree_width: int = 1,
         draft_grammar: DraftGrammar | None = None,
+        kv_group_windows: list[int | None] | None = None,
     ) -> None:
         """Args:
         num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
@@ -105,14 +106,24 @@ class Scheduler:
         spec_tree_width: most candidate branches per greedy request and step (tree candidates); 1 = one chain.
         draft_grammar: truncates a structured-output request's drafts to the prefix its grammar accepts;
             None = such requests get no drafts.
+        kv_group_windows: each KV cache group's sliding window (loom/core/kv_groups.py), two or more groups: a
+            hybrid KV cache (HybridKVCacheManager; sliding_window and num_host_blocks must then be unset);
+            None = one group.
         """
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len  # tokens
         self.num_blocks = num_blocks  # KV blocks in the pool
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_host_blocks, sliding_window
-        )
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
+        if kv_group_windows is not None and len(kv_group_windows) > 1:
+            if num_host_blocks or sliding_window is not None:
+                raise ValueError("a hybrid KV cache takes its windows per group and has no host tier")
+            self.kv_cache_manager = HybridKVCacheManager(
+                num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_group_windows)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_host_blocks,
+                sliding_window)
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
         self.running: list[Request] = []  # admission order
@@ -420,6 +431,8 @@ class Scheduler:
             is_new=is_new,
             spec_token_ids=drafts or [],
             spec_branches=branches or [],
+            group_block_tables=self.kv_cache_manager.get_group_block_ids(request.request_id)
+            if isinstance(self.kv_cache_manager, HybridKVCacheManager) else None,
         )
 
     def fork_request(self, parent: Request, child_id: str, last_token_id: int) -> Request:

@@ -56,6 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(needs --kv-offload-memory) and are copied back (default: %(default)s)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
+    g.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false",
+                   help="models that mix sliding-window and global layers (Gemma 2 / 3): keep one block table for "
+                        "every layer instead of one per layer group (the sliding layers then hold every block)")
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                    help="token budget of one engine step; longer prompts are prefilled in chunks (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,

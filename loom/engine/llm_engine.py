@@ -85,7 +85,9 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(
             args.scheduler_config(self.max_model_len), cache_config, self.num_kv_blocks,
-            num_host_blocks=self.runner.num_host_blocks, sliding_window=arch.sliding_window_all_layers,
+            num_host_blocks=self.runner.num_host_blocks,
+            sliding_window=self.runner.kv_groups[0].sliding_window if len(self.runner.kv_groups) == 1 else None,
+            kv_group_windows=[g.sliding_window for g in self.runner.kv_groups],
             proposer=make_proposer(spec, ProposerContext(
                 dtype=model_config.dtype, quantization=model_config.quantization, seed=model_config.seed,
                 block_size=cache_config.block_size, kv_cache_memory_bytes=cache_config.kv_cache_memory_bytes,

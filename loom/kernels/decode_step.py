@@ -38,7 +38,8 @@ class _Layer(ctypes.Structure):
                 ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
                 ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("post_attn_norm", ctypes.c_void_p), ("post_ffw_norm", ctypes.c_void_p), ("window", ctypes.c_int64),
-                ("local_rope", ctypes.c_int64)]
+                ("local_rope", ctypes.c_int64), ("block_table", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
+                ("bt_stride", ctypes.c_int64)]
 
 
 class _Dims(ctypes.Structure):
@@ -99,12 +100,18 @@ class ModelDecodeStep:
         self._keep = model  # the recorded pointers stay valid while the model lives
         self._caches_id: int | None = None
         self._scratch: dict[int, list[torch.Tensor]] = {}
+        self._per_layer_tables = False  # the layers' own block tables are set (a hybrid KV cache's last step)
+        self._tables_alive: dict[int, torch.Tensor] = {}  # the tensors those pointers point into
 
     def run(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_caches: list[torch.Tensor],
             attn_metadata: Any, cos_sin_local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """hidden [B, hidden_size] (the embedding rows, scaled where the family scales them), cos_sin from
         RotaryEmbedding.cos_sin (cos_sin_local: the local rotary's, for Gemma 3's sliding layers) -> final-norm
-        hidden states [B, hidden_size], or None when this step is not a pure decode step it serves."""
+        hidden states [B, hidden_size], or None when this step is not a pure decode step it serves. attn_metadata: one
+        for every layer, or each layer's (a hybrid KV cache: one block table and slot mapping per group of layers)."""
+        metas = attn_metadata if isinstance(attn_metadata, list) else None
+        if metas is not None:
+            attn_metadata = metas[0]
         batch = hidden.shape[0]
         if batch == 0 or batch > self.max_rows or attn_metadata.max_query_len != 1 or attn_metadata.num_reqs != batch:
             return None
@@ -116,6 +123,21 @@ class ModelDecodeStep:
         decode = plan.decode
         if decode is None or decode.token_rows is not None or plan.prefills:
             return None
+        if metas is not None:  # each layer reads and writes through its group's table
+            tables: dict[int, torch.Tensor] = {}  # metadata id -> its decode block ids, alive through the call
+            for entry, meta in zip(self.layers, metas, strict=True):
+                table_l = tables.get(id(meta))
+                if table_l is None:
+                    table_l = tables[id(meta)] = self.backend._step_plan(meta, self.sliding_window,
+                                                                         self.dtype).decode.block_ids
+                entry.block_table, entry.bt_stride = table_l.data_ptr(), table_l.stride(0)
+                entry.slot_mapping = meta.slot_mapping.data_ptr()
+            self._per_layer_tables = True
+            self._tables_alive = tables
+        elif self._per_layer_tables:
+            for entry in self.layers:
+                entry.block_table = entry.slot_mapping = None
+            self._per_layer_tables = False
         if id(kv_caches) != self._caches_id:
             for entry, cache in zip(self.layers, kv_caches, strict=True):
                 entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()

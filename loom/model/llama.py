@@ -379,8 +379,9 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
+        """attn_metadata: one for every layer, or each layer's (a hybrid KV cache: one per group of layers)."""
         cos_sin = self.rotary_emb.cos_sin(positions)
         cos_sin_local = None if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
@@ -391,9 +392,10 @@ class LlamaModel(nn.Module):
             if out is not None:
                 return out
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, per_layer, strict=True):
             layer_cos_sin = cos_sin_local if layer.self_attn.local_rope else cos_sin
-            hidden, residual = layer(hidden, residual, layer_cos_sin, kv_cache, attn_metadata)
+            hidden, residual = layer(hidden, residual, layer_cos_sin, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
@@ -430,7 +432,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         """Run every layer over a flattened batch, writing its K/V into the paged caches.
 
@@ -438,7 +440,8 @@ class LlamaForCausalLM(nn.Module):
             input_ids: [num_tokens] int64, tokens of all requests concatenated (no padding).
             positions: [num_tokens] int64, position of each token in its request.
             kv_caches: num_layers tensors [2, num_blocks, block_size, num_kv_heads, head_dim].
-            attn_metadata: where each token's K/V goes and what each request attends to.
+            attn_metadata: where each token's K/V goes and what each request attends to; a list gives each layer
+                its own (a hybrid KV cache, loom/core/kv_groups.py).
 
         Returns:
             Final-norm hidden states [num_tokens, hidden_size], model dtype.

@@ -245,7 +245,7 @@ def _draft_model(c: SpeculativeConfig, ctx: ProposerContext | None) -> Proposer:
             ModelConfig(model=c.model, dtype=ctx.dtype, max_model_len=None, seed=ctx.seed,
                         quantization=c.quantization if c.quantization is not None else ctx.quantization),
             CacheConfig(block_size=ctx.block_size, kv_cache_memory_bytes=ctx.kv_cache_memory_bytes,
-                        enable_prefix_caching=False),
+                        enable_prefix_caching=False, hybrid_kv_cache=False),  # the draft's own plain block table
             ctx.device)
     except (ValueError, OSError) as e:
         raise ValueError(f"speculative_model (the draft): {e}") from e

@@ -18,8 +18,10 @@ def kv_cache_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * kv_row_bytes(arch.head_dim, dtype)
 
 
-def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int) -> int:
-    """Whole KV blocks of block_size tokens that fit in budget_bytes.
+def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size: int, budget_bytes: int,
+                          layers_per_block: int | None = None) -> int:
+    """Whole KV blocks of block_size tokens that fit in budget_bytes; a block holds every layer's K/V, or
+    `layers_per_block` layers' (a hybrid KV cache's page: one KV cache group's layers, loom/core/kv_groups.py).
 
     Raises:
         ValueError: block_size < 1, or the budget does not hold a single block.
@@ -27,6 +29,8 @@ def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     bytes_per_block = kv_cache_bytes_per_token(arch, dtype) * block_size
+    if layers_per_block is not None:
+        bytes_per_block = bytes_per_block // arch.num_layers * layers_per_block
     num_blocks = budget_bytes // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
@@ -37,11 +41,14 @@ def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size:
 
 
 def allocate_kv_caches(
-    arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    layer_slots: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, row]
     (index 0 = keys, 1 = values; row = kv_row_width(head_dim, dtype): head_dim, plus scale bytes for int8/fp8);
-    slot s lives at [:, s // block_size, s % block_size].
+    slot s lives at [:, s // block_size, s % block_size]. With `layer_slots` (a hybrid KV cache: each layer's
+    physical slot, loom/core/kv_groups.layer_slots) layers of the same slot share one tensor: each block id is
+    a page that one KV cache group owns at a time.
 
     Raises:
         ValueError: num_blocks or block_size < 1.
@@ -51,7 +58,10 @@ def allocate_kv_caches(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     shape = (2, num_blocks, block_size, arch.num_kv_heads, kv_row_width(arch.head_dim, dtype))
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    if layer_slots is None:
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    physical = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(max(layer_slots) + 1)]
+    return [physical[slot] for slot in layer_slots]
 
 
 def copy_kv_slots(kv_caches: list[torch.Tensor], src_slots: list[int], dst_slots: list[int]) -> None:
@@ -63,6 +73,6 @@ def copy_kv_slots(kv_caches: list[torch.Tensor], src_slots: list[int], dst_slots
     device = kv_caches[0].device
     src = torch.tensor(src_slots, dtype=torch.int64, device=device)
     dst = torch.tensor(dst_slots, dtype=torch.int64, device=device)
-    for cache in kv_caches:
+    for cache in {id(c): c for c in kv_caches}.values():  # a hybrid cache's layers share tensors: copy each once
         flat = cache.view(2, cache.shape[1] * cache.shape[2], *cache.shape[3:])
         flat[:, dst] = flat[:, src]

@@ -9,6 +9,7 @@ import torch
 
 from loom.attention.metadata import AttentionMetadata
 from loom.config import CacheConfig, ModelConfig
+from loom.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from loom.model.loader import load_model
 from loom.sample.structured import StructuredOutputManager
@@ -83,7 +84,7 @@ def bf16_is_fast(device: torch.device) -> bool:
 class _StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata | list[AttentionMetadata]  # one, or each layer's (a hybrid KV cache)
     sample_indices: list[int]  # [num_sampling_reqs] row of the flattened batch whose logits are sampled
     sample_reqs: list[ScheduledRequest]  # requests that sample this step, same order
     prompt_lp_indices: list[int]  # rows whose logits give prompt logprobs
@@ -108,15 +109,29 @@ class ModelRunner:
             cache_config.kv_cache_dtype, self.dtype,
             packed_cpu=packed_on_cpu(device, model_config.quantization, model_config.model))
         self.kv_bytes_per_token = kv_cache_bytes_per_token(self.arch, self.kv_cache_dtype)
+        # KV cache groups: one for a model whose layers attend alike; Gemma's sliding and global layers get a block
+        # table per group (loom/core/kv_groups.py) unless the hybrid KV cache is switched off
+        windows = [self.arch.layer_sliding_window(i) for i in range(self.arch.num_layers)]
+        groups = kv_cache_groups(windows)
+        if len(groups) > 1 and not cache_config.hybrid_kv_cache:
+            groups = [KVCacheGroup(tuple(range(self.arch.num_layers)), None)]
+        self.kv_groups: list[KVCacheGroup] = groups
+        hybrid = len(groups) > 1
+        if hybrid and cache_config.kv_offload_memory_bytes:
+            raise ValueError("kv_offload_memory: the host tier is not supported with the hybrid sliding-window KV "
+                             "cache of this model (switch it off with --no-hybrid-kv-cache, or offload nothing)")
+        self.group_of_layer, slots = layer_slots(groups, self.arch.num_layers)
         self.num_blocks = cache_config.num_blocks or num_blocks_for_budget(
-            self.arch, self.kv_cache_dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes
+            self.arch, self.kv_cache_dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes,
+            layers_per_block=len(groups[0].layers) if hybrid else None,
         )
         if self.num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_gb is too small for one block of {cache_config.block_size} tokens "
                 f"({self.kv_bytes_per_token * cache_config.block_size} bytes)"
             )
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device)
+        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device,
+                                            layer_slots=slots if hybrid else None)
         self.num_host_blocks = num_host_blocks_for_budget(
             self.arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
         )
@@ -172,7 +187,8 @@ class ModelRunner:
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> _StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        num_groups = len(self.kv_groups)
+        slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]  # each KV cache group's
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_indices: list[int] = []
@@ -181,42 +197,48 @@ class ModelRunner:
         lp_targets: list[int] = []
         lp_owners: list[tuple[str, int, int, int]] = []
         bs = self.block_size
-        attn_tables: list[list[int]] = []  # block table of each attention row group below
+        attn_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]  # per group: each row group's table
 
-        def add_tokens(ids: list[int], start: int, table: list[int]) -> int:
-            """Append tokens at positions start.. with their slots in `table`; returns the first's row."""
+        def add_tokens(ids: list[int], start: int, tables: list[list[int]]) -> int:
+            """Append tokens at positions start.. with their slots in each group's table; returns the first's row."""
             first = len(input_ids)
             input_ids.extend(ids)
             positions.extend(range(start, start + len(ids)))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(ids)))
+            for slot_mapping, table in zip(slot_mappings, tables, strict=True):
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(ids)))
             return first
 
-        def add_verify_rows(first: int, count: int, start: int, table: list[int]) -> None:
+        def add_rows(tables: list[list[int]]) -> None:
+            for group_tables, table in zip(attn_tables, tables, strict=True):
+                group_tables.append(table)
+
+        def add_verify_rows(first: int, count: int, start: int, tables: list[list[int]]) -> None:
             """Rows first.. as decode rows of their own (row j sees positions <= start + j), all sampled."""
             for j in range(count):
                 query_start_loc.append(first + j + 1)
                 seq_lens.append(start + j + 1)
-                attn_tables.append(table)
+                add_rows(tables)
             sample_indices.extend(range(first, first + count))
 
         for req in scheduled:
             start = req.start_position
             n = len(req.token_ids)
-            table = req.block_table
-            base = add_tokens(req.token_ids, start, table)
+            tables = req.group_block_tables or [req.block_table]
+            base = add_tokens(req.token_ids, start, tables)
             if req.spec_token_ids:
                 # Verifying drafts: each query token is a decode row of its own, so the batched decode path,
                 # and the one-call C step, compute it exactly as they would compute that token decoded alone.
-                add_verify_rows(base, n, start, table)
+                add_verify_rows(base, n, start, tables)
                 sample_reqs.append(req)
-                # tree candidates: each other branch, rows [last token] + its drafts in its own blocks
+                # tree candidates (one KV cache group only): each other branch, rows [last token] + its drafts in
+                # its own blocks
                 for tokens, branch_table in req.spec_branches:
                     ids = [req.token_ids[0], *tokens]
-                    add_verify_rows(add_tokens(ids, start, branch_table), len(ids), start, branch_table)
+                    add_verify_rows(add_tokens(ids, start, [branch_table]), len(ids), start, [branch_table])
             else:
                 query_start_loc.append(base + n)
                 seq_lens.append(start + n)
-                attn_tables.append(table)
+                add_rows(tables)
                 if req.sample:
                     sample_indices.append(base + n - 1)
                     sample_reqs.append(req)
@@ -227,22 +249,29 @@ class ModelRunner:
                 lp_indices.extend(base + (p - start) for p in range(start, end))
                 lp_targets.extend(req.prompt_token_ids[p + 1] for p in range(start, end))
                 lp_owners.append((req.request_id, first, end - start, req.sampling_params.prompt_logprobs))
-        max_blocks = max(len(t) for t in attn_tables)
-        block_tables = torch.zeros((len(attn_tables), max_blocks), dtype=torch.int32)
-        for i, table in enumerate(attn_tables):
-            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         dev = self.device
-        attn_metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            num_reqs=len(attn_tables),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)),
-            block_size=bs,
-        )
+        query_start = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        max_query_len = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False))
+        metas = []
+        for slot_mapping, tables in zip(slot_mappings, attn_tables, strict=True):
+            max_blocks = max(len(t) for t in tables)
+            block_tables = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+            for i, table in enumerate(tables):
+                block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+                query_start_loc=query_start,
+                seq_lens=seq_lens_t,
+                block_tables=block_tables.to(dev),
+                query_start_loc_cpu=query_start_loc,
+                seq_lens_cpu=seq_lens,
+                num_reqs=len(tables),
+                max_query_len=max_query_len,
+                block_size=bs,
+            ))
+        # one metadata serves every layer, or (a hybrid KV cache) each layer gets its group's
+        attn_metadata = metas[0] if num_groups == 1 else [metas[g] for g in self.group_of_layer]
         return _StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),

@@ -70,6 +70,10 @@ typedef struct {
     const void *post_attn_norm, *post_ffw_norm;
     int64_t window;     /* sliding window of this layer (keys seen, itself included), 0 = all */
     int64_t local_rope; /* 1: rotate with the local tables (Gemma 3's sliding layers), 0: the global ones */
+    /* a hybrid KV cache (one block table per group of layers): this layer's block table [B, bt_stride] and slot
+     * mapping [B], or NULL for the step's own */
+    const int64_t *block_table, *slot_mapping;
+    int64_t bt_stride;
 } LoomLayer;
 
 typedef struct {
@@ -209,8 +213,11 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         const float *c = L->local_rope ? cos_local : cos, *sn = L->local_rope ? signed_sin_local : signed_sin;
         loom_rotary(qsrc, qstride, c, sn, q, B, Hq, D, bf16);
         loom_rotary(ksrc, kstride, c, sn, k, B, Hkv, D, bf16);
+        const int64_t *slots = L->slot_mapping ? L->slot_mapping : slot_mapping;
+        const int64_t *table = L->block_table ? L->block_table : block_table;
+        const int64_t table_stride = L->block_table ? L->bt_stride : bt_stride;
         for (int64_t b = 0; b < B; ++b) {
-            const int64_t slot = slot_mapping[b];
+            const int64_t slot = slots[b];
             if (slot < 0) continue;
             unsigned char *kd = (unsigned char *)L->k_cache + slot * slot_bytes;
             unsigned char *vd = (unsigned char *)L->v_cache + slot * slot_bytes;
@@ -226,7 +233,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
                 store_kv(vd, vs, row, bf16, kv);
             }
         }
-        loom_paged_decode(q, L->k_cache, L->v_cache, block_table, bt_stride, seq_lens, attn, B, Hq, Hkv, D,
+        loom_paged_decode(q, L->k_cache, L->v_cache, table, table_stride, seq_lens, attn, B, Hq, Hkv, D,
                           d->block_size, d->scale, L->window, threads, bf16, cache_kv);
         if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) goto fail;
         /* in place: the norm reads a row's sum of squares before it writes the row, element by element */

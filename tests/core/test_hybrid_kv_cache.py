@@ -1,0 +1,137 @@
+"""The hybrid KV cache (Gemma's sliding and global layers): KV cache groups, and HybridKVCacheManager's per-group
+block tables over one shared pool."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from loom.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
+from loom.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_slots
+from loom.request import Request
+
+BS = 4
+
+
+def test_groups_of_gemma_patterns() -> None:
+    # Gemma-3-270M: 18 layers, every 6th global -> 3 global and 15 sliding layers: groups of gcd(3, 15) = 3
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
+    groups = kv_cache_groups(windows)
+    assert groups[0] == KVCacheGroup((5, 11, 17), None)
+    assert [g.layers for g in groups[1:]] == [(0, 1, 2), (3, 4, 6), (7, 8, 9), (10, 12, 13), (14, 15, 16)]
+    assert all(g.sliding_window == 512 for g in groups[1:])
+    group_of, slot_of = layer_slots(groups, 18)
+    assert group_of[11] == 0 and slot_of[11] == 1 and group_of[6] == 2 and slot_of[6] == 2
+    # Gemma 2 alternates: two groups of half the layers; Gemma 3 1B (26 layers, 4 global): groups of 2
+    assert [len(g.layers) for g in kv_cache_groups([8, None] * 4)] == [4, 4]
+    gemma3_1b = kv_cache_groups([None if (i + 1) % 6 == 0 else 512 for i in range(26)])
+    assert len(gemma3_1b) == 13 and all(len(g.layers) == 2 for g in gemma3_1b)
+    # layers that attend alike: one group, with their common window
+    assert kv_cache_groups([None] * 3) == [KVCacheGroup((0, 1, 2), None)]
+    assert kv_cache_groups([7] * 2) == [KVCacheGroup((0, 1), 7)]
+    with pytest.raises(ValueError, match="at least one layer"):
+        kv_cache_groups([])
+
+
+def _admit(manager, request: Request) -> bool:
+    """Admit a waiting request as the scheduler does: its cached prefix, then the rest of its tokens."""
+    prefix = manager.find_computed_prefix(request)
+    num_new = request.num_tokens - prefix.num_tokens
+    if manager.allocate_slots(request, num_new, prefix.blocks, prefix.num_tokens) is None:
+        return False
+    request.num_computed_tokens = prefix.num_tokens + num_new
+    manager.check_invariants()
+    return True
+
+
+def _decode(manager, request: Request, token: int) -> None:
+    """One decode step of a running request."""
+    request.output_token_ids.append(token)
+    assert manager.allocate_slots(request, 1) is not None
+    request.num_computed_tokens += 1
+    manager.check_invariants()
+
+
+def test_sliding_groups_hold_only_their_window(make_request: Callable[..., Request]) -> None:
+    """A 40-token request (10 blocks of 4) decoded 20 tokens more: the full group holds all 15 blocks, each sliding
+    group (window 6) only the blocks its next query can see, and the pool holds far fewer blocks than with one
+    table for every layer; freeing returns everything."""
+    hybrid = HybridKVCacheManager(64, BS, True, [None, 6, 6])
+    req = make_request("a", range(40), max_tokens=20)
+    assert _admit(hybrid, req)
+    for t in range(20):
+        _decode(hybrid, req, 100 + t)
+    full, *sliding = hybrid.groups
+    assert len([b for b in full.req_to_blocks["a"] if b is not None]) == 15
+    for g in sliding:
+        live = [i for i, b in enumerate(g.req_to_blocks["a"]) if b is not None]
+        # the next query (position 60) sees 55..60: blocks 13 and 14 (and the block about to be written)
+        assert live == [13, 14], live
+    assert hybrid.num_window_blocks_freed == 2 * 13
+    assert hybrid.block_pool.num_blocks - hybrid.num_free_blocks - sum(
+        1 for b in hybrid.block_pool.blocks if b.ref_cnt == 0 and not hybrid.block_pool.is_free(b)) <= 15 + 2 * 2
+    tables = hybrid.get_group_block_ids("a")
+    assert len(tables) == 3 and all(len(t) == 15 for t in tables)
+    assert tables[0] == hybrid.get_block_ids("a")
+    hybrid.free(req)
+    hybrid.check_invariants()
+    assert hybrid.num_free_blocks == 64
+
+
+def test_allocation_is_all_groups_or_none(make_request: Callable[..., Request]) -> None:
+    hybrid = HybridKVCacheManager(10, BS, False, [None, 8])
+    big = make_request("a", range(24))  # 6 blocks per group: 12 > 10
+    assert hybrid.allocate_slots(big, 24) is None
+    hybrid.check_invariants()
+    assert hybrid.num_free_blocks == 10 and not hybrid.req_to_blocks
+    small = make_request("b", range(16))  # 4 per group
+    assert _admit(hybrid, small)
+    assert hybrid.num_free_blocks == 2
+
+
+def test_prefix_hits_are_what_every_group_still_has(make_request: Callable[..., Request]) -> None:
+    """A finished request's blocks stay cached in every group; a second request with the same 20-token prefix
+    hits 4 blocks (the last token is always computed) in each group, and the groups' keys never collide (the
+    same token blocks are cached once per group)."""
+    hybrid = HybridKVCacheManager(64, BS, True, [None, 8])
+    first = make_request("a", range(20))
+    assert _admit(hybrid, first)
+    hybrid.free(first)
+    assert len(hybrid.block_pool.cached_block_hash_to_block) == 2 * 5
+    second = make_request("b", list(range(20)) + [7, 7, 7])
+    prefix = hybrid.find_computed_prefix(second)
+    assert prefix.num_tokens == 20 and [len(b) for b in prefix.blocks] == [5, 5]
+    assert prefix.blocks[0][0] is not prefix.blocks[1][0]
+    assert hybrid.prefix_cache_hits == 20 and hybrid.prefix_cache_queries == 20 + 23  # tokens, once per lookup
+    assert _admit(hybrid, second)
+    # a group that lost a block (evicted) shortens the hit for every group
+    hybrid.free(second)
+    evicted = hybrid.groups[1]._key(second.block_hashes[2])
+    victim = hybrid.block_pool.cached_block_hash_to_block[evicted]
+    hybrid.block_pool._evict(victim)
+    third = make_request("c", list(range(20)) + [9])
+    assert hybrid.find_computed_prefix(third).num_tokens == 2 * BS
+
+
+def test_preempt_and_fork_cover_every_group(make_request: Callable[..., Request]) -> None:
+    hybrid = HybridKVCacheManager(32, BS, True, [None, 8])
+    parent = make_request("p", range(10))
+    assert _admit(hybrid, parent)
+    hybrid.fork("p", "c")
+    hybrid.check_invariants()
+    assert hybrid.get_group_block_ids("c") == hybrid.get_group_block_ids("p")
+    assert hybrid.preempt(parent, swap=True) is False  # no host tier: always recompute
+    assert hybrid.offload_counters.num_blocks_recomputed == 3
+    assert hybrid.allocate_scratch(1) is None
+    child = make_request("c", range(10))
+    hybrid.free(child)
+    hybrid.check_invariants()
+    assert hybrid.num_free_blocks == 32
+
+
+def test_the_plain_manager_is_unchanged_for_one_group(make_request: Callable[..., Request]) -> None:
+    plain = KVCacheManager(16, BS, True)
+    req = make_request("a", range(9))
+    assert _admit(plain, req)
+    assert plain._key(req.block_hashes[0]) == req.block_hashes[0]  # group 0 keys blocks by their own hash
