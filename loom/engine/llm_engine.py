@@ -115,12 +115,20 @@ class LLMEngine:
         self.runner.structured = self.structured
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer, self.eos_token_ids)
+        groups = self.runner.kv_groups
+        # tokens the cache holds for every layer (a hybrid cache's block is a page of one group's layers, and its
+        # sliding groups need only their window, so long requests fit more than this)
+        self.kv_capacity_tokens = self.num_kv_blocks * self.block_size * len(groups[0].layers) // arch.num_layers
+        hybrid = "" if len(groups) == 1 else (
+            f" (hybrid: {len(groups)} groups of {len(groups[0].layers)} layers, "
+            f"{sum(g.sliding_window is not None for g in groups)} of them sliding over "
+            f"{max(g.sliding_window or 0 for g in groups)} tokens; each block holds one group's layers)")
         logger.info(
-            "loaded %s (%s, %s) in %.1f s; KV cache (%s): %d bytes/token, %d blocks of %d tokens = %d tokens max; "
-            "host tier: %d blocks = %d tokens",
+            "loaded %s (%s, %s) in %.1f s; KV cache (%s): %d bytes/token, %d blocks of %d tokens = %d tokens of "
+            "every layer%s; host tier: %d blocks = %d tokens",
             self.model_name, arch.architecture, self.runner.dtype, time.perf_counter() - started,
             _kv_dtype_label(self.runner.kv_cache_dtype), self.kv_bytes_per_token, self.num_kv_blocks,
-            self.block_size, self.num_kv_blocks * self.block_size,
+            self.block_size, self.kv_capacity_tokens, hybrid,
             self.runner.num_host_blocks, self.runner.num_host_blocks * self.block_size,
         )
 

@@ -133,7 +133,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         app = build_app(engine, served_model_name=ns.served_model_name, security=security,
                         tool_call_parser=ns.tool_call_parser)
         inner = engine.engine
-        kv_tokens = inner.num_kv_blocks * inner.block_size
+        kv_tokens = inner.kv_capacity_tokens  # of every layer (a hybrid cache holds long requests better)
         if security.api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning("serving on %s without an API key: anyone who can reach it may use it (--api-key)",
                            ns.host)
