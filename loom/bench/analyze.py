@@ -47,7 +47,10 @@ def floor_summary(roof: Roofline, work: Workload) -> dict[str, float | str]:
         "stored_weight_bytes": a.stored_weight_bytes or 0,
         "kv_bytes_per_token": roof.kv_bytes_per_token,
         "kv_capacity_tokens": kv_tokens,
-        "max_concurrency_at_max_model_len": kv_tokens / work.max_model_len,
+        # a request at max_model_len holds every layer's KV, or (sliding-window layers under loom's hybrid KV
+        # cache) only their window's
+        "max_concurrency_at_max_model_len": kv_tokens / work.max_model_len if not a.num_sliding_layers else
+        work.kv_budget_bytes / (roof.kv_bytes_per_token * a.attended_context(work.max_model_len)),
         "bandwidth_GBps": m.bandwidth / 1e9,
         "matmul_GFLOPs": m.flops / 1e9,
         "ridge_FLOP_per_byte": m.ridge,

@@ -35,12 +35,35 @@ class ModelArch:
     moe_intermediate_size: int = 0  # F_e, width of an expert (0: intermediate_size)
     shared_expert_intermediate_size: int = 0  # F_s, the shared expert every token runs (Qwen2-MoE), 0: none
     num_dense_mlp_layers: int = 0  # layers of an MoE model that keep the dense MLP
+    # Gemma: layers that attend only to the last `sliding_window` tokens (their KV is read, and with loom's hybrid KV
+    # cache held, for that window only); four norms per layer instead of two
+    sliding_window: int | None = None  # W, tokens; None: every layer attends to the whole context
+    num_sliding_layers: int = 0  # L_s
+    sandwich_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.num_sliding_layers <= self.num_layers or (self.num_sliding_layers and not self.sliding_window):
+            raise ValueError(f"num_sliding_layers must be in 0..{self.num_layers}, with a sliding_window")
+
+    def attended_context(self, context: float) -> float:
+        """Keys a query reads per layer on average at context C: ((L - L_s)·C + L_s·min(C, W)) / L."""
+        s = self.num_sliding_layers
+        return ((self.num_layers - s) * context + s * min(context, self.sliding_window or 0)) / self.num_layers
+
+    def attended_pairs(self, num_tokens: int) -> float:
+        """(query, key) pairs per layer on average in a causal prefill of N tokens, as areas: N²/2 for a full
+        layer, W²/2 + (N - W)·W for a sliding one (N > W)."""
+        n, s = num_tokens, self.num_sliding_layers
+        full = n * n / 2
+        if not s:
+            return full
+        w = self.sliding_window or 0
+        sliding = full if n <= w else w * w / 2 + (n - w) * w
+        return ((self.num_layers - s) * full + s * sliding) / self.num_layers
 
     @property
     def num_params(self) -> int:
@@ -70,7 +93,7 @@ class ModelArch:
             moe_layers = self.num_layers - self.num_dense_mlp_layers
             mlp = self.num_dense_mlp_layers * dense + moe_layers * sparse
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_layers * (attn + 2 * d) + mlp + d
+        return embed + self.num_layers * (attn + (4 if self.sandwich_norm else 2) * d) + mlp + d
 
     @property
     def num_decode_params(self) -> int:
@@ -117,6 +140,12 @@ def _arch_from_gguf(path: Path) -> ModelArch:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     tensor_names = {t.name for t in reader.tensors}
+    sliding: dict[str, object] = {}
+    if arch in ("gemma2", "gemma3"):  # the layer pattern is llama.cpp's convention: the engine's own reading
+        from loom.model.loader.gguf import gguf_arch_config
+
+        engine_arch = gguf_arch_config(reader)
+        sliding = _sliding_fields(engine_arch)
     return ModelArch(
         name=str(field("general.name", path.stem)),
         num_layers=int(field(f"{arch}.block_count")),
@@ -131,7 +160,16 @@ def _arch_from_gguf(path: Path) -> ModelArch:
         stored_weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
         packed_decode_bytes=_packed_decode_bytes(reader, tied="output.weight" not in tensor_names),
         qk_norm="per_head" if "blk.0.attn_q_norm.weight" in tensor_names else None,
+        **sliding,
     )
+
+
+def _sliding_fields(a: object) -> dict[str, object]:
+    """ModelArch's sliding-window and norm fields of an engine ModelArchConfig (loom/model/arch.py)."""
+    windows = [a.layer_sliding_window(i) for i in range(a.num_layers)]  # type: ignore[attr-defined]
+    num_sliding = sum(w is not None for w in windows)
+    return dict(sliding_window=a.sliding_window if num_sliding else None,  # type: ignore[attr-defined]
+                num_sliding_layers=num_sliding, sandwich_norm=a.sandwich_norm)  # type: ignore[attr-defined]
 
 
 def _packed_decode_bytes(reader: object, tied: bool) -> int:
@@ -165,5 +203,5 @@ def _arch_from_hf_config(cfg: dict[str, object], name: str) -> ModelArch:
         max_position_embeddings=a.max_position_embeddings, qk_norm=a.qk_norm, num_experts=a.num_experts,
         experts_per_tok=a.num_experts_per_tok, moe_intermediate_size=a.moe_intermediate_size,
         shared_expert_intermediate_size=a.shared_expert_intermediate_size,
-        num_dense_mlp_layers=len(a.dense_mlp_layers) if a.num_experts else 0,
+        num_dense_mlp_layers=len(a.dense_mlp_layers) if a.num_experts else 0, **_sliding_fields(a),
     )

@@ -6,6 +6,8 @@ Formulas (shared/reference/anchors.md section 5; roofline model of Williams, Wat
   kv_tok            = 2·L·H_kv·d_h·b_kv                               bytes per token of context
   t_decode(B, C)    = max((b·P + B·C·kv_tok) / BW, (2·P·B + 4·L·H·d_h·B·C) / F)   seconds per step
   t_prefill(N)      = max((b·P + N·kv_tok) / BW, (2·P·N + 2·L·H·d_h·N²) / F)       seconds
+  (sliding-window layers, Gemma: C in the KV and attention terms is the context a query attends to on average
+  over the layers, ((L - L_s)·C + L_s·min(C, W)) / L, and N² / 2 the (query, key) pairs of a causal prefill)
   B_sat(C)          = batch at which the two decode terms meet
                     = b·P·F/BW / (2·P + 4·L·H·d_h·C − C·kv_tok·F/BW);  = R·b/2 at C = 0, R = F/BW
   single stream     = 1 / t_decode(1, C)   tokens/s  (= BW / (b·P + C·kv_tok) while bandwidth-bound)
@@ -105,14 +107,14 @@ class Roofline:
         """Bytes moved per decode step: b·P + B·C·kv_tok."""
         _check_positive(batch=batch)
         _check_nonnegative(context=context)
-        return self.weight_bytes + batch * context * self.kv_bytes_per_token
+        return self.weight_bytes + batch * self.arch.attended_context(context) * self.kv_bytes_per_token
 
     def decode_flops(self, batch: int, context: int) -> float:
         """FLOP per decode step: 2·P·B + 4·L·H·d_h·B·C."""
         _check_positive(batch=batch)
         _check_nonnegative(context=context)
         p = self.arch.num_decode_params
-        return 2 * p * batch + self._attn_flops_per_token_ctx() * batch * context
+        return 2 * p * batch + self._attn_flops_per_token_ctx() * batch * self.arch.attended_context(context)
 
     def decode_step_floor(self, batch: int, context: int) -> float:
         """t_decode(B, C) = max(bytes/BW, FLOP/F), seconds per step of B sequences at context C."""
@@ -129,15 +131,16 @@ class Roofline:
         _check_positive(num_tokens=num_tokens)
         n = num_tokens
         mem = (self.weight_bytes + n * self.kv_bytes_per_token) / self.machine.bandwidth
-        flops = 2 * self.arch.num_decode_params * n + self._attn_flops_per_token_ctx() / 2 * n * n
+        flops = 2 * self.arch.num_decode_params * n + self._attn_flops_per_token_ctx() * self.arch.attended_pairs(n)
         return max(mem, flops / self.machine.flops)
 
     def saturation_batch(self, context: int = 0) -> float:
         """B_sat(C): smallest batch at which decode turns compute-bound; inf if it never does."""
         _check_nonnegative(context=context)
         ridge = self.machine.ridge
-        denom = (2 * self.arch.num_decode_params + self._attn_flops_per_token_ctx() * context
-                 - context * self.kv_bytes_per_token * ridge)
+        attended = self.arch.attended_context(context)
+        denom = (2 * self.arch.num_decode_params + self._attn_flops_per_token_ctx() * attended
+                 - attended * self.kv_bytes_per_token * ridge)
         if denom <= 0:
             return math.inf
         return self.weight_bytes * ridge / denom

@@ -113,3 +113,29 @@ def test_efficiency_report() -> None:
     summary = floor_summary(roof, work)
     assert summary["kv_capacity_tokens"] == 23301
     assert json.loads(to_json(summary, rows))["floors"]["params"] == SMOL_PARAMS
+
+
+def test_sliding_window_layers_read_only_their_window(gemma3_gguf) -> None:  # noqa: ANN001
+    """Gemma-3-270M as loom reads the real file: 15 of 18 layers slide over 512 tokens, four norms a layer. At
+    context 4,096 a query attends to (3 x 4,096 + 15 x 512) / 18 keys per layer on average, so a step reads that
+    much KV, not 4,096 tokens' worth; below the window nothing changes."""
+    arch = load_model_arch(gemma3_gguf)
+    assert (arch.num_sliding_layers, arch.sliding_window, arch.sandwich_norm) == (15, 512, True)
+    assert arch.attended_context(4096) == (3 * 4096 + 15 * 512) / 18 and arch.attended_context(300) == 300
+    assert arch.attended_pairs(100) == 100 * 100 / 2
+    assert arch.attended_pairs(1024) == (3 * 1024**2 / 2 + 15 * (512**2 / 2 + 512 * 512)) / 18
+    roof = Roofline.build(arch, MACHINE, "float32", "float16")
+    plain = Roofline.build(ModelArch(**{**{f: getattr(arch, f) for f in arch.__dataclass_fields__},
+                                        "sliding_window": None, "num_sliding_layers": 0}), MACHINE, "float32",
+                           "float16")
+    assert roof.decode_bytes(1, 4096) - roof.weight_bytes == pytest.approx(
+        (plain.decode_bytes(1, 4096) - plain.weight_bytes) * (3 * 4096 + 15 * 512) / (18 * 4096))
+    assert roof.decode_bytes(4, 300) == plain.decode_bytes(4, 300)
+    # the four norms a layer (and the QK-norms) counted: the parameters are the file's, element for element
+    from gguf import GGUFReader
+
+    assert arch.num_params == sum(int(t.n_elements) for t in GGUFReader(gemma3_gguf).tensors) == 268_098_176
+    summary = floor_summary(roof, Workload(batch=1, context=0, prompt_len=512, kv_budget_bytes=1 << 30,
+                                           max_model_len=4096))
+    assert summary["max_concurrency_at_max_model_len"] == pytest.approx(
+        (1 << 30) / (roof.kv_bytes_per_token * arch.attended_context(4096)))
