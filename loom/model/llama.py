@@ -374,6 +374,24 @@ class LlamaModel(nn.Module):
         if kernel is not None:
             self.decode_step = ModelDecodeStep(kernel, self, max_rows=DENSE_MIN_ROWS)
 
+    def _longrope_rows(self, positions: torch.Tensor,
+                       attn_metadata: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor | None:
+        """LongRoPE (Phi-3 128k): which tokens take the long factors. transformers switches a forward pass to
+        them once its largest position reaches original_max_position_embeddings; loom decides the same per
+        request and step (a request's tokens of this step take the long table when its last one is at or past
+        that position), so a prompt prefilled in one chunk and each decoded token rotate as transformers rotates
+        them. None without LongRoPE."""
+        long_from = self.rotary_emb.long_from
+        if long_from is None or positions.numel() == 0:
+            return None
+        meta = attn_metadata[0] if isinstance(attn_metadata, list) else attn_metadata
+        starts = meta.query_start_loc_cpu
+        lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)], device=positions.device)
+        ends = torch.tensor([b - 1 for a, b in zip(starts, starts[1:], strict=False) if b > a],
+                            dtype=torch.int64, device=positions.device)
+        flags = positions.index_select(0, ends) >= long_from
+        return flags.repeat_interleave(lengths[lengths > 0])
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -382,7 +400,7 @@ class LlamaModel(nn.Module):
         attn_metadata: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         """attn_metadata: one for every layer, or each layer's (a hybrid KV cache: one per group of layers)."""
-        cos_sin = self.rotary_emb.cos_sin(positions)
+        cos_sin = self.rotary_emb.cos_sin(positions, self._longrope_rows(positions, attn_metadata))
         cos_sin_local = None if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin(positions)
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:
@@ -586,8 +604,7 @@ class OlmoeForCausalLM(LlamaForCausalLM):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama whose checkpoints store q/k/v and gate/up fused (split at load into the stacked layers),
-    with a sliding window where configured. LongRoPE ("su") scaling, of the 128k-context models, is not
-    supported yet (a clear error at load)."""
+    with a sliding window where configured, and LongRoPE scaling in the 128k-context models."""
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

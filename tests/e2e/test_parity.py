@@ -82,3 +82,31 @@ def test_tiny_random_safetensors_match_transformers(tmp_path, hf_tokenizer, arch
     stats = tight.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.num_free_blocks == stats.num_blocks
     assert alone.engine.get_stats().prefix_cache_hits > 0  # the later prompts reused the shared prefix
+
+
+def test_phi3_longrope_matches_transformers(tmp_path, hf_tokenizer) -> None:
+    """Phi-3's LongRoPE (128k models): short factors below original_max_position_embeddings (32 here), long ones
+    from there, cos/sin scaled by sqrt(1 + ln(512 / 32) / ln 32). Two short prompts decode across position 32
+    (transformers switches tables at that step; cached keys keep their rotation), two prompts start past it.
+    Greedy tokens equal transformers' and logprobs within 1e-4, alone and batched."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loom import LLM
+
+    head_dim = 64 // 4
+    scaling = {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(head_dim // 2)],
+               "long_factor": [1.5 + 0.8 * i for i in range(head_dim // 2)]}
+    directory = save_tiny_model(tmp_path / "phi3_longrope", "phi3", hf_tokenizer, rope_scaling=scaling,
+                                original_max_position_embeddings=32)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    short = [hf_tokenizer.encode(p) for p in PROMPTS[:2]]
+    long = [hf_tokenizer.encode(" ".join(PROMPTS[i : i + 4])) for i in (2, 4)]
+    assert all(len(p) < 32 for p in short) and all(len(p) > 32 for p in long)
+    prompts = short + long
+    reference = [hf_greedy(hf, ids, 32) for ids in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+    llm = LLM(model=str(directory), dtype="float32", block_size=4)
+    assert llm.engine.runner.model.model.rotary_emb.long_from == 32
+    _check([llm.generate([ids], params, use_tqdm=False)[0] for ids in prompts], reference, tol=1e-4)
+    _check(llm.generate(prompts, params, use_tqdm=False), reference, tol=1e-4)

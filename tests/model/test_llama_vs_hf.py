@@ -108,7 +108,7 @@ def test_olmo2_layers_and_shapes(tiny_models: dict[str, TinyModel]) -> None:
 
 def test_phi3_fused_checkpoint_and_what_is_refused(tiny_models: dict[str, TinyModel]) -> None:
     """Phi-3 stores q/k/v and gate/up fused: they load into the stacked layers (a wrong split is named);
-    LongRoPE and partial rotary are refused by name rather than run wrongly."""
+    malformed LongRoPE and partial rotary are refused by name rather than run wrongly."""
     import json
 
     from safetensors.torch import load_file
@@ -121,11 +121,15 @@ def test_phi3_fused_checkpoint_and_what_is_refused(tiny_models: dict[str, TinyMo
     loaded = load_model(str(tiny.path), torch.float32, CPU)
     assert loaded.arch.architecture == "Phi3ForCausalLM" and loaded.arch.sliding_window == 6
     config = json.loads((tiny.path / "config.json").read_text())
-    longrope = {**config, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+    longrope = {**config, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 7,
                                            "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}}
     longrope.pop("rope_parameters", None)
-    with pytest.raises(ValueError, match="longrope"):
+    with pytest.raises(ValueError, match="short_factor needs 8 values"):
         load_model_from_config(longrope)
+    no_original = {**longrope, "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+    no_original.pop("original_max_position_embeddings", None)
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        load_model_from_config(no_original)
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         hf_arch_config({**config, "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}})
     bad = loaded.model

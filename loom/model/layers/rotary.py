@@ -3,7 +3,10 @@
 Scalings: "linear" (position interpolation, Chen et al. 2023, arXiv:2306.15595) and "llama3"
 (frequency-dependent rescaling published with Llama 3.1: low frequencies divided by `factor`, high
 ones kept, a smooth blend between low_freq_factor and high_freq_factor wavelengths), and
-"freq_factors" (the same rescaling stored by llama.cpp as one divisor per frequency).
+"freq_factors" (the same rescaling stored by llama.cpp as one divisor per frequency), and "longrope"
+(LongRoPE, Ding et al. 2024, arXiv:2402.13753, as Phi-3's 128k models use it: per-frequency divisors, short ones
+while a request's positions stay below original_max_position_embeddings and long ones from there, cos and sin
+scaled by sqrt(1 + ln(factor) / ln(original_max_position_embeddings))).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -31,6 +34,8 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | No
     assert rope_scaling is not None
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "longrope":  # the short factors; RotaryEmbedding adds the long table
+        return _longrope_inv_freq(inv_freq, theta, head_dim, rope_scaling, "short_factor")
     if rope_type == "freq_factors":  # llama.cpp's rope_freqs tensor: one divisor per frequency
         factors = torch.tensor(rope_scaling["freq_factors"], dtype=torch.float32)
         if factors.shape != inv_freq.shape:
@@ -52,6 +57,33 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | No
     return torch.where(wavelen < original / high, inv_freq, scaled)
 
 
+def _longrope_inv_freq(inv_freq: torch.Tensor, theta: float, head_dim: int, rope_scaling: dict[str, Any],
+                       key: str) -> torch.Tensor:
+    """LongRoPE's inverse frequencies with the `key` ("short_factor" | "long_factor") divisors, computed as
+    transformers does: 1 / (factor_i * theta ** (2i / d)) in float32.
+
+    Raises:
+        ValueError: the factors are missing or not head_dim / 2 of them.
+    """
+    if key not in rope_scaling or "original_max_position_embeddings" not in rope_scaling:
+        raise ValueError(f"rope_scaling of type 'longrope' lacks {key!r} or 'original_max_position_embeddings'")
+    factors = torch.tensor(rope_scaling[key], dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"rope_scaling {key} needs {inv_freq.numel()} values, got {factors.numel()}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (factors * theta**exponents)
+
+
+def longrope_attention_factor(rope_scaling: dict[str, Any], max_position: int) -> float:
+    """LongRoPE's cos/sin scale: `attention_factor` if given, else sqrt(1 + ln(s) / ln(L0)) with s = `factor` (or
+    max_position / L0) and L0 = original_max_position_embeddings; 1 when s <= 1."""
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    original = float(rope_scaling["original_max_position_embeddings"])
+    factor = float(rope_scaling.get("factor") or max_position / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to query and key given each token's absolute position.
 
@@ -64,14 +96,36 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         inv_freq = rope_inv_freq(head_dim, theta, rope_scaling)
+        self.register_buffer("cos_sin_cache", self._table(inv_freq, max_position, 1.0), persistent=False)
+        # LongRoPE: a second table with the long factors, used for a request's tokens once its positions reach
+        # original_max_position_embeddings (long_from); both tables scaled by the attention factor
+        self.long_from: int | None = None
+        self.cos_sin_cache_long: torch.Tensor | None = None
+        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+        if kind == "longrope":
+            assert rope_scaling is not None
+            scale = longrope_attention_factor(rope_scaling, max_position)
+            self.cos_sin_cache = self._table(inv_freq, max_position, scale)
+            base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+            long_inv = _longrope_inv_freq(base, theta, head_dim, rope_scaling, "long_factor")
+            self.cos_sin_cache_long = self._table(long_inv, max_position, scale)
+            self.long_from = int(rope_scaling["original_max_position_embeddings"])
+
+    @staticmethod
+    def _table(inv_freq: torch.Tensor, max_position: int, scale: float) -> torch.Tensor:
+        """[max_position, head_dim] float32: cos then sin of each position's angles, times `scale`."""
         # Angles are formed in fp32 like the HF reference so both round identically.
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([angles.cos(), angles.sin()], dim=-1), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return torch.cat([cos, sin], dim=-1)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, use_long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [num_tokens, 1, head_dim] float32 for positions [num_tokens] int64, as
         `apply_rotary` takes them (signed sin = [-sin, sin] over the two halves); compute once per forward
-        and reuse in every layer.
+        and reuse in every layer. use_long [num_tokens] bool: the tokens that take LongRoPE's long table (None:
+        the short one for all; ignored without LongRoPE).
 
         Raises:
             ValueError: a position is beyond the precomputed table.
@@ -80,7 +134,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"positions must be < {self.cos_sin_cache.shape[0]} (max_position), got {int(positions.max())}"
             )
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim // 2]
+        table = self.cos_sin_cache[positions]
+        if self.cos_sin_cache_long is not None and use_long is not None and bool(use_long.any()):
+            table = torch.where(use_long[:, None], self.cos_sin_cache_long[positions], table)
+        cos, sin = table.chunk(2, dim=-1)  # each [num_tokens, head_dim // 2]
         return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
 
     def forward(

@@ -63,7 +63,13 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             return theta, None
+        if rope_type == "su":  # LongRoPE's first name in Phi-3 configs
+            rope_type = "longrope"
         scaling["rope_type"] = rope_type
+        if rope_type == "longrope" and "original_max_position_embeddings" not in scaling:
+            if config.get("original_max_position_embeddings") is None:
+                raise ValueError("longrope rope scaling needs original_max_position_embeddings")
+            scaling["original_max_position_embeddings"] = int(config["original_max_position_embeddings"])
     return theta, scaling
 
 
