@@ -193,6 +193,7 @@ class CpuPagedBackend:
         # plans of the step being run, one per (metadata, sliding window): Gemma's layers alternate two windows,
         # and a hybrid KV cache gives each group of layers its own metadata; reused across layers
         self._plans: dict[tuple[int, int | None], _StepPlan] = {}
+        self._plans_step: list[int] | None = None  # the step they are for (its query_start_loc_cpu, held)
         # loom's C decode kernels for CPU caches, best first (AVX512-BF16, then AVX2 / portable); empty where none
         # builds (LOOM_CPU_KERNELS=0, no compiler): then SDPA over gathered blocks serves every decode
         self.decode_kernels: list[Any] = paged_decode_kernels()
@@ -233,11 +234,15 @@ class CpuPagedBackend:
     def _step_plan(
         self, attn_metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype
     ) -> _StepPlan:
+        # a new step (a hybrid KV cache's per-group metadata share their step's query_start_loc_cpu list): drop the
+        # last step's plans, so their masks are not kept alive
+        step = attn_metadata.query_start_loc_cpu
+        if step is not self._plans_step:
+            self._plans.clear()
+            self._plans_step = step
         key = (id(attn_metadata), sliding_window)  # a plan holds its metadata, so the id is not reused meanwhile
         plan = self._plans.get(key)
         if plan is None or plan.attn_metadata is not attn_metadata or plan.dtype != dtype:
-            if len(self._plans) >= 64:
-                self._plans.clear()  # earlier steps' plans
             plan = plan_step(attn_metadata, sliding_window, dtype)
             self._plans[key] = plan
         return plan

@@ -179,6 +179,7 @@ class KVCacheManager:
         new_computed_blocks: list[KVBlock] | None = None,
         num_new_computed_tokens: int = 0,
         restore_slots: list[int] | None = None,
+        hits_referenced: bool = False,
     ) -> list[int] | None:
         """Ensure blocks for positions [0, num_computed_tokens + num_new_computed_tokens + num_new_tokens).
 
@@ -189,6 +190,8 @@ class KVCacheManager:
             num_new_computed_tokens: tokens the hits and the restored blocks cover.
             restore_slots: host slots copied back into the first newly allocated blocks (see
                 `find_computed_prefix`); the last of them may be partial (a swapped-out request).
+            hits_referenced: the caller has already referenced the hits (HybridKVCacheManager references every
+                group's hits before any group takes new blocks, so none is handed out as another's new block).
 
         Returns:
             Ids of the newly allocated blocks (possibly empty), or None when the pool cannot supply them; then
@@ -216,7 +219,8 @@ class KVCacheManager:
         if shared_tail is not None:
             self._copy_on_write(request.request_id, shared_tail)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        self.block_pool.touch(hits)
+        if not hits_referenced:
+            self.block_pool.touch(hits)
         blocks.extend(hits)
         if self.host is not None:
             self.host.pin(restores)  # the evictions below must not hand these slots to an offload
@@ -433,6 +437,11 @@ class HybridKVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.groups = [KVCacheManager(num_blocks, block_size, enable_prefix_caching, 0, window, self.block_pool, g)
                        for g, window in enumerate(sliding_windows)]
+        # copy-on-write copies of every group in the order they were recorded (a block freed by a preemption can
+        # be a later copy's destination, so the runner must run them in that order)
+        self._block_copies: list[tuple[int, int]] = []
+        for g in self.groups:
+            g._block_copies = self._block_copies
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found, cumulative
         self.num_blocks_recomputed = 0  # computed blocks (positions, not pages) dropped by preemptions, cumulative
@@ -486,9 +495,13 @@ class HybridKVCacheManager:
                      for g, h in zip(self.groups, hits, strict=True))
         if needed > self.block_pool.num_free_blocks:
             return None
+        # every group's hits are referenced first: a hit still in the free queue must not be popped as another
+        # group's new block (it would then sit in two groups' tables, and their layers share the page's tensors)
+        for h in hits:
+            self.block_pool.touch(h)
         new_ids: list[int] = []
         for g, h in zip(self.groups, hits, strict=True):
-            ids = g.allocate_slots(request, num_new_tokens, h, num_new_computed_tokens)
+            ids = g.allocate_slots(request, num_new_tokens, h, num_new_computed_tokens, hits_referenced=True)
             assert ids is not None, "the pool had room for every group"
             new_ids.extend(ids)
         return new_ids
@@ -498,7 +511,10 @@ class HybridKVCacheManager:
             g.fork(parent_id, child_id)
 
     def take_block_copies(self) -> list[tuple[int, int]]:
-        return [copy for g in self.groups for copy in g.take_block_copies()]
+        """Every group's copy-on-write copies since the last call, in the order they were recorded."""
+        copies = list(self._block_copies)
+        self._block_copies.clear()  # the groups keep appending to this same list
+        return copies
 
     def free(self, request: Request) -> None:
         for g in self.groups:
@@ -533,6 +549,7 @@ class HybridKVCacheManager:
         """Every group's holders together equal the ref counts; the free queue and hash table are sound."""
         self.block_pool.check_invariants()
         holders = [0] * self.block_pool.num_blocks
+        owner: dict[int, int] = {}  # block id -> the group that holds it: a page belongs to one group at a time
         for g in self.groups:
             assert g.req_to_blocks.keys() == self.groups[0].req_to_blocks.keys(), "groups hold different requests"
             for request_id, blocks in g.req_to_blocks.items():
@@ -541,6 +558,8 @@ class HybridKVCacheManager:
                 assert len(blocks) == len(self.groups[0].req_to_blocks[request_id]), "groups cover different spans"
                 for block_id in ids:
                     holders[block_id] += 1
+                    assert owner.setdefault(block_id, g.group) == g.group, (
+                        f"block {block_id} is held by groups {owner[block_id]} and {g.group}")
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"

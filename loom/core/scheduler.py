@@ -124,6 +124,8 @@ class Scheduler:
             self.kv_cache_manager = KVCacheManager(
                 num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_host_blocks,
                 sliding_window)
+        self.kv_group_windows = kv_group_windows if kv_group_windows is not None and len(kv_group_windows) > 1 \
+            else None
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go to the front
         self.running: list[Request] = []  # admission order
@@ -166,7 +168,7 @@ class Scheduler:
                 f"(with max_tokens={request.max_tokens})"
             )
         max_len = min(self.max_model_len, n + max(request.max_tokens, 1))
-        blocks_needed = _cdiv(max_len, self.cache_config.block_size)
+        blocks_needed = self._blocks_needed(max_len)
         if blocks_needed > self.num_blocks:
             raise ValueError(
                 f"request needs {blocks_needed} KV blocks of {self.cache_config.block_size} tokens, "
@@ -434,6 +436,17 @@ class Scheduler:
             group_block_tables=self.kv_cache_manager.get_group_block_ids(request.request_id)
             if isinstance(self.kv_cache_manager, HybridKVCacheManager) else None,
         )
+
+    def _blocks_needed(self, num_tokens: int) -> int:
+        """Most blocks one request of num_tokens tokens holds at once: one per block_size tokens, or with a hybrid
+        KV cache that per full-attention group plus, per sliding group, the blocks a step's chunk (up to
+        max_num_batched_tokens) and the window before it span: cdiv(window + chunk, block_size) + 1."""
+        bs = self.cache_config.block_size
+        full = _cdiv(num_tokens, bs)
+        if self.kv_group_windows is None:
+            return full
+        chunk = self.scheduler_config.max_num_batched_tokens
+        return sum(full if w is None else min(full, _cdiv(w + chunk, bs) + 1) for w in self.kv_group_windows)
 
     def fork_request(self, parent: Request, child_id: str, last_token_id: int) -> Request:
         """Beam search: a new request that equals `parent` but for its last output token, which becomes

@@ -135,3 +135,75 @@ def test_the_plain_manager_is_unchanged_for_one_group(make_request: Callable[...
     req = make_request("a", range(9))
     assert _admit(plain, req)
     assert plain._key(req.block_hashes[0]) == req.block_hashes[0]  # group 0 keys blocks by their own hash
+
+
+def test_a_free_hit_is_never_another_groups_new_block(make_request: Callable[..., Request]) -> None:
+    """Under pressure the blocks a request hits may sit in the free queue, where another group's new blocks are
+    taken from: every group's hits are referenced before any group allocates, so no page sits in two groups'
+    tables (their layers share its tensors). check_invariants now also asserts one group per page."""
+    hybrid = HybridKVCacheManager(16, BS, True, [None, 8])
+    first = make_request("a", range(13))
+    assert _admit(hybrid, first)
+    other = make_request("c", range(100, 116))
+    assert _admit(hybrid, other)
+    hybrid.free(first)
+    hybrid.free(other)
+    second = make_request("b", list(range(12)) + list(range(200, 209)))
+    assert _admit(hybrid, second)  # check_invariants inside
+    full, sliding = hybrid.groups
+    live = [b.block_id for b in sliding.req_to_blocks["b"] if b is not None]
+    assert not set(full.get_block_ids("b")) & set(live)
+    assert hybrid.prefix_cache_hits == 12
+
+
+def test_copy_on_write_copies_keep_their_order_across_groups(make_request: Callable[..., Request]) -> None:
+    """Two beam parents each share a partial block with a fork, in every group; the copies come back in the
+    order they were recorded (parent p's in group 0 then 1, then parent q's), not group by group: the runner runs
+    them in order, and a block a preemption freed may be a later copy's destination."""
+    hybrid = HybridKVCacheManager(48, BS, True, [None, 8])
+    parents = [make_request(name, range(6)) for name in ("p", "q")]
+    for parent in parents:
+        assert _admit(hybrid, parent)
+        hybrid.fork(parent.request_id, parent.request_id + "-child")
+    hybrid.check_invariants()
+    for parent in parents:
+        parent.output_token_ids.append(1)
+        assert hybrid.allocate_slots(parent, 1) is not None
+    copies = hybrid.take_block_copies()
+    owner = {b: g.group for g in hybrid.groups for blocks in g.req_to_blocks.values() for b in
+             [x.block_id for x in blocks if x is not None]}
+    sources = [owner[src] for src, _ in copies]  # the shared partial block each copy reads, by group
+    assert sources == [0, 1, 0, 1]
+    assert copies[0][0] in hybrid.groups[0].get_block_ids("p-child")
+    assert copies[2][0] in hybrid.groups[0].get_block_ids("q-child")
+    assert hybrid.take_block_copies() == []
+    hybrid.check_invariants()
+
+
+def test_admission_counts_what_a_hybrid_request_holds_at_once(make_request: Callable[..., Request]) -> None:
+    """A request is refused at admission when the pool cannot hold it even alone, which for a hybrid cache is its
+    full groups' blocks plus each sliding group's window and chunk, not its token count alone (it would wait
+    forever otherwise)."""
+    from loom.config import CacheConfig, SchedulerConfig
+    from loom.core.scheduler import Scheduler
+
+    def scheduler(num_blocks: int) -> Scheduler:
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256),
+                         CacheConfig(block_size=BS, num_blocks=num_blocks), num_blocks, kv_group_windows=[None, 8, 8])
+
+    # 64 tokens: 16 blocks in the full group, min(16, cdiv(8 + 64, 4) + 1) = 16 in each sliding group
+    with pytest.raises(ValueError, match="48 KV blocks"):
+        scheduler(20).add_request(make_request("a", range(60), max_tokens=4))
+    roomy = scheduler(48)
+    roomy.add_request(make_request("a", range(60), max_tokens=4))
+    for _ in range(8):
+        out = roomy.schedule()
+        assert out.scheduled or not roomy.waiting
+        roomy.update_from_output(out, _fake_output(out))
+    assert not roomy.waiting
+
+
+def _fake_output(out):
+    from loom.core.sched_output import ModelRunnerOutput
+
+    return ModelRunnerOutput(sampled_token_ids={r.request_id: [7] for r in out.scheduled if r.sample})
