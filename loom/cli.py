@@ -48,6 +48,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     prompt: str | list[int] = ns.prompt
     if not ns.raw and llm.tokenizer.chat_template:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": ns.prompt}])
+    elif not ns.raw:
+        logging.getLogger("loom.cli").info("the model has no chat template (a base model): the prompt goes in as plain text")
     for out in llm.stream(prompt, params):
         sys.stdout.write(out.outputs[0].delta_text)
         sys.stdout.flush()
@@ -60,6 +62,10 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
     params = _sampling_params(ns)
     llm = LLM(**dataclasses.asdict(engine_args_from_namespace(ns)))
+    if not llm.tokenizer.chat_template:
+        print(f"loom: error: model {llm.engine.model_name!r} has no chat template (a base model): use "
+              "`loom generate` (its prompt goes in as plain text)", file=sys.stderr)
+        return 2
     messages: list[dict[str, str]] = []
     if ns.system:
         messages.append({"role": "system", "content": ns.system})

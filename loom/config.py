@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from dataclasses import dataclass
 
@@ -137,6 +138,9 @@ class EngineArgs:
             unused = [name for name in _SPECULATIVE_OPTIONS if getattr(self, name) != defaults[name]]
             if unused:
                 logger.warning("%s: no effect without speculative_method (speculation is off)", ", ".join(unused))
+        for name in ("kv_cache_memory_gb", "kv_offload_memory_gb"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number of GiB, got {getattr(self, name)}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:

@@ -34,7 +34,9 @@ def test_chat_is_multi_turn() -> None:
 
 @pytest.mark.parametrize("args, name", [(["--top-p", "2"], "--top-p"), (["--temperature", "-1"], "temperature"),
                                         (["--block-size", "0"], "--block-size"),
-                                        (["--speculative-tree-width", "0"], "--speculative-tree-width")])
+                                        (["--speculative-tree-width", "0"], "--speculative-tree-width"),
+                                        (["--kv-cache-memory-gb", "inf"], "--kv-cache-memory-gb"),
+                                        (["--kv-offload-memory", "nan"], "--kv-offload-memory")])
 def test_bad_options_fail_fast_naming_the_option(args: list[str], name: str) -> None:
     result = _loom("generate", "hi", *args, timeout=120)
     assert result.returncode == 2

@@ -119,16 +119,16 @@ class LLMEngine:
         # tokens the cache holds for every layer (a hybrid cache's block is a page of one group's layers, and its
         # sliding groups need only their window, so long requests fit more than this)
         self.kv_capacity_tokens = self.num_kv_blocks * self.block_size * len(groups[0].layers) // arch.num_layers
+        per_block = "" if len(groups) == 1 else f" x {len(groups[0].layers)} of {arch.num_layers} layers"
         hybrid = "" if len(groups) == 1 else (
-            f" (hybrid: {len(groups)} groups of {len(groups[0].layers)} layers, "
-            f"{sum(g.sliding_window is not None for g in groups)} of them sliding over "
-            f"{max(g.sliding_window or 0 for g in groups)} tokens; each block holds one group's layers)")
+            f" (hybrid: {len(groups)} layer groups, {sum(g.sliding_window is not None for g in groups)} of them "
+            f"sliding over {max(g.sliding_window or 0 for g in groups)} tokens, which hold only that window)")
         logger.info(
-            "loaded %s (%s, %s) in %.1f s; KV cache (%s): %d bytes/token, %d blocks of %d tokens = %d tokens of "
+            "loaded %s (%s, %s) in %.1f s; KV cache (%s): %d bytes/token, %d blocks of %d tokens%s = %d tokens of "
             "every layer%s; host tier: %d blocks = %d tokens",
             self.model_name, arch.architecture, self.runner.dtype, time.perf_counter() - started,
             _kv_dtype_label(self.runner.kv_cache_dtype), self.kv_bytes_per_token, self.num_kv_blocks,
-            self.block_size, self.kv_capacity_tokens, hybrid,
+            self.block_size, per_block, self.kv_capacity_tokens, hybrid,
             self.runner.num_host_blocks, self.runner.num_host_blocks * self.block_size,
         )
 
@@ -204,7 +204,8 @@ class LLMEngine:
             tools: OpenAI tool definitions, for a template that renders them (loom/server/tool_calls.py).
 
         Raises:
-            ValueError: the messages' text cannot fit max_model_len (checked before templating); both
+            ValueError: the model has no chat template; the messages' text cannot fit max_model_len (checked before
+                templating); both
                 add_generation_prompt and continue_final_message; continue_final_message without a last
                 assistant message; a chat_template_kwargs key that is one of the template call's own arguments.
         """
@@ -214,6 +215,9 @@ class LLMEngine:
                 raise ValueError("continue_final_message needs add_generation_prompt false")
             if not messages or messages[-1].get("role") != "assistant":
                 raise ValueError("continue_final_message needs the last message to be an assistant turn")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"messages: model {self.model_name!r} has no chat template (a base model): send plain "
+                             "text instead (/v1/completions, `loom generate --raw`)")
         extra = dict(chat_template_kwargs or {})
         reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
         if reserved:

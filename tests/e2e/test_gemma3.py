@@ -59,6 +59,9 @@ def test_gemma3_270m_greedy_matches_transformers(gemma3_gguf, gemma_prompts, gem
     # the hybrid KV cache: 6 groups of 3 layers (3 global, 15 sliding); the long prompt's sliding groups let go of
     # the blocks behind their 512-token window
     assert len(llm.engine.runner.kv_groups) == 6 and llm.engine.scheduler.num_window_blocks_freed > 0
+    # a base model has no chat template: a conversation is refused by name, not with transformers' own error
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "Hello"}], GREEDY, use_tqdm=False)
 
 
 @pytest.mark.slow
