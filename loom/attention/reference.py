@@ -28,7 +28,7 @@ def causal_mask(
     return allowed
 
 
-def softcapped_attention(
+def attend_per_request(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -36,18 +36,19 @@ def softcapped_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
-    softcap: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Paged attention whose scores are soft-capped before the softmax, s -> cap * tanh(s / cap) (Gemma 2,
-    arXiv:2408.00118), one request at a time in plain torch (the fused kernels have no cap). Writes this step's
-    K/V into kv_cache first, as every backend does.
+    """Paged attention in plain torch, one request at a time: writes this step's K/V into kv_cache, gathers each
+    request's context and attends with SDPA; with `softcap`, the scores are soft-capped before the softmax,
+    s -> cap * tanh(s / cap) (Gemma 2, arXiv:2408.00118; the fused kernels have no cap), softmax in float32.
+    GQA/MQA (arXiv:2305.13245): query head h reads KV head h // (num_heads // num_kv_heads).
 
-    Shapes: query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim];
-    returns [num_tokens, num_heads, head_dim], query's dtype (softmax in float32).
+    Shapes: query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim]; returns
+    [num_tokens, num_heads, head_dim], query's dtype.
     """
     write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
     output = torch.empty_like(query)
-    group = query.shape[1] // kv_cache.shape[-2]
+    group = query.shape[1] // kv_cache.shape[-2]  # kv_cache [2, blocks, block_size, H_kv, row]
     starts = attn_metadata.query_start_loc_cpu
     for i in range(attn_metadata.num_reqs):
         start, end = starts[i], starts[i + 1]
@@ -55,23 +56,26 @@ def softcapped_attention(
             continue
         seq_len = attn_metadata.seq_lens_cpu[i]
         k, v = gather_kv(kv_cache, attn_metadata.block_tables[i], seq_len, attn_metadata.block_size, query.dtype)
-        k = k.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
-        v = v.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(query[start:end].transpose(0, 1), k.transpose(1, 2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        k = k.transpose(0, 1).to(query.dtype)  # [num_heads, seq_len, head_dim]
+        v = v.transpose(0, 1).to(query.dtype)
         mask = causal_mask(end - start, seq_len, sliding_window, query.device)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        output[start:end] = torch.matmul(probs, v).transpose(0, 1)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            scores = torch.tanh(torch.matmul(q, k.transpose(1, 2)) * scale / softcap) * softcap
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), v)
+        output[start:end] = out.transpose(0, 1)
     return output
 
 
 class TorchReferenceBackend:
-    """Paged attention with torch's scaled_dot_product_attention, one request per call.
-
-    GQA/MQA (arXiv:2305.13245): query head h reads KV head h // (num_heads // num_kv_heads).
-    """
+    """Paged attention with torch's scaled_dot_product_attention, one request per call (attend_per_request)."""
 
     name: str = "torch_reference"
 
@@ -87,28 +91,4 @@ class TorchReferenceBackend:
     ) -> torch.Tensor:
         """See AttentionBackend.forward. Shapes: query [num_tokens, num_heads, head_dim],
         key/value [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim]."""
-        write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        output = torch.empty_like(query)
-        group = query.shape[1] // kv_cache.shape[-2]  # kv_cache [2, blocks, block_size, H_kv, row]
-        starts = attn_metadata.query_start_loc_cpu
-        for i in range(attn_metadata.num_reqs):
-            start, end = starts[i], starts[i + 1]
-            if end == start:
-                continue
-            seq_len = attn_metadata.seq_lens_cpu[i]
-            k, v = gather_kv(
-                kv_cache, attn_metadata.block_tables[i], seq_len, attn_metadata.block_size, query.dtype
-            )
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            mask = causal_mask(end - start, seq_len, sliding_window, query.device)
-            out = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1),  # [num_heads, q_len, head_dim]
-                k.transpose(0, 1).to(query.dtype),  # [num_heads, seq_len, head_dim]
-                v.transpose(0, 1).to(query.dtype),
-                attn_mask=mask,
-                scale=scale,
-            )
-            output[start:end] = out.transpose(0, 1)
-        return output
+        return attend_per_request(query, key, value, kv_cache, attn_metadata, scale, sliding_window)

@@ -209,12 +209,9 @@ class KVCacheManager:
             assert (len(hits) + len(restores) - 1) * bs < num_new_computed_tokens <= (len(hits) + len(restores)) * bs
         else:
             assert len(hits) * bs == num_new_computed_tokens
-        self._free_outside_window(request.request_id, request.num_computed_tokens)
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = _cdiv(num_tokens, bs) - len(self.req_to_blocks.get(request.request_id, [])) - len(hits)
-        shared_tail = self._shared_partial_block(request) if num_new_tokens else None
-        if self.num_blocks_to_take(request, num_new_tokens, hits, num_new_computed_tokens) \
-                > self.block_pool.num_free_blocks:
+        num_needed, shared_tail, to_take = self._demand(request, num_new_tokens, hits, num_new_computed_tokens)
+        if to_take > self.block_pool.num_free_blocks:
             return None
         if shared_tail is not None:
             self._copy_on_write(request.request_id, shared_tail)
@@ -239,13 +236,19 @@ class KVCacheManager:
         """Free blocks `allocate_slots` with these arguments would take from the pool: new blocks, hits now in
         the free queue, and a copy-on-write copy. Releases the blocks outside the window first (as
         allocate_slots does), so that they count as free."""
+        return self._demand(request, num_new_tokens, hits, num_new_computed_tokens)[2]
+
+    def _demand(self, request: Request, num_new_tokens: int, hits: list[KVBlock],
+                num_new_computed_tokens: int) -> tuple[int, int | None, int]:
+        """(new blocks needed, index of a shared partial block to copy on write or None, free blocks taken),
+        after releasing the blocks outside the window."""
         self._free_outside_window(request.request_id, request.num_computed_tokens)
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = _cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request.request_id, [])) \
             - len(hits)
         num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
         shared_tail = self._shared_partial_block(request) if num_new_tokens else None
-        return max(num_needed, 0) + num_hits_free + (shared_tail is not None)
+        return num_needed, shared_tail, max(num_needed, 0) + num_hits_free + (shared_tail is not None)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Let `child_id` hold the blocks of `parent_id` too (one more reference each; beam search).
@@ -394,21 +397,34 @@ class KVCacheManager:
         """Assert ref counts equal holders, the free queue is the unheld blocks, the hash table is sound."""
         self.block_pool.check_invariants()
         holders = [0] * self.block_pool.num_blocks
-        for request_id, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks if b is not None]
-            assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice"
-            for block_id in ids:
-                holders[block_id] += 1
-        for block in self._scratch:
-            holders[block.block_id] += 1
-        for block in self.block_pool.blocks:
-            assert block.ref_cnt == holders[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"
-            )
-        if not self.enable_prefix_caching:
-            assert not self.block_pool.cached_block_hash_to_block
+        self._count_holders(holders, {})
+        _check_ref_counts(self.block_pool, holders, self.enable_prefix_caching)
         if self.host is not None:
             self.host.check_invariants()
+
+    def _count_holders(self, holders: list[int], owner: dict[int, int]) -> None:
+        """Add this manager's references (requests' blocks, lent scratch blocks) to `holders` [num_blocks],
+        asserting no request holds a block twice and (owner: block id -> group, across the groups of a hybrid
+        cache) no block is held by two groups."""
+        for request_id, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks if b is not None]
+            assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice in group {self.group}"
+            for block_id in ids:
+                holders[block_id] += 1
+                assert owner.setdefault(block_id, self.group) == self.group, (
+                    f"block {block_id} is held by groups {owner[block_id]} and {self.group}")
+        for block in self._scratch:
+            holders[block.block_id] += 1
+
+
+def _check_ref_counts(pool: BlockPool, holders: list[int], enable_prefix_caching: bool) -> None:
+    """Assert every block's ref count equals its holders, and no hash table without prefix caching."""
+    for block in pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"
+        )
+    if not enable_prefix_caching:
+        assert not pool.cached_block_hash_to_block
 
 
 class HybridKVCacheManager:
@@ -546,26 +562,18 @@ class HybridKVCacheManager:
         return [g.get_block_ids(request_id) for g in self.groups]
 
     def check_invariants(self) -> None:
-        """Every group's holders together equal the ref counts; the free queue and hash table are sound."""
+        """Every group's holders together equal the ref counts, one group per page; every group covers the same
+        requests and spans; the free queue and hash table are sound."""
         self.block_pool.check_invariants()
         holders = [0] * self.block_pool.num_blocks
         owner: dict[int, int] = {}  # block id -> the group that holds it: a page belongs to one group at a time
+        first = self.groups[0].req_to_blocks
         for g in self.groups:
-            assert g.req_to_blocks.keys() == self.groups[0].req_to_blocks.keys(), "groups hold different requests"
-            for request_id, blocks in g.req_to_blocks.items():
-                ids = [b.block_id for b in blocks if b is not None]
-                assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice in group {g.group}"
-                assert len(blocks) == len(self.groups[0].req_to_blocks[request_id]), "groups cover different spans"
-                for block_id in ids:
-                    holders[block_id] += 1
-                    assert owner.setdefault(block_id, g.group) == g.group, (
-                        f"block {block_id} is held by groups {owner[block_id]} and {g.group}")
-        for block in self.block_pool.blocks:
-            assert block.ref_cnt == holders[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"
-            )
-        if not self.enable_prefix_caching:
-            assert not self.block_pool.cached_block_hash_to_block
+            assert g.req_to_blocks.keys() == first.keys(), "groups hold different requests"
+            assert all(len(blocks) == len(first[r]) for r, blocks in g.req_to_blocks.items()), \
+                "groups cover different spans"
+            g._count_holders(holders, owner)
+        _check_ref_counts(self.block_pool, holders, self.enable_prefix_caching)
 
 
 __all__ = ["ComputedPrefix", "HybridKVCacheManager", "KVCacheManager", "hash_block_tokens"]

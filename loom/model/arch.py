@@ -6,6 +6,27 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def gemma_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's layer pattern when a checkpoint does not list it: every `pattern`-th layer global, the rest sliding
+    (transformers 4's sliding_window_pattern; llama.cpp's set_swa_pattern: 2 for Gemma 2, 6 for Gemma 3)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers))
+
+
+def gemma_fields(hidden_size: int, query_pre_attn_scalar: float, layer_types: tuple[str, ...],
+                 rope_local_theta: float | None, attn_logit_softcapping: float | None,
+                 final_logit_softcapping: float | None) -> dict[str, Any]:
+    """ModelArchConfig's Gemma 2 / 3 fields, whatever the checkpoint format: the given layer pattern, local rotary
+    base and soft-caps, and the family's fixed numerics (sandwich norms with (1 + w) weights, GeGLU, embeddings
+    scaled by sqrt(hidden_size), softmax scale query_pre_attn_scalar ** -0.5)."""
+    return dict(
+        layer_types=layer_types, rope_local_theta=rope_local_theta, sandwich_norm=True, norm_weight_offset=1.0,
+        hidden_act="gelu_pytorch_tanh", embedding_scale=float(hidden_size) ** 0.5,
+        attention_scale=float(query_pre_attn_scalar) ** -0.5,
+        attn_logit_softcapping=None if attn_logit_softcapping is None else float(attn_logit_softcapping),
+        final_logit_softcapping=None if final_logit_softcapping is None else float(final_logit_softcapping),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ModelArchConfig:
     """Shape and numerics of a Llama-family decoder, whatever checkpoint format it came from."""

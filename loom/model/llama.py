@@ -283,13 +283,19 @@ class Olmo2DecoderLayer(nn.Module):
         alone for the first layer); returns (norm(mlp(h)), h) with h = x + norm(attn(x)), whose sum the next layer
         (or the final norm) takes."""
         x = hidden if residual is None else hidden + residual
-        h = x + self.post_attention_layernorm(self.self_attn(x, cos_sin, kv_cache, attn_metadata))
-        return self.post_feedforward_layernorm(self.mlp(h)), h
+        h = x + self.post_attention_layernorm(self.self_attn(self._attn_input(x), cos_sin, kv_cache, attn_metadata))
+        return self.post_feedforward_layernorm(self.mlp(self._mlp_input(h))), h
+
+    def _attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # OLMo 2 norms no input
+
+    def _mlp_input(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
 
-class GemmaDecoderLayer(nn.Module):
-    """A sandwich-norm layer (Gemma 2 / 3): h = x + post_attn_norm(attn(input_norm(x))), then
-    h + post_ffw_norm(mlp(pre_ffw_norm(h)))."""
+class GemmaDecoderLayer(Olmo2DecoderLayer):
+    """A sandwich-norm layer (Gemma 2 / 3): OLMo 2's post-norm layer with norms on the attention and MLP inputs
+    too, h = x + post_attn_norm(attn(input_norm(x))), then h + post_ffw_norm(mlp(pre_ffw_norm(h)))."""
 
     def __init__(
         self,
@@ -301,29 +307,16 @@ class GemmaDecoderLayer(nn.Module):
         quant_config: QuantizationConfig,
         prefix: str,
     ) -> None:
-        super().__init__()
+        super().__init__(arch, o_proj_bias, backend, dtype, device, quant_config, prefix)
         kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
         self.input_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
-        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
-        self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
         self.pre_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
-        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp")
-        self.post_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (hidden, residual) convention of LlamaDecoderLayer: the layer input is hidden + residual (hidden
-        alone for the first layer); returns (post_ffw_norm(mlp(...)), h), whose sum the next layer takes."""
-        x = hidden if residual is None else hidden + residual
-        attn_out = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, attn_metadata)
-        h = x + self.post_attention_layernorm(attn_out)
-        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), h
+    def _attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.input_layernorm(x)
+
+    def _mlp_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.pre_feedforward_layernorm(h)
 
 
 class LlamaModel(nn.Module):

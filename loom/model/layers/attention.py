@@ -23,7 +23,7 @@ class PagedAttention(nn.Module):
         logit_softcapping: float | None = None,
     ) -> None:
         """scale: the softmax scale, None = head_dim ** -0.5; logit_softcapping: scores -> cap * tanh(s / cap)
-        before the softmax (Gemma 2), run by loom.attention.reference.softcapped_attention (the backends' fused
+        before the softmax (Gemma 2), run by loom.attention.reference.attend_per_request (the backends' fused
         kernels have no cap)."""
         super().__init__()
         self.num_heads = num_heads
@@ -45,10 +45,10 @@ class PagedAttention(nn.Module):
         """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
         if self.logit_softcapping is not None:
-            from loom.attention.reference import softcapped_attention
+            from loom.attention.reference import attend_per_request
 
-            out = softcapped_attention(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window,
-                                       self.logit_softcapping)
+            out = attend_per_request(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window,
+                                     self.logit_softcapping)
         else:
             out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

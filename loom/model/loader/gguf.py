@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import torch
 
-from loom.model.arch import ModelArchConfig
+from loom.model.arch import ModelArchConfig, gemma_fields, gemma_layer_types
 
 # general.architecture -> our architecture name
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -89,14 +89,10 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
         softcaps = {key: meta(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
         gemma = dict(
             sliding_window=int(meta("attention.sliding_window")),
-            layer_types=tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                              for i in range(num_layers)),
-            rope_local_theta=10000.0 if gguf_arch == "gemma3" else None,  # llama.cpp's fixed local base
-            sandwich_norm=True, norm_weight_offset=1.0, hidden_act="gelu_pytorch_tanh",
-            embedding_scale=float(hidden_size) ** 0.5,
-            attention_scale=float(hidden_size // num_heads if num_layers == _GEMMA_27B_LAYERS[gguf_arch]
-                                  else head_dim) ** -0.5,
-            **{key: None if value is None else float(value) for key, value in softcaps.items()},
+            **gemma_fields(hidden_size, hidden_size // num_heads if num_layers == _GEMMA_27B_LAYERS[gguf_arch]
+                           else head_dim, gemma_layer_types(num_layers, pattern),
+                           10000.0 if gguf_arch == "gemma3" else None,  # llama.cpp's fixed local base
+                           softcaps["attn_logit_softcapping"], softcaps["final_logit_softcapping"]),
         )
     return ModelArchConfig(
         architecture=GGUF_ARCHITECTURES[gguf_arch],

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loom.model.arch import ModelArchConfig
+from loom.model.arch import ModelArchConfig, gemma_fields, gemma_layer_types
 
 # config.json model_type -> architecture, for configs saved without an `architectures` list
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -98,23 +98,14 @@ def _gemma_fields(architecture: str, config: dict[str, Any], num_layers: int) ->
     types = config.get("layer_types")
     if types is None:  # transformers 4: Gemma 2 alternates (even layers slide), Gemma 3 every 6th layer is global
         pattern = int(config.get("sliding_window_pattern") or (2 if architecture == "Gemma2ForCausalLM" else 6))
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+        types = gemma_layer_types(num_layers, pattern)
     act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"{architecture} with hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
-    cap_attn, cap_final = config.get("attn_logit_softcapping"), config.get("final_logit_softcapping")
-    return dict(
-        layer_types=tuple(types),
-        rope_local_theta=_local_rope_theta(architecture, config),
-        sandwich_norm=True,
-        norm_weight_offset=1.0,
-        hidden_act="gelu_pytorch_tanh",
-        embedding_scale=float(config["hidden_size"]) ** 0.5,
-        attention_scale=float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-        attn_logit_softcapping=None if cap_attn is None else float(cap_attn),
-        final_logit_softcapping=None if cap_final is None else float(cap_final),
-    )
+    return gemma_fields(int(config["hidden_size"]), config.get("query_pre_attn_scalar") or head_dim, tuple(types),
+                        _local_rope_theta(architecture, config), config.get("attn_logit_softcapping"),
+                        config.get("final_logit_softcapping"))
 
 
 def _sliding_window(architecture: str, config: dict[str, Any]) -> int | None:
