@@ -16,9 +16,17 @@ import torch
 
 from loom.model.arch import ModelArchConfig, gemma_fields, gemma_layer_types
 
-# general.architecture -> our architecture name
+# general.architecture -> our architecture name (a "llama" file with experts is Mixtral: llama.cpp has no arch of
+# its own for it)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "olmoe": "OlmoeForCausalLM"}
+# QK-norm over the whole q / k projections (one weight of num_heads * head_dim) rather than per head
+_QK_NORM_PROJECTION = {"olmo2", "olmoe"}
+# whether the router's top-k probabilities are renormalized, as llama.cpp's graph for each family fixes it
+# (src/llama-model.cpp, build_moe_ffn's norm_w); a file's {arch}.expert_weights_norm overrides it
+_MOE_RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # Gemma's sliding/global layer pattern, fixed by llama.cpp per architecture (src/llama-model.cpp, set_swa_pattern):
 # every n-th layer is global; the 27B models scale the softmax by (hidden / heads) ** -0.5 instead of head_dim's
 _GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -38,9 +46,21 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Gemma's sandwich norms: ffn_norm is the norm before the MLP, and two more follow attention and the MLP
-_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# mixture-of-experts FFNs: the router, and Qwen2-MoE's shared expert with its sigmoid gate
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+              "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+# the experts' projections, stacked by llama.cpp's converter into one 3-D tensor [experts, rows, columns] each
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# the norms after attention and after the MLP (OLMo 2's only norms; Gemma's sandwich)
+_POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Gemma's sandwich norms: ffn_norm is the norm before the MLP
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, **_POST_NORM_NAMES, "ffn_norm": "pre_feedforward_layernorm"}
+# Phi-3's fused projections: attn_qkv holds q, k, v and ffn_up holds gate then up, split at load into our shards
+_FUSED_NAMES = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
+# router weights stay dense (their logits decide the routing; llama.cpp does not quantize them either)
+_DENSE_ONLY = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -63,10 +83,12 @@ def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
-    """Architecture of a GGUF model from its `{arch}.*` metadata.
+    """Architecture of a GGUF model from its `{arch}.*` metadata and, where the metadata is silent, its tensors'
+    names and shapes (which layers route to experts, the experts' width).
 
     Raises:
-        ValueError: general.architecture is not supported, or a rope scaling type is unknown.
+        ValueError: general.architecture is not supported, rotary on part of each head, or a rope scaling type
+            is unknown.
     """
     gguf_arch = gguf_field(reader, "general.architecture")
     if gguf_arch not in GGUF_ARCHITECTURES:
@@ -77,12 +99,17 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
     def meta(key: str, default: Any = None) -> Any:
         return gguf_field(reader, f"{gguf_arch}.{key}", default)
 
-    tensor_names = {t.name for t in reader.tensors}
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # Hugging Face order
     hidden_size = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
     vocab = meta("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
     num_layers = int(meta("block_count"))
     head_dim = int(meta("attention.key_length", hidden_size // num_heads))
+    rotary_dims = meta("rope.dimension_count")
+    if rotary_dims is not None and int(rotary_dims) != head_dim:
+        raise ValueError(f"{gguf_arch}.rope.dimension_count {rotary_dims} < head_dim {head_dim} (rotary on part of "
+                         "each head) is not supported")
+    moe = _gguf_moe_fields(gguf_arch, meta, shapes, num_layers)
     gemma: dict[str, Any] = {}
     if gguf_arch in _GEMMA_SWA_PATTERN:
         pattern = _GEMMA_SWA_PATTERN[gguf_arch]
@@ -94,33 +121,77 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
                            10000.0 if gguf_arch == "gemma3" else None,  # llama.cpp's fixed local base
                            softcaps["attn_logit_softcapping"], softcaps["final_logit_softcapping"]),
         )
+    window = meta("attention.sliding_window") if gguf_arch == "phi3" else None  # 0: none (Phi-4)
+    feed_forward = meta("feed_forward_length")  # absent in some MoE files: every layer routes
     return ModelArchConfig(
-        architecture=GGUF_ARCHITECTURES[gguf_arch],
+        architecture="MixtralForCausalLM" if gguf_arch == "llama" and moe else GGUF_ARCHITECTURES[gguf_arch],
         num_layers=num_layers,
         hidden_size=hidden_size,
         num_heads=num_heads,
         num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=int(feed_forward if feed_forward is not None else moe["moe_intermediate_size"]),
         vocab_size=int(vocab),
         max_position_embeddings=int(meta("context_length", 2048)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(reader, gguf_arch),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="per_head" if "blk.0.attn_q_norm.weight" in tensor_names else None,
-        **({"sliding_window": None} | gemma),
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias="blk.0.attn_q.bias" in shapes or "blk.0.attn_qkv.bias" in shapes,
+        qk_norm=None if "blk.0.attn_q_norm.weight" not in shapes
+        else "projection" if gguf_arch in _QK_NORM_PROJECTION else "per_head",
+        post_norm=gguf_arch == "olmo2",
+        **{"sliding_window": int(window) if window else None} | gemma,
+        **moe,
+    )
+
+
+def _gguf_moe_fields(gguf_arch: str, meta: Any, shapes: dict[str, tuple[int, ...]],
+                     num_layers: int) -> dict[str, Any]:
+    """ModelArchConfig's mixture-of-experts fields of a GGUF file ({} for a dense one): expert counts from the
+    metadata, widths from the expert tensors' shapes, the dense layers as those without a router tensor."""
+    experts = int(meta("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
+    if not sparse:
+        raise ValueError(f"{gguf_arch}.expert_count is {experts} but no layer has a router (ffn_gate_inp) tensor")
+    first = sparse[0]
+    if f"blk.{first}.ffn_up_exps.weight" not in shapes:
+        raise ValueError("GGUF experts stored one tensor per expert (blk.N.ffn_up.E, before llama.cpp's 3-D "
+                         "ffn_up_exps) are not supported; convert the model again with a current llama.cpp")
+    norm = meta("expert_weights_norm")
+    shared = shapes.get(f"blk.{first}.ffn_up_shexp.weight")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(meta("expert_used_count")),
+        moe_intermediate_size=shapes[f"blk.{first}.ffn_up_exps.weight"][1],
+        moe_renormalize=_MOE_RENORMALIZE[gguf_arch] if norm is None else bool(norm),
+        shared_expert_intermediate_size=0 if shared is None else shared[0],
+        dense_mlp_layers=tuple(i for i in range(num_layers) if i not in sparse),
     )
 
 
 def _gguf_rope_scaling(reader: gguf.GGUFReader, gguf_arch: str) -> dict[str, Any] | None:
     kind = gguf_field(reader, f"{gguf_arch}.rope.scaling.type", "none")
-    freq_factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freq_factors is not None:
+    tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
+
+    def table(name: str) -> tuple[float, ...]:
+        tensor = tensors[name]
+        return tuple(float(f) for f in gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1))
+
+    if "rope_freqs.weight" in tensors:
         # llama.cpp stores Llama-3 style scaling as per-frequency divisors instead of metadata.
-        factors = gguf.quants.dequantize(freq_factors.data, freq_factors.tensor_type).reshape(-1)
-        return {"rope_type": "freq_factors", "freq_factors": tuple(float(f) for f in factors)}
+        return {"rope_type": "freq_factors", "freq_factors": table("rope_freqs.weight")}
+    if "rope_factors_long.weight" in tensors:
+        # Phi-3's LongRoPE: the two factor tables as tensors, the cos/sin scale precomputed by the converter
+        original = gguf_field(reader, f"{gguf_arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError("LongRoPE factors without rope.scaling.original_context_length")
+        attn_factor = gguf_field(reader, f"{gguf_arch}.rope.scaling.attn_factor")
+        return {"rope_type": "longrope", "long_factor": table("rope_factors_long.weight"),
+                "short_factor": table("rope_factors_short.weight"), "original_max_position_embeddings": int(original),
+                **({} if attn_factor is None else {"attention_factor": float(attn_factor)})}
     if kind in ("none", None):
         return None
     if kind != "linear":
@@ -151,28 +222,64 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_tensor_name(name: str, gguf_arch: str | None = None) -> str | None:
-    """Hugging Face name of a GGUF tensor name, or None for tensors the model does not use. gguf_arch (the file's
-    general.architecture) picks Gemma's names of its sandwich norms."""
+def gguf_tensor_names(name: str, gguf_arch: str | None = None, num_experts: int = 0) -> list[str]:
+    """Hugging Face names of the tensors a GGUF tensor holds, in the order it stores them: one name for most, one
+    per expert for a stacked expert tensor (`num_experts` of them), q/k/v or gate/up for Phi-3's fused
+    projections; [] for a tensor the model does not use. gguf_arch (the file's general.architecture) picks the
+    family's names of its norms."""
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+        return [f"{_GLOBAL_NAMES[stem]}.{suffix}"]
     parts = stem.split(".")
-    names = _GEMMA_LAYER_NAMES if gguf_arch in _GEMMA_SWA_PATTERN else _LAYER_NAMES
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk":
+        return []
+    layer, kind = f"model.layers.{parts[1]}", parts[2]
+    if gguf_arch == "phi3" and kind in _FUSED_NAMES:
+        return [f"{layer}.{module}.{suffix}" for module in _FUSED_NAMES[kind]]
+    if kind in _EXPERT_NAMES:
+        return [f"{layer}.mlp.experts.{e}.{_EXPERT_NAMES[kind]}.{suffix}" for e in range(num_experts)]
+    names = (_GEMMA_LAYER_NAMES if gguf_arch in _GEMMA_SWA_PATTERN
+             else {**_LAYER_NAMES, **_POST_NORM_NAMES} if gguf_arch == "olmo2" else _LAYER_NAMES)
+    module = names.get(kind) or _MOE_NAMES.get(kind)
+    return [] if module is None else [f"{layer}.{module}.{suffix}"]
+
+
+def gguf_tensor_name(name: str, gguf_arch: str | None = None) -> str | None:
+    """Hugging Face name of a GGUF tensor that holds one model tensor, or None for tensors the model does not use
+    (see gguf_tensor_names for the fused and stacked ones)."""
+    names = gguf_tensor_names(name, gguf_arch)
+    return names[0] if len(names) == 1 else None
 
 
 def gguf_tensor_types(reader: gguf.GGUFReader) -> dict[str, str]:
-    """Hugging Face weight name -> GGML type name ("Q4_1", "Q8_0", "F32", ...) of every model tensor."""
+    """Hugging Face weight name -> GGML type name ("Q4_1", "Q8_0", "F32", ...) of every model tensor (each
+    expert's and each fused part's own name: they share the type of the tensor that holds them)."""
     types = {}
     gguf_arch = gguf_field(reader, "general.architecture")
+    experts = int(gguf_field(reader, f"{gguf_arch}.expert_count", 0) or 0)
     for tensor in reader.tensors:
-        hf_name = gguf_tensor_name(tensor.name, gguf_arch)
-        if hf_name is not None:
+        for hf_name in gguf_tensor_names(tensor.name, gguf_arch, experts):
             types[hf_name] = tensor.tensor_type.name
     return types
+
+
+def _split(data: np.ndarray, shape: tuple[int, ...], names: list[str],
+           arch: ModelArchConfig) -> list[tuple[str, np.ndarray, tuple[int, ...]]]:
+    """(name, raw data, Hugging Face shape) of each tensor a GGUF tensor holds. The raw data of every GGML type
+    is indexed [..., rows, bytes or values of a row], so experts split on the first axis and fused projections on
+    rows, without dequantizing."""
+    if len(names) == 1:
+        return [(names[0], data, shape)]
+    if len(shape) == 3:  # stacked experts [experts, rows, columns]
+        return [(name, data[e], shape[1:]) for e, name in enumerate(names)]
+    if len(names) == 3:  # Phi-3's attn_qkv
+        sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+    else:  # Phi-3's ffn_up: gate then up
+        sizes = [shape[0] // 2, shape[0] // 2]
+    if sum(sizes) != shape[0]:
+        raise ValueError(f"GGUF tensor of {shape[0]} rows does not split into {names} of {sizes} rows")
+    bounds = np.cumsum([0, *sizes])
+    return [(name, data[bounds[i]:bounds[i + 1]], (sizes[i], *shape[1:])) for i, name in enumerate(names)]
 
 
 def iter_gguf_weights(
@@ -180,40 +287,47 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, Any]]:
     """Yield (Hugging Face name, tensor in HF layout) for every model tensor of the file: float32 tensors,
     or with `keep_packed` a loom PackedWeight (loom/quant/layout.py) for each 2-D tensor of a type that
-    loom repacks exactly (loom/quant/gguf_repack.py), so the model runs from the file's own blocks.
+    loom repacks exactly (loom/quant/gguf_repack.py), so the model runs from the file's own blocks. Stacked
+    expert tensors come out one per expert and Phi-3's fused projections as their parts, still packed; the
+    routers stay dense.
 
     Raises:
-        ValueError: a tensor name the mapping does not know (other than rope_freqs).
+        ValueError: a tensor name the mapping does not know (other than the rope tables), or a fused tensor
+            whose rows do not split into its parts.
     """
     from loom.quant.gguf_repack import REPACKED_TYPES, repack_gguf, unpermute_packed_rows
 
     gguf_arch = gguf_field(reader, "general.architecture")
     permuted = gguf_arch == "llama"
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
+        if tensor.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
             continue  # folded into arch.rope_scaling
-        hf_name = gguf_tensor_name(tensor.name, gguf_arch)
-        if hf_name is None:
+        names = gguf_tensor_names(tensor.name, gguf_arch, arch.num_experts)
+        if not names:
             raise ValueError(f"GGUF tensor {tensor.name!r} has no known parameter")
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-        if keep_packed and len(shape) == 2 and tensor.tensor_type in REPACKED_TYPES:
-            packed = repack_gguf(tensor.data, tensor.tensor_type, shape)
+        for hf_name, data, part_shape in _split(tensor.data, shape, names, arch):
+            if (keep_packed and len(part_shape) == 2 and tensor.tensor_type in REPACKED_TYPES
+                    and not hf_name.endswith(_DENSE_ONLY)):
+                packed = repack_gguf(data, tensor.tensor_type, part_shape)
+                if permuted and ".self_attn.q_proj." in hf_name:
+                    packed = unpermute_packed_rows(packed, arch.num_heads)
+                elif permuted and ".self_attn.k_proj." in hf_name:
+                    packed = unpermute_packed_rows(packed, arch.num_kv_heads)
+                yield hf_name, packed
+                continue
+            array = np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+            if not array.flags.writeable or not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array).copy()  # unquantized tensors are read-only views of the mmap
+            weight = torch.from_numpy(array).reshape(part_shape)
+            if hf_name.endswith("shared_expert_gate.weight"):
+                weight = weight.reshape(1, -1)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as [hidden]
+            if arch.norm_weight_offset and hf_name.endswith("norm.weight"):
+                # llama.cpp's converter stores Gemma's norm weights with the 1 added; Hugging Face's layout (and
+                # transformers' GGUF reader) has w alone
+                weight = weight - arch.norm_weight_offset
             if permuted and ".self_attn.q_proj." in hf_name:
-                packed = unpermute_packed_rows(packed, arch.num_heads)
+                weight = unpermute_rope_rows(weight, arch.num_heads)
             elif permuted and ".self_attn.k_proj." in hf_name:
-                packed = unpermute_packed_rows(packed, arch.num_kv_heads)
-            yield hf_name, packed
-            continue
-        array = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if not array.flags.writeable:
-            array = array.copy()  # unquantized tensors come back as read-only views of the mmap
-        weight = torch.from_numpy(array).reshape(shape)
-        if arch.norm_weight_offset and hf_name.endswith("norm.weight"):
-            # llama.cpp's converter stores Gemma's norm weights with the 1 added; Hugging Face's layout (and
-            # transformers' GGUF reader) has w alone
-            weight = weight - arch.norm_weight_offset
-        if permuted and ".self_attn.q_proj." in hf_name:
-            weight = unpermute_rope_rows(weight, arch.num_heads)
-        elif permuted and ".self_attn.k_proj." in hf_name:
-            weight = unpermute_rope_rows(weight, arch.num_kv_heads)
-        yield hf_name, weight
+                weight = unpermute_rope_rows(weight, arch.num_kv_heads)
+            yield hf_name, weight
