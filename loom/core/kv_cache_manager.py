@@ -10,7 +10,8 @@ Two extensions:
   * sliding-window models: a block wholly older than the window of every future query is released
     early. Its K/V stay valid for that prefix, so it keeps its hash and may serve another request's
     prefix hit; the request's block table keeps the position and points it at a live block of the
-    same request, which the window mask hides from attention.
+    same request, which the window mask hides from attention. A prefix hit needs only the blocks of
+    the last window before it (`longest_cache_hit`).
 Plain Python, no torch.
 """
 
@@ -134,17 +135,39 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self.update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(self._key(block_hash))
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self.longest_cache_hit(request, (request.num_tokens - 1) // self.block_size)
         num_computed = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed
         return blocks, num_computed
+
+    def longest_cache_hit(self, request: Request, max_blocks: int) -> list[KVBlock | None]:
+        """The request's longest cached prefix of at most `max_blocks` full blocks, one entry per block (its hashes
+        must be up to date; nothing is referenced or counted).
+
+        Full attention needs every block of the prefix, so the hit is the run of cached blocks from block 0. A
+        sliding window needs only the blocks the first computed query can see: a prefix of n blocks is a hit when
+        the blocks holding positions n * block_size - window + 1 .. n * block_size - 1 are cached, whatever
+        became of the earlier ones (vLLM's sliding-window cache hit, docs/design/hybrid_kv_cache_manager.md);
+        those earlier entries are None, as if the window had released them, so a long shared prefix still hits
+        after its first blocks were evicted. The longest such n is returned (0: an empty list).
+        """
+        hashes = request.block_hashes[:max_blocks]
+        cached = [self.block_pool.get_cached_block(self._key(h)) for h in hashes]
+        if self.sliding_window is None:
+            n = next((i for i, block in enumerate(cached) if block is None), len(cached))
+            return list(cached[:n])
+        last_missing = -1  # the last index i < n whose block is not cached, for growing n
+        misses_before: list[int] = []
+        for i, block in enumerate(cached):
+            if block is None:
+                last_missing = i
+            misses_before.append(last_missing)
+        for n in range(len(cached), 0, -1):
+            first = max(0, n * self.block_size - self.sliding_window + 1) // self.block_size
+            if misses_before[n - 1] < first:
+                return [None] * first + list(cached[first:n])
+        return []
 
     def find_computed_prefix(self, request: Request) -> ComputedPrefix:
         """What a waiting request need not compute: device hits, then host-tier blocks.
@@ -217,8 +240,8 @@ class KVCacheManager:
             self._copy_on_write(request.request_id, shared_tail)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if not hits_referenced:
-            self.block_pool.touch(hits)
-        blocks.extend(hits)
+            self.block_pool.touch([b for b in hits if b is not None])
+        blocks.extend(hits)  # None: a block outside a sliding window that the hit did not need
         if self.host is not None:
             self.host.pin(restores)  # the evictions below must not hand these slots to an offload
         new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
@@ -246,7 +269,7 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = _cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request.request_id, [])) \
             - len(hits)
-        num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
+        num_hits_free = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
         shared_tail = self._shared_partial_block(request) if num_new_tokens else None
         return num_needed, shared_tail, max(num_needed, 0) + num_hits_free + (shared_tail is not None)
 
@@ -435,8 +458,8 @@ class HybridKVCacheManager:
     sliding-window group releases the blocks that left its window (loom's sliding-window rule, per group), so a
     long request's local layers hold about a window of blocks. Every group is allocated in the same call, all or
     nothing. Prefix caching keys each group's blocks apart in the shared hash table; a prefix hit is the longest
-    prefix that every group still has cached (a sliding group's released blocks stay cached until evicted), so a
-    hit is never longer than what every layer can serve. The host tier (offload, swap) is not supported:
+    prefix every group can serve (a full group: all its blocks cached; a sliding group: those of the last window
+    before the prefix ends), so a hit is never longer than what every layer can serve. The host tier (offload, swap) is not supported:
     preemption recomputes; tree candidates get no scratch blocks (one chain per request).
     """
 
@@ -492,11 +515,19 @@ class HybridKVCacheManager:
         """The longest prefix every group has cached: ComputedPrefix whose `blocks` is one list per group."""
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return ComputedPrefix([[] for _ in self.groups], [], 0)
-        per_group = [g.get_computed_blocks(request)[0] for g in self.groups]
-        num_blocks = min(len(blocks) for blocks in per_group)
+        self.update_block_hashes(request)
+        # a full group's hit of n blocks is one of every shorter length too, a sliding group's is not (the window
+        # before a shorter prefix may be evicted): shrink n until every group has a hit of exactly n blocks
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        while True:
+            per_group = [g.longest_cache_hit(request, num_blocks) for g in self.groups]
+            shortest = min(len(blocks) for blocks in per_group)
+            if all(len(blocks) == shortest for blocks in per_group):
+                break
+            num_blocks = shortest
         self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_blocks * self.block_size
-        return ComputedPrefix([blocks[:num_blocks] for blocks in per_group], [], num_blocks * self.block_size)
+        self.prefix_cache_hits += shortest * self.block_size
+        return ComputedPrefix(per_group, [], shortest * self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[list[KVBlock]] | None = None, num_new_computed_tokens: int = 0,
@@ -514,7 +545,7 @@ class HybridKVCacheManager:
         # every group's hits are referenced first: a hit still in the free queue must not be popped as another
         # group's new block (it would then sit in two groups' tables, and their layers share the page's tensors)
         for h in hits:
-            self.block_pool.touch(h)
+            self.block_pool.touch([b for b in h if b is not None])
         new_ids: list[int] = []
         for g, h in zip(self.groups, hits, strict=True):
             ids = g.allocate_slots(request, num_new_tokens, h, num_new_computed_tokens, hits_referenced=True)

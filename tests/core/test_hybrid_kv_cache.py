@@ -36,7 +36,10 @@ def test_groups_of_gemma_patterns() -> None:
 
 def _admit(manager, request: Request) -> bool:
     """Admit a waiting request as the scheduler does: its cached prefix, then the rest of its tokens."""
-    prefix = manager.find_computed_prefix(request)
+    return _admit_with(manager, request, manager.find_computed_prefix(request))
+
+
+def _admit_with(manager, request: Request, prefix) -> bool:  # noqa: ANN001 (ComputedPrefix)
     num_new = request.num_tokens - prefix.num_tokens
     if manager.allocate_slots(request, num_new, prefix.blocks, prefix.num_tokens) is None:
         return False
@@ -105,13 +108,56 @@ def test_prefix_hits_are_what_every_group_still_has(make_request: Callable[..., 
     assert prefix.blocks[0][0] is not prefix.blocks[1][0]
     assert hybrid.prefix_cache_hits == 20 and hybrid.prefix_cache_queries == 20 + 23  # tokens, once per lookup
     assert _admit(hybrid, second)
-    # a group that lost a block (evicted) shortens the hit for every group
     hybrid.free(second)
-    evicted = hybrid.groups[1]._key(second.block_hashes[2])
-    victim = hybrid.block_pool.cached_block_hash_to_block[evicted]
-    hybrid.block_pool._evict(victim)
     third = make_request("c", list(range(20)) + [9])
+    hybrid.update_block_hashes(third)
+
+    def evict(group: int, block: int) -> None:
+        key = hybrid.groups[group]._key(third.block_hashes[block])
+        hybrid.block_pool._evict(hybrid.block_pool.cached_block_hash_to_block[key])
+
+    # the sliding group (window 8) lost block 2 (positions 8-11): a query at 20 sees 13..20, blocks 3 and 4, so
+    # the hit stays 5 blocks, the sliding group's first three entries None (never needed, never referenced)
+    evict(1, 2)
+    prefix = hybrid.find_computed_prefix(third)
+    assert prefix.num_tokens == 5 * BS and [b is None for b in prefix.blocks[1]] == [True] * 3 + [False] * 2
+    # then block 4, inside that window: the longest hit is 4 blocks (a query at 16 sees 9..16, blocks 2 and 3:
+    # block 2 is gone too), so 3 blocks (a query at 12 sees 5..12: blocks 1 and 2) ... down to 2 (blocks 0, 1)
+    evict(1, 4)
     assert hybrid.find_computed_prefix(third).num_tokens == 2 * BS
+    # the full-attention group needs every block: losing its block 1 leaves 1
+    evict(0, 1)
+    assert hybrid.find_computed_prefix(third).num_tokens == 1 * BS
+    prefix = hybrid.find_computed_prefix(third)
+    assert _admit_with(hybrid, third, prefix)
+    hybrid.check_invariants()
+
+
+def test_sliding_hit_admits_and_frees_cleanly(make_request: Callable[..., Request]) -> None:
+    """A hit whose leading sliding-group entries are None is allocated, referenced and freed with no leaked or
+    double-counted block: the None entries cost no block, and the table stays as long as the full group's."""
+    hybrid = HybridKVCacheManager(64, BS, True, [None, 8])
+    first = make_request("a", range(24))
+    assert _admit(hybrid, first)
+    hybrid.free(first)
+    key = hybrid.groups[1]._key(first.block_hashes[0])  # block 0 of the sliding group
+    hybrid.block_pool._evict(hybrid.block_pool.cached_block_hash_to_block[key])
+    second = make_request("b", list(range(24)) + [5, 6])
+    prefix = hybrid.find_computed_prefix(second)
+    # a query at 24 sees 17..24: the sliding group's hit needs only its blocks 4 and 5
+    assert prefix.num_tokens == 24 and prefix.blocks[1][:4] == [None] * 4 and None not in prefix.blocks[1][4:]
+    hits = prefix.blocks[1][4:]
+    assert _admit_with(hybrid, second, prefix)
+    hybrid.check_invariants()
+    table = hybrid.groups[1].req_to_blocks["b"]
+    assert table[:4] == [None] * 4 and table[4:6] == hits and len(table) == 7
+    assert all(b.ref_cnt == 1 for b in table[4:])
+    # the sliding group's blocks 1..3 of the first request were not needed: still in the free queue, still cached
+    unused = [hybrid.block_pool.cached_block_hash_to_block[hybrid.groups[1]._key(h)] for h in first.block_hashes[1:4]]
+    assert all(b.ref_cnt == 0 for b in unused)
+    hybrid.free(second)
+    hybrid.check_invariants()
+    assert hybrid.num_free_blocks == 64
 
 
 def test_preempt_and_fork_cover_every_group(make_request: Callable[..., Request]) -> None:

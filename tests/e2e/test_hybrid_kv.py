@@ -72,3 +72,32 @@ def test_a_long_request_holds_fewer_blocks_and_survives_preemption(gemma_dir, pr
     short = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     assert run_engine_checked(tight, prompts, short) == run_engine_checked(roomy, prompts, short)
     assert tight.get_stats().num_preemptions > 0
+
+
+def test_prefix_hit_past_evicted_blocks_outside_the_window(gemma_dir, prompts, hf_tokenizer) -> None:
+    """A 40-token prefix computed once, whose sliding-layer blocks 0-6 were then evicted: a second request with
+    that prefix still hits all 40 tokens (its sliding layer needs only the last window's blocks, vLLM's rule), and
+    its greedy output equals transformers' and an engine's without prefix caching."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from loom.core.kv_cache_manager import hash_block_tokens
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    prefix = (prompts[3] * 3)[:40]
+    second = prefix + hf_tokenizer.encode(" And then the dragon said")
+    engine = _engine(str(gemma_dir), True, num_kv_blocks=200)
+    run_engine_checked(engine, [prefix], params)
+    manager = engine.scheduler.kv_cache_manager
+    pool, sliding = manager.block_pool, manager.groups[1]
+    parent = None
+    for i in range(7):
+        parent = hash_block_tokens(parent, tuple(prefix[4 * i : 4 * i + 4]), ())
+        pool._evict(pool.cached_block_hash_to_block[sliding._key(parent)])
+    hits_before = engine.get_stats().prefix_cache_hits
+    out = run_engine_checked(engine, [second], params)
+    assert engine.get_stats().prefix_cache_hits - hits_before == 40
+    hf = AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    assert out == [hf_greedy(hf, second, NEW)[0]]
+    no_cache = _engine(str(gemma_dir), True, num_kv_blocks=200, enable_prefix_caching=False)
+    assert out == run_engine_checked(no_cache, [second], params)

@@ -96,3 +96,37 @@ def test_tiny_mistral_with_window_matches_transformers_and_frees_blocks(tmp_path
     assert llm.engine.scheduler.num_window_blocks_freed > 0
     llm.engine.scheduler.check_invariants()
     assert llm.engine.scheduler.num_free_blocks == 64
+
+
+def test_prefix_hit_needs_only_the_last_window_of_blocks() -> None:
+    """One window for every layer (Mistral): after the first blocks of a cached prefix were evicted, a request with
+    that prefix still hits it whole, since its first query sees only the last window; its output is unchanged."""
+    window, bs = 6, 4
+    sched = make_sched(32, sliding_window=window, max_num_batched_tokens=8)
+    runner = OffloadFakeRunner(bs)
+    manager = sched.kv_cache_manager
+    prompt = list(range(100, 124))
+    sched.add_request(make_request("a", prompt, 4))
+    run_with_checks(sched, runner)
+    probe = make_request("probe", prompt + [1, 2], 1)
+    manager.update_block_hashes(probe)
+    for block_hash in probe.block_hashes[:3]:
+        manager.block_pool._evict(manager.block_pool.cached_block_hash_to_block[block_hash])
+    blocks, hit = manager.get_computed_blocks(probe)
+    # a query at 24 sees 19..24: blocks 4 and 5 (positions 16-23) are all it needs
+    assert hit == 24 and blocks[:4] == [None] * 4 and None not in blocks[4:]
+    hits_before = sched.prefix_cache_hits
+    sched.add_request(make_request("b", prompt + [1, 2], 12))
+    tokens = run_with_checks(sched, runner)
+    assert tokens["b"] == reference_output(prompt + [1, 2], 12)
+    assert sched.prefix_cache_hits - hits_before == 24
+    assert sched.num_free_blocks == 32
+    # without a window the same evictions leave no hit at all
+    full = KVCacheManager(32, bs, True)
+    first = make_request("a", prompt, 1)
+    assert full.allocate_slots(first, 24) is not None
+    first.num_computed_tokens = 24
+    full.free(first)
+    full.update_block_hashes(probe)
+    full.block_pool._evict(full.block_pool.cached_block_hash_to_block[probe.block_hashes[0]])
+    assert full.get_computed_blocks(probe)[1] == 0
