@@ -302,8 +302,20 @@ ALWAYS_INLINE void block_scales(const int kind, const uint16_t *sc, int64_t bpg,
                                 int64_t cc, float *d) {
     const int64_t cnt = kind == KIND_Q8_16 ? 2 * cc : cc; /* scales to produce */
     int64_t u = 0;
-    if (kind == KIND_Q8 && bpg > 1) { /* groups of 64 and more: one conversion per block */
-        for (; u < cc; ++u) d[u] = loom_f16_to_f32(sc[(c0 + u) / bpg]) * (xs ? xs[c0 + u] : 1.0f);
+    if (kind == KIND_Q8 && bpg > 1) { /* groups of 64 and more (per channel: one group): one conversion per group */
+        int64_t g = c0 / bpg, end = (g + 1) * bpg - c0; /* blocks [u, end) of the chunk share group g's scale */
+        while (u < cc) {
+            if (end > cc) end = cc;
+            const float sg = loom_f16_to_f32(sc[g]);
+#if LOOM_QSIMD
+            if (xs)
+                for (const __m256 sv = _mm256_set1_ps(sg); u + 8 <= end; u += 8)
+                    _mm256_storeu_ps(d + u, _mm256_mul_ps(sv, _mm256_loadu_ps(xs + c0 + u)));
+#endif
+            for (; u < end; ++u) d[u] = sg * (xs ? xs[c0 + u] : 1.0f);
+            ++g;
+            end = (g + 1) * bpg - c0;
+        }
         return;
     }
     const uint16_t *s0 = sc + (kind == KIND_Q8_16 ? 2 * c0 : c0);
