@@ -8,7 +8,7 @@ file name.
 | bf16    | weights stored in bfloat16 (a bf16 checkpoint's own values), float32 activations and sums     |
 | w8a16   | int8 weights (RTN groups of 32, each on the better of an asymmetric and a symmetric grid)     |
 | w4a16   | 4-bit weights (RTN, asymmetric groups of 32), float activations                               |
-| w8a8    | int8 weights (groups of 32) and int8 activations per token (dynamic), both Hadamard-rotated   |
+| w8a8    | int8 weights (per channel) and int8 activations per token (dynamic), both Hadamard-rotated   |
 | fp8     | float8 e4m3 weights, a float32 scale per channel                                              |
 | gptq    | a Hugging Face GPTQ checkpoint's own 4/8-bit codes, repacked into q4g32 / q8g (gptq_method.py)   |
 

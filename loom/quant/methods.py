@@ -9,9 +9,10 @@ how activations enter the kernel:
 | gguf   | the file's own blocks, repacked exactly   | int16 codes per block of 32 (see below)          |
 | w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | int16 codes per block of 32                      |
 | w8a16  | RTN int8 groups of 32, best grid (q8g)    | int16 codes per block of 32                      |
-| w8a8   | RTN int8 symmetric groups of 32, of the   | int8, one dynamic scale per token, after the     |
-|        | weight rotated by block Hadamard matrices | same rotation (loom/quant/hadamard.py); int32    |
-|        |                                           | sums per block                                   |
+| w8a8   | RTN int8 symmetric, one scale per output  | int8, one dynamic scale per token, after the     |
+|        | channel, of the weight rotated by block   | same rotation (loom/quant/hadamard.py); int32    |
+|        | Hadamard matrices                         | sums (per block of 32 up to INT_GEMM_MIN_ROWS    |
+|        |                                           | rows, then over all of K in torch's int8 GEMM)   |
 
 "float" activations (the model dtype) reach the C kernels, which quantize them to int16 codes per block of
 32 (2^-16 of the block's max: finer than bfloat16; qgemm.c, item 3): int8 activations per block of 32 (llama.cpp's Q8_0/Q8_1 pairing) ran no faster
@@ -19,9 +20,13 @@ on AVX2 and agreed with the float32 top-1 token on only 92% of held-out position
 benchmarks/NOTES.md, "Quantized kernels"). Activations are quantized once per layer input: q/k/v and gate/up are stacked into one layer, so one call
 serves them all, and a stacked layer whose shards came in different layouts shares that one quantization.
 w8a8's rotation: per-token int8 activations agreed with the float32 top-1 token on 91% of held-out positions,
-with the input rotated on 97.5%, and per-channel int8 weights alone cap it near 97.5%, hence groups of 32
-(benchmarks/NOTES.md, "w8a8: rotation and groups"). Above `dense_min_rows` rows (prefill, large batches) a matmul is compute-bound, and the weight is
-dequantized (in C) and multiplied by torch's GEMM instead (benchmarks/NOTES.md, "Quantized kernels").
+with the input rotated on 97.5% (benchmarks/NOTES.md, "w8a8: rotation and groups"). Its weights have one scale per
+output channel so that a whole row of x times a whole row of W is one exact int32 sum: above INT_GEMM_MIN_ROWS rows
+(prefill, batches) the product runs as torch's int8 GEMM (`torch._int_mm`: oneDNN, AMX or VNNI where the CPU has
+them), y = float(x_q W_q^T) * (s_x s_w), instead of dequantizing (groups of 32 agreed on ~0.5-1 point more top-1
+tokens but cannot be one integer GEMM: benchmarks/NOTES.md, "W8A8 prefill"). Above `dense_min_rows` rows (prefill,
+large batches) the other methods' matmuls are compute-bound, and the weight is dequantized (in C) and multiplied
+by torch's GEMM instead (benchmarks/NOTES.md, "Quantized kernels").
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from loom.quant.torch_kernels import TorchQuantKernels
 # every batch here). A layer of several layouts takes the smallest.
 DENSE_MIN_ROWS_BY_LAYOUT = {"q4g32": 128, "q8g": 64}
 DENSE_MIN_ROWS = min(DENSE_MIN_ROWS_BY_LAYOUT.values())  # the C decode step's batch limit: every layout packed
+# Rows above which w8a8 multiplies in torch's int8 GEMM instead of loom's per-block kernel (measured on a Sapphire
+# Rapids-class CPU: [3072, 576] at 4 rows 0.12 ms either way, at 16 rows 0.12 vs 0.36 ms, at 512 0.9 vs 11 ms).
+INT_GEMM_MIN_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,7 @@ def quantize_for_scheme(scheme: str, weight: torch.Tensor) -> PackedWeight:
     if scheme == "w8a16":
         return quantize_q8_asym(weight, 32)
     if scheme == "w8a8":
-        return quantize_q8(weight, 32)
+        return quantize_q8(weight, weight.shape[1])  # per output channel: one int32 sum per (row of x, row of W)
     raise ValueError(f"scheme {scheme!r} does not quantize dense weights")
 
 
@@ -172,7 +180,10 @@ class PackedLinearMethod:
             x = rotate(x, layer.rotation_block)
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
-        if x.shape[0] > self.dense_min_rows:
+        if self.scheme.name == "w8a8" and x.shape[0] > INT_GEMM_MIN_ROWS:
+            outs = [_int8_gemm(kernels.quantize_activations(x, per_token=True), p, b, x.dtype)
+                    for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+        elif x.shape[0] > self.dense_min_rows:
             if self.scheme.activations != "float":  # keep the int8 activations' numerics (w8a8 has no mins)
                 xa = kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")
                 m, k = xa.xq.shape
@@ -189,12 +200,24 @@ class PackedLinearMethod:
     def weight_format(self, layer: Linear) -> tuple[str, int]:
         if layer.dense_weight is not None:
             return f"{layer.dense_weight.dtype}".removeprefix("torch."), layer.dense_weight.nbytes
-        layouts = "+".join(sorted({f"{p.layout}" + (f"/{p.group_size}" if p.layout == "q8g" else "")
-                                   for p in layer.packed}))
+        layouts = "+".join(sorted({f"{p.layout}" + (("/channel" if p.group_size == p.shape[1] else f"/{p.group_size}")
+                                                     if p.layout == "q8g" else "") for p in layer.packed}))
         source = ", ".join(filter(None, [self.source_label,
                                          f"Hadamard {layer.rotation_block}" if layer.rotation_block else ""]))
         label = f"{self.scheme.name} {layouts}" + (f" ({source})" if source else "")
         return label, sum(p.nbytes for p in layer.packed)
+
+
+def _int8_gemm(xa: Any, w: PackedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] = (float(x_q W_q^T) * s_w) * s_x (+ bias) in `dtype`: per-token int8 activations xa
+    (QuantizedActivations, one scale per row) times a per-channel int8 weight w (q8g with group_size = K, no mins),
+    the integer sums exact in torch's int8 GEMM (int32 accumulation; |sum| <= K * 127^2 < 2^31 for K < 133,000).
+    In place after the conversion: a broadcast multiply into a new tensor ran 10x slower here."""
+    y = torch._int_mm(xa.xq, w.qweight.t()).float()
+    y.mul_(w.scales.float().t()).mul_(xa.xs[:, :1])
+    if bias is not None:
+        y.add_(bias)
+    return y.to(dtype)
 
 
 def _merge_if_uniform(packed: list[PackedWeight]) -> list[PackedWeight]:

@@ -202,7 +202,7 @@ ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 @torch.inference_mode()
 def search_alpha(model: torch.nn.Module, arch: ModelArchConfig, windows: Iterable[list[int]],
                  act_absmax: dict[str, torch.Tensor], grid: Iterable[float] = ALPHA_GRID,
-                 weight_group: int | None = 32, rotated: bool = True) -> dict[str, float]:
+                 weight_group: int | None = None, rotated: bool = True) -> dict[str, float]:
     """Per layer, the alpha of `grid` whose W8A8 output is closest to the float output on calibration tokens.
 
     For each smoothed layer and alpha: Y = X W^T (float) against Q(R(X / s)) Q(R(W s))^T, with per-token

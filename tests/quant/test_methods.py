@@ -69,16 +69,26 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_models) -> None:
         load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="int3")
 
 
-def test_w8a8_keeps_its_int8_activations_above_the_kernel_rows(tiny_models) -> None:
-    """Prefill above dense_min_rows dequantizes the weights; the activations must still be int8 per token, or a
-    request's tokens would depend on its batch (found by a fresh-user trial)."""
+def test_w8a8_above_the_kernel_rows_is_one_exact_int8_gemm(tiny_models) -> None:
+    """Above INT_GEMM_MIN_ROWS rows w8a8 multiplies in torch's int8 GEMM: the int32 sums of the per-token codes and
+    the per-channel weight codes, times s_w then s_x, bit for bit a float64-checked integer product; per row it equals
+    the per-block kernel's result to float32 rounding (the activations stay int8 per token, or a request's tokens
+    would depend on its batch: found by a fresh-user trial)."""
+    from loom.quant.hadamard import rotate
+    from loom.quant.methods import INT_GEMM_MIN_ROWS
+
     loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
     layer = loaded.model.model.layers[0].mlp.down_proj
+    (w,) = layer.packed
+    assert w.group_size == layer.input_size and w.mins is None  # one scale per output channel
     x = torch.randn(64, layer.input_size)
-    kernel_rows = torch.cat([layer(x[i : i + 8]) for i in range(0, 64, 8)])  # 8 rows: the int8 kernel
-    layer.quant_method.dense_min_rows = 8
-    dense = layer(x)  # 64 rows: dequantize + GEMM
-    assert torch.allclose(dense, kernel_rows, rtol=1e-4, atol=1e-4), (dense - kernel_rows).abs().max()
+    kernel_rows = torch.cat([layer(x[i : i + INT_GEMM_MIN_ROWS]) for i in range(0, 64, INT_GEMM_MIN_ROWS)])
+    gemm = layer(x)  # 64 rows: the int8 GEMM
+    assert torch.allclose(gemm, kernel_rows, rtol=1e-5, atol=1e-5), (gemm - kernel_rows).abs().max()
+    xa = layer.quant_method.kernels.quantize_activations(rotate(x, layer.rotation_block), per_token=True)
+    exact = xa.xq.double() @ w.qweight.double().t()  # integer sums, exact in float64
+    want = exact.float() * w.scales.float().t() * xa.xs[:, :1]
+    assert torch.equal(gemm, want)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mha_tied", "qwen2_gqa"])

@@ -194,7 +194,7 @@ def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys) -> None:
     assert same[0].outputs[0].token_ids == src.token_ids
     w8a8 = LLM(model=str(out))
     formats = {fmt for kind, (fmt, _) in w8a8.engine.runner.model.weight_report().items() if kind.endswith("proj")}
-    assert formats and all(f.startswith("w8a8 q8g/32") and "Hadamard" in f for f in formats), formats
+    assert formats and all(f.startswith("w8a8 q8g/channel") and "Hadamard" in f for f in formats), formats
     assert w8a8.engine.runner.dtype == torch.float32  # auto dtype of a packed method on CPU
     assert len(w8a8.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids) == 12
 
