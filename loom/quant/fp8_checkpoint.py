@@ -67,7 +67,7 @@ def read_fp8_checkpoint(qc: dict[str, Any], tensor_names: set[str]) -> Fp8Checkp
     fmt = qc.get("format")
     if fmt != "float-quantized":
         raise ValueError(f"quantization_config.format {fmt!r}: loom runs compressed-tensors 'float-quantized' "
-                         "(FP8) checkpoints only")
+                         "(FP8) and 'int-quantized' (INT8, loom/quant/int8_checkpoint.py) checkpoints only")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError("quantization_config.config_groups must hold exactly one group for loom")

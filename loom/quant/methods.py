@@ -61,7 +61,9 @@ class PackedScheme:
     """How one quantization method packs weights and feeds activations."""
 
     name: str  # "gguf", "w4a16", "w8a16", "w8a8"
-    activations: str  # "q8_block" (int8 per 32), "q8_token" (int8 per token) or "float"
+    # "q8_block" (int8 per 32), "q8_token" (int8 per token), "q8_static" (int8 with the checkpoint's input_scale)
+    # or "float"
+    activations: str
     prepacked: bool  # the checkpoint delivers PackedWeight (GGUF); else dense weights quantized at load
     rotated: bool = False  # inputs and weights rotated by block Hadamard matrices (loom/quant/hadamard.py)
 
@@ -72,6 +74,10 @@ SCHEMES = {
     "w8a16": PackedScheme("w8a16", "float", False),
     "w8a8": PackedScheme("w8a8", "q8_token", False, rotated=True),
     "gptq": PackedScheme("gptq", "float", True),  # a GPTQ checkpoint's own codes (loom/quant/gptq_method.py)
+    # a compressed-tensors int8 checkpoint's own codes and scales (loom/quant/int8_checkpoint.py)
+    "int8_dynamic": PackedScheme("int8_dynamic", "q8_token", True),
+    "int8_static": PackedScheme("int8_static", "q8_static", True),
+    "int8_weight_only": PackedScheme("int8_weight_only", "float", True),
 }
 
 
@@ -124,11 +130,17 @@ class PackedLinearMethod:
             layer.weight = nn.Parameter(torch.empty(rows, input_size, dtype=dtype, device=device),
                                         requires_grad=False)
             layer.weight_loaders["weight"] = lambda t, shard: copy_rows(layer, layer.weight, t, shard)
+        if self.scheme.activations == "q8_static":  # each shard's input_scale; the layer takes the largest
+            layer.input_scales = [None] * len(output_sizes)
+            layer.weight_loaders["input_scale"] = lambda t, shard: layer.input_scales.__setitem__(
+                0 if shard is None else shard, float(t.float().reshape(-1)[0]))
         layer.packed = []  # run-time form: PackedWeights covering the rows in order
         layer.packed_bias = []  # float32 bias slice per PackedWeight, or None
         layer.dense_weight = None  # set instead when a stacked layer mixes packed and dense shards
         layer.rotation_block = 0  # channels per Hadamard block of a rotated scheme, 0 = no rotation
         layer.input_perm = None  # int64 [input_size]: the packed weight multiplies x[:, input_perm] (GPTQ desc_act)
+        layer.int_gemm = False  # every part int8 per channel without mins: above INT_GEMM_MIN_ROWS one int8 GEMM
+        layer.input_scale = None  # q8_static: the scale x is quantized with
 
     @staticmethod
     def _store_shard(layer: Linear, tensor: Any, shard: int | None) -> None:
@@ -162,6 +174,12 @@ class PackedLinearMethod:
             layer.weight = None  # the dense staging copy is dropped (a tied embedding keeps its own)
         device = device or packed[0].qweight.device
         layer.packed = _merge_if_uniform(packed)
+        layer.int_gemm = self.scheme.activations in ("q8_token", "q8_static") and all(
+            p.layout == "q8g" and p.group_size == p.shape[1] and p.mins is None for p in layer.packed)
+        if self.scheme.activations == "q8_static":
+            if any(s is None or not s > 0 for s in layer.input_scales):
+                raise ValueError(f"{layer.prefix}: input_scale must be a positive number for every shard")
+            layer.input_scale = max(layer.input_scales)
         if self._dense_rows_by_layout:
             self.dense_min_rows = min(DENSE_MIN_ROWS_BY_LAYOUT.get(p.layout, DENSE_MIN_ROWS) for p in layer.packed)
         bias = layer.bias.data.float() if layer.bias is not None else None
@@ -180,12 +198,12 @@ class PackedLinearMethod:
             x = rotate(x, layer.rotation_block)
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
-        if self.scheme.name == "w8a8" and x.shape[0] > INT_GEMM_MIN_ROWS:
-            outs = [_int8_gemm(kernels.quantize_activations(x, per_token=True), p, b, x.dtype)
-                    for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+        if layer.int_gemm and x.shape[0] > INT_GEMM_MIN_ROWS:
+            xa = self._int8_activations(layer, x)
+            outs = [_int8_gemm(xa, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif x.shape[0] > self.dense_min_rows:
             if self.scheme.activations != "float":  # keep the int8 activations' numerics (w8a8 has no mins)
-                xa = kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")
+                xa = self._int8_activations(layer, x)
                 m, k = xa.xq.shape
                 x = (xa.xq.to(x.dtype).view(m, k // 32, 32) * xa.xs.to(x.dtype).unsqueeze(-1)).view(m, k)
             outs = [F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
@@ -193,9 +211,21 @@ class PackedLinearMethod:
         elif self.scheme.activations == "float":
             outs = [kernels.gemm_f(x, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         else:
-            xa = kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")
+            xa = self._int8_activations(layer, x)
             outs = [kernels.gemm_q8(xa, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _int8_activations(self, layer: Linear, x: torch.Tensor) -> Any:
+        """x [M, K] as int8 codes for the q8 schemes: per block of 32 ("q8_block"), per token ("q8_token"), or
+        round(x / input_scale) clamped to -127..127 with the checkpoint's scale ("q8_static")."""
+        if self.scheme.activations != "q8_static":
+            return self.kernels.quantize_activations(x, per_token=self.scheme.activations == "q8_token")
+        from loom.kernels.quant import QuantizedActivations
+
+        m, k = x.shape
+        xq = torch.div(x.float(), layer.input_scale).round_().clamp_(-127, 127).to(torch.int8)
+        xs = torch.full((m, k // 32), layer.input_scale, dtype=torch.float32)
+        return QuantizedActivations(xq, xs, torch.zeros(m, k // 32))
 
     def weight_format(self, layer: Linear) -> tuple[str, int]:
         if layer.dense_weight is not None:

@@ -27,6 +27,7 @@ from loom.model.registry import get_model_class
 from loom.quant.config import get_quant_config
 from loom.quant.awq_method import awq_quant_config, awq_quantization_config
 from loom.quant.fp8_checkpoint import compressed_tensors_config, fp8_quant_config
+from loom.quant.int8_checkpoint import int8_quant_config, iter_int8_weights
 from loom.quant.gptq_method import read_gptq_checkpoint
 
 
@@ -60,7 +61,8 @@ def resolve_model_path(model: str | None) -> Path:
 def default_quantization(model: str | None) -> str:
     """The quantization a checkpoint runs with when none is asked for: "gguf" for a GGUF file (its own blocks),
     "gptq" / "awq" / "fp8" for a GPTQ / AWQ / compressed-tensors FP8 checkpoint (config.json's
-    quantization_config), the method a `loom quantize`
+    quantization_config), "w8a8" / "w8a16" for a compressed-tensors INT8 one with / without int8 activations,
+    the method a `loom quantize`
     output was prepared for (loom/quant/quantize.py), else "none".
 
     Raises:
@@ -76,7 +78,12 @@ def default_quantization(model: str | None) -> str:
         return "gptq"
     if awq_quantization_config(config) is not None:
         return "awq"
-    if compressed_tensors_config(config) is not None:
+    ct = compressed_tensors_config(config)
+    if ct is not None and ct.get("format") == "int-quantized":  # int8: W8A8, or weights only
+        groups = ct.get("config_groups") or {}
+        group = next(iter(groups.values()), {}) if isinstance(groups, dict) else {}
+        return "w8a8" if isinstance(group, dict) and group.get("input_activations") else "w8a16"
+    if ct is not None:
         return "fp8"
     return prepared_method(config) or "none"
 
@@ -160,13 +167,16 @@ def load_model(
             raise ValueError(f"quantized (GPTQ / AWQ / compressed-tensors) checkpoints of {arch.architecture} are "
                              "not supported yet; load the unquantized checkpoint with --quantization w8a16|w4a16|fp8")
         gptq = None if gptq_qc is None else read_gptq_checkpoint(gptq_qc, safetensors_tensor_names(path))
+        weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
         if awq_qc is not None:
             quant_config = awq_quant_config(quantization, awq_qc, safetensors_tensor_names(path))
+        elif fp8_qc is not None and fp8_qc.get("format") == "int-quantized":
+            quant_config = int8_quant_config(quantization, fp8_qc, safetensors_tensor_names(path))
+            weights = iter_int8_weights(weights, quant_config.checkpoint)
         elif fp8_qc is not None:
             quant_config = fp8_quant_config(quantization, fp8_qc, safetensors_tensor_names(path))
         else:
             quant_config = get_quant_config(quantization or default_quantization(model), None, gptq)
-        weights, eos = iter_safetensors_weights(path), hf_eos_token_ids(path, config)
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),
                                     float32_kernels=quant_config.float32_kernels)

@@ -1,0 +1,165 @@
+"""compressed-tensors INT8 checkpoints (W8A8 dynamic / static, W8A16), written here from tiny models in the layout
+llm-compressor writes (loom/quant/int8_checkpoint.py's table), loaded and run on loom's packed int8 path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.model.loader import load_model
+from loom.model.loader.model_loader import default_quantization
+from loom.quant.methods import INT_GEMM_MIN_ROWS
+from tests.model.model_harness import PagedHarness, TinyModel
+
+CPU = torch.device("cpu")
+PROMPT = [5, 9, 11, 20, 31, 2, 7, 40, 41, 13, 60, 61]
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _input_absmax(tiny: TinyModel) -> dict[str, float]:
+    """max |x| of each projection's input over PROMPT, from the transformers model (static scales' calibration)."""
+    seen: dict[str, float] = {}
+    hooks = []
+    for name, module in tiny.hf.named_modules():
+        if name.rpartition(".")[2] in _PROJ:
+            hooks.append(module.register_forward_pre_hook(
+                lambda _m, args, n=name: seen.__setitem__(n, max(seen.get(n, 0.0), float(args[0].abs().max())))))
+    with torch.no_grad():
+        tiny.hf(torch.tensor([PROMPT]))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def write_int8_checkpoint(tiny: TinyModel, out: Path, activations: str | None, scale_dtype=torch.float32) -> Path:
+    """tiny's linear weights as int8 codes with a float16-exact scale per output channel (so loom's float16
+    scales are the file's own), the rest as float32; activations None (weights only), "dynamic" or "static"."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    tensors = {}
+    absmax = _input_absmax(tiny) if activations == "static" else {}
+    for name, t in tiny.hf.state_dict().items():
+        module, _, kind = name.rpartition(".")
+        if kind == "weight" and module.rpartition(".")[2] in _PROJ:
+            scale = (t.float().abs().amax(dim=1, keepdim=True) / 127).half().float()
+            tensors[name] = (t.float() / scale).round().clamp(-127, 127).to(torch.int8)
+            tensors[f"{module}.weight_scale"] = scale.to(scale_dtype)
+            if activations == "static":
+                tensors[f"{module}.input_scale"] = torch.tensor([absmax[module] / 127], dtype=scale_dtype)
+        elif not (name == "lm_head.weight" and tiny.hf.config.tie_word_embeddings):
+            tensors[name] = t.float().contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((tiny.path / "config.json").read_text())
+    acts = {None: None, "dynamic": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                                     "dynamic": True},
+            "static": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": acts[activations]}},
+        "ignore": ["lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _dequantized_copy(src: Path, out: Path) -> Path:
+    """The same checkpoint with every int8 weight replaced by codes x scale (float32) and no quantization_config:
+    the function an int8 checkpoint approximates, before activation rounding."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    dense = {}
+    for name, t in tensors.items():
+        if name.endswith((".weight_scale", ".input_scale")):
+            continue
+        if t.dtype == torch.int8:
+            t = t.float() * tensors[name.removesuffix("weight") + "weight_scale"].float()
+        dense[name] = t
+    out.mkdir(parents=True)
+    save_file(dense, str(out / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _logits(loaded) -> torch.Tensor:  # noqa: ANN001 (LoadedModel)
+    harness = PagedHarness(loaded.model, loaded.arch, block_size=4)
+    rows = [harness.step({0: PROMPT})[0]]  # 12 rows: the int8 GEMM
+    for token in (3, 17):
+        rows.append(harness.step({0: [token]})[0])  # 1 row: the per-block kernel
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("activations,method,tol", [("dynamic", "w8a8", 0.08), ("static", "w8a8", 0.15),
+                                                    (None, "w8a16", 2e-3)])
+def test_int8_checkpoint_runs_its_own_codes(tiny_models, tmp_path: Path, activations, method: str, tol: float) -> None:
+    tiny = tiny_models["qwen2_gqa"]  # biases on q/k/v ride along
+    ckpt = write_int8_checkpoint(tiny, tmp_path / "int8", activations, scale_dtype=torch.bfloat16)
+    assert default_quantization(str(ckpt)) == method
+    loaded = load_model(str(ckpt), torch.float32, CPU)
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_format()[0].startswith("int8_") and "q8g/channel" in qkv.weight_format()[0]
+    assert qkv.int_gemm == (activations is not None)
+    assert "GGUF" not in loaded.model.lm_head.weight_format()[0]  # "ignore": the LM head stays float
+    dense = load_model(str(_dequantized_copy(ckpt, tmp_path / "dense")), torch.float32, CPU, quantization="none")
+    ref, got = _logits(dense), _logits(loaded)
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < tol, rel
+    if activations == "static":  # the largest of the q/k/v input scales (one input)
+        assert qkv.input_scale == max(qkv.input_scales) and len(set(qkv.input_scales)) == 1
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_int8_gemm_uses_the_file_codes_exactly(tiny_models, tmp_path: Path, activations: str) -> None:
+    """Above INT_GEMM_MIN_ROWS rows: the int32 sums of the file's int8 codes with the activation codes (per token,
+    or round(x / input_scale) with the file's scale), times the file's weight scale then the activation scale, bit
+    for bit."""
+    from safetensors.torch import load_file
+
+    ckpt = write_int8_checkpoint(tiny_models["llama_gqa"], tmp_path / "int8", activations)
+    loaded = load_model(str(ckpt), torch.float32, CPU)
+    layer = loaded.model.model.layers[1].mlp.down_proj
+    file = load_file(str(ckpt / "model.safetensors"))
+    prefix = "model.layers.1.mlp.down_proj"
+    codes, scale = file[f"{prefix}.weight"], file[f"{prefix}.weight_scale"]
+    x = torch.randn(INT_GEMM_MIN_ROWS + 5, layer.input_size)
+    if activations == "dynamic":
+        xa = layer.quant_method.kernels.quantize_activations(x, per_token=True)
+        xq, xs = xa.xq, xa.xs[:, :1]
+    else:
+        s_in = float(file[f"{prefix}.input_scale"])
+        xq, xs = (x / s_in).round().clamp(-127, 127), torch.full((x.shape[0], 1), s_in)
+    want = (xq.double() @ codes.double().t()).float() * scale.float().t() * xs
+    assert torch.equal(layer(x), want)
+
+
+def test_int8_checkpoints_refused_by_field(tiny_models, tmp_path: Path) -> None:
+    ckpt = write_int8_checkpoint(tiny_models["llama_gqa"], tmp_path / "int8", "dynamic")
+    with pytest.raises(ValueError, match="use 'w8a8'"):
+        load_model(str(ckpt), torch.float32, CPU, quantization="fp8")
+
+    def variant(name: str, edit) -> Path:  # noqa: ANN001
+        out = tmp_path / name
+        shutil.copytree(ckpt, out)
+        config = json.loads((out / "config.json").read_text())
+        edit(config["quantization_config"]["config_groups"]["group_0"])
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    cases = {
+        "bits": (lambda g: g["weights"].update(num_bits=4), "weights must be num_bits 8"),
+        "strategy": (lambda g: g["weights"].update(strategy="group"), "weights.strategy 'group'"),
+        "acts": (lambda g: g["input_activations"].update(strategy="group"), "input_activations strategy 'group'"),
+        "static": (lambda g: g["input_activations"].update(strategy="tensor", dynamic=False),
+                   "need an input_scale for every quantized layer"),
+    }
+    for name, (edit, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load_model(str(variant(name, edit)), torch.float32, CPU)
