@@ -34,7 +34,8 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
                       group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent,
                       clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
-                      sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score)
+                      sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score,
+                      activation_scales=ns.activation_scales)
     if result.method == "sparse24":
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
@@ -45,6 +46,13 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
         print(f"wrote {result.output} (fp8 e4m3, a float32 scale per output channel; {result.bits_per_weight:.3f} "
               f"stored bits per linear weight) in {result.seconds:.1f} s; a compressed-tensors checkpoint, run by "
               f"loom's fp8 method: loom generate --model {result.output} ...")
+        return 0
+    if result.method == "w8a8":
+        acts = result.quantization_config["config_groups"]["group_0"]["input_activations"]
+        print(f"wrote {result.output} (SmoothQuant alpha {result.alpha}, int8 weights per channel, "
+              f"{'dynamic per-token' if acts['dynamic'] else 'static per-tensor'} int8 activations; "
+              f"{result.calibration_tokens} calibration tokens of {result.calibration}) in {result.seconds:.1f} s; "
+              f"a compressed-tensors W8A8 checkpoint: loom generate --model {result.output} ...")
         return 0
     if result.method == "awq":
         qc = result.quantization_config
@@ -128,7 +136,9 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                        "(4 or 8 bits; GPTQ, Frantar et al. 2022, calibrated on ShareGPT conversations or a text "
                        "file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; "
                        "AWQ, Lin et al. 2023). smoothquant: fold SmoothQuant's per-channel scales "
-                       "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default. fp8: e4m3 weights "
+                       "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default. w8a8: SmoothQuant "
+                       "then int8 per channel, a compressed-tensors W8A8 checkpoint (vLLM's format), int8 activations "
+                       "per token or with calibrated static scales. fp8: e4m3 weights "
                        "with a scale per output channel (compressed-tensors layout). sparse24: 2:4 pruning by "
                        "magnitude or Wanda, a quality study (dense weights with zeros).")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
@@ -143,6 +153,9 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="calibration windows, one prefill each (default: %(default)s)")
     p.add_argument("--calibration-window-len", type=_positive, default=512,
                    help="tokens per calibration window (default: %(default)s)")
+    p.add_argument("--activation-scales", choices=("dynamic", "static"), default="dynamic",
+                   help="w8a8: int8 activations with a scale per token at run time, or one per layer input "
+                   "calibrated here (default: %(default)s)")
     g = p.add_argument_group("rtn / gptq / awq / sparse24")
     g.add_argument("--bits", type=int, choices=(4, 8), default=4, help="(default: %(default)s)")
     g.add_argument("--group-size", type=_group_size, default=128,

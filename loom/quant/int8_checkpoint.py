@@ -157,5 +157,101 @@ def int8_quant_config(name: str | None, qc: dict[str, Any], tensor_names: set[st
     return config
 
 
-__all__ = ["Int8Checkpoint", "Int8CheckpointConfig", "int8_quant_config", "iter_int8_weights",
-           "read_int8_checkpoint"]
+def int8_quantization_config(activations: str) -> dict[str, Any]:
+    """The quantization_config `loom quantize --method w8a8` writes: int8 weights per channel, activations int8
+    per token ("dynamic") or per tensor with calibrated input_scale tensors ("static")."""
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token" if activations == "dynamic"
+            else "tensor", "dynamic": activations == "dynamic"}
+    return {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": acts, "output_activations": None}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None,
+    }
+
+
+def quantize_int8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 codes [N, K], float32 scales [N, 1]): symmetric round to nearest with scale max|w| / 127
+    rounded to float16 first, so that loom's float16 scales are the file's own (codes clamped to -127..127)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).half().float()
+    codes = torch.where(scale > 0, (w / scale.clamp_min(1e-30)).round(), torch.zeros_like(w)).clamp_(-127, 127)
+    return codes.to(torch.int8), scale
+
+
+def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,
+                          activations: str = "dynamic", calibration: str = "") -> dict[str, Any]:
+    """SmoothQuant (Xiao et al. 2022, arXiv:2211.10438) then int8 per output channel, written to `output` as a
+    compressed-tensors W8A8 checkpoint (module docstring; vLLM's and loom's format). Calibrate on `windows` (token
+    ids): the per-channel input maxima give the smoothing scales (alpha, or "search" per layer against this
+    grid, without loom's run-time rotation, which the format has no place for); with activations "static" the
+    same tokens through the smoothed model give each projection's input_scale, max|x| / 127.
+
+    Returns:
+        {"output", "seconds", "quantization_config", "calibration_tokens", "bits_per_weight"}.
+
+    Raises:
+        ValueError: activations not "dynamic" / "static", bad alpha, no calibration window, an architecture
+            without a smoothing map, or an output that exists and is not an empty directory.
+    """
+    import time
+
+    from loom.model.loader import load_model
+    from loom.model.loader.model_loader import resolve_model_path
+    from loom.model.registry import get_model_class
+    from loom.attention.backend import default_attention_backend, get_attention_backend
+    from loom.quant.gptq_checkpoint import LINEAR_NAMES, PROJECTIONS
+    from loom.quant.quantize import MODEL_TYPES, _check_alpha, _check_output, source_checkpoint, write_checkpoint
+    from loom.quant.smoothquant import collect_input_absmax, search_alpha, smooth_weights
+
+    if activations not in ("dynamic", "static"):
+        raise ValueError(f"activations must be 'dynamic' or 'static', got {activations!r}")
+    _check_alpha(alpha)
+    out = _check_output(output)
+    if not windows:
+        raise ValueError("w8a8 needs at least one calibration window")
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    arch = loaded.arch
+    if arch.architecture not in MODEL_TYPES:
+        raise ValueError(f"w8a8 has no smoothing map for {arch.architecture}")
+    stats = collect_input_absmax(loaded.model, arch, windows)
+    alphas = (search_alpha(loaded.model, arch, windows, stats, rotated=False) if alpha == "search"
+              else float(alpha))
+    source, config = source_checkpoint(path, arch, set(loaded.eos_token_ids))
+    smoothed = smooth_weights(source, stats, arch, alphas)
+    input_scale: dict[str, float] = {}
+    if activations == "static":  # the smoothed model's own input maxima, one per loom layer
+        cpu = torch.device("cpu")
+        net = get_model_class(arch.architecture)(arch, get_attention_backend(default_attention_backend(cpu)),
+                                                 torch.float32, cpu)
+        net.load_weights((k, v.float()) for k, v in smoothed.items())
+        for name, amax in collect_input_absmax(net.eval(), arch, windows).items():
+            head, _, kind = name.rpartition(".")
+            for proj in PROJECTIONS[kind]:
+                input_scale[f"{head}.{proj}"] = max(float(amax.max()), 1e-12) / 127
+    tensors: dict[str, torch.Tensor] = {}
+    bits = count = 0
+    for name, t in smoothed.items():
+        module, _, kind = name.rpartition(".")
+        if kind == "weight" and module.startswith("model.layers.") and module.rpartition(".")[2] in LINEAR_NAMES:
+            codes, scale = quantize_int8_channel(t)
+            tensors[name], tensors[f"{module}.weight_scale"] = codes.contiguous(), scale.contiguous()
+            if activations == "static":
+                tensors[f"{module}.input_scale"] = torch.tensor([input_scale[module]], dtype=torch.float32)
+            bits += 8 * t.numel() + 32 * scale.numel()
+            count += t.numel()
+        else:
+            tensors[name] = t.float().contiguous()
+    config["quantization_config"] = int8_quantization_config(activations)
+    out.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(out, tensors, config, loaded.tokenizer)
+    return {"output": out, "seconds": time.perf_counter() - start, "quantization_config": config["quantization_config"],
+            "calibration_tokens": sum(len(w) for w in windows), "bits_per_weight": bits / count if count else 0.0}
+
+
+__all__ = ["Int8Checkpoint", "Int8CheckpointConfig", "int8_quant_config", "int8_quantization_config",
+           "iter_int8_weights", "quantize_int8_channel", "read_int8_checkpoint", "write_int8_checkpoint"]

@@ -40,7 +40,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("smoothquant", "rtn", "gptq", "awq", "fp8", "sparse24")
+QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse24")
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 # the architectures loom quantize writes (its writers and AWQ / SmoothQuant's folds assume pre-norm layers with
 # separate q/k/v and gate/up tensors: not OLMo 2's post-norms, Phi-3's fused checkpoints or MoE experts)
@@ -123,7 +123,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
              group_size: int = 128, sym: bool = True, desc_act: bool = False,
              damp_percent: float = 0.01, clip: bool = True, target_bits: float | None = None,
              dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int = 1,
-             prune_score: str = "wanda") -> QuantizeResult:
+             prune_score: str = "wanda", activation_scales: str = "dynamic") -> QuantizeResult:
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
     Args:
@@ -142,6 +142,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             32}, "-:regex": {}} keeps a module in 16 bits); they win over target_bits' choices.
         sensitivity_windows: calibration windows the mixed-precision sensitivity is measured on.
         prune_score: sparse24's importance score, "wanda" (calibrated) or "magnitude".
+        activation_scales: w8a8's activations, "dynamic" (int8 per token at run time) or "static" (one calibrated
+            scale per layer input).
 
     Raises:
         ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
@@ -156,6 +158,10 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     for name, value in (("target_bits", target_bits), ("dynamic", dynamic)):
         if value is not None and method not in ("rtn", "gptq"):
             raise ValueError(f"{name} applies to methods 'rtn' and 'gptq', not {method!r}")
+    if activation_scales not in ("dynamic", "static"):
+        raise ValueError(f"activation_scales must be 'dynamic' or 'static', got {activation_scales!r}")
+    if activation_scales != "dynamic" and method != "w8a8":
+        raise ValueError(f"activation_scales applies to method 'w8a8', not {method!r}")
     if method == "sparse24":
         from loom.quant.sparsity import SCORES, write_sparse_checkpoint
 
@@ -190,6 +196,13 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     if tokenizer is None:
         raise ValueError("the checkpoint has no tokenizer to encode calibration text with")
     windows, source = calibration_windows(tokenizer, calibration_file, num_windows, window_len)
+    if method == "w8a8":
+        from loom.quant.int8_checkpoint import write_int8_checkpoint
+
+        r = write_int8_checkpoint(model, output, windows, alpha=alpha, activations=activation_scales,
+                                  calibration=source)
+        return QuantizeResult(r["output"], "w8a8", source, r["calibration_tokens"], alpha, r["seconds"],
+                              r["quantization_config"], r["bits_per_weight"])
     return smoothquant_checkpoint(model, output, windows, alpha=alpha, calibration=source)
 
 

@@ -163,3 +163,51 @@ def test_int8_checkpoints_refused_by_field(tiny_models, tmp_path: Path) -> None:
     for name, (edit, message) in cases.items():
         with pytest.raises(ValueError, match=message):
             load_model(str(variant(name, edit)), torch.float32, CPU)
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_loom_writes_what_it_reads(tiny_models, tmp_path: Path, activations: str) -> None:
+    """`loom quantize --method w8a8`'s writer: the format of the module docstring (int8 codes, float32 scales per
+    channel that are float16-exact, input_scale only when static, the LM head left float), loaded back as its own
+    codes; the SmoothQuant scales keep the float function (the smoothed float weights, dequantized, are close to
+    the source model)."""
+    from safetensors.torch import load_file
+
+    from loom.quant.int8_checkpoint import write_int8_checkpoint as write
+
+    tiny = tiny_models["qwen2_gqa"]
+    windows = [[(7 * i + 3 * j) % 90 + 5 for j in range(40)] for i in range(3)]
+    result = write(str(tiny.path), str(tmp_path / "ct"), windows, alpha=0.5, activations=activations)
+    out = result["output"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert qc["format"] == "int-quantized" and group["weights"]["strategy"] == "channel"
+    assert group["input_activations"]["dynamic"] == (activations == "dynamic")
+    file = load_file(str(out / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj"
+    assert file[f"{name}.weight"].dtype == torch.int8 and file[f"{name}.weight"].abs().max() <= 127
+    scale = file[f"{name}.weight_scale"]
+    assert scale.dtype == torch.float32 and scale.shape == (file[f"{name}.weight"].shape[0], 1)
+    assert torch.equal(scale.half().float(), scale)
+    assert (f"{name}.input_scale" in file) == (activations == "static") and "lm_head.weight_scale" not in file
+    assert result["bits_per_weight"] == pytest.approx(8 + 32 / 64, abs=0.1)
+    loaded = load_model(str(out), torch.float32, CPU)
+    k_rows = loaded.arch.kv_size
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    packed = torch.cat([p.qweight for p in qkv.packed])
+    assert torch.equal(packed[loaded.arch.q_size : loaded.arch.q_size + k_rows], file[f"{name}.weight"])
+    dense = load_model(str(_dequantized_copy(out, tmp_path / "dense")), torch.float32, CPU, quantization="none")
+    source = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+    ref, got = _logits(source), _logits(dense)
+    assert float((got - ref).norm() / ref.norm()) < 0.05  # int8 weights of the smoothed model, float activations
+    with pytest.raises(ValueError, match="activations must be 'dynamic' or 'static'"):
+        write(str(tiny.path), str(tmp_path / "bad"), windows, activations="per-channel")
+
+
+def test_activation_scales_apply_to_w8a8_only(tmp_path: Path) -> None:
+    from loom.quant.quantize import quantize
+
+    with pytest.raises(ValueError, match="activation_scales applies to method 'w8a8', not 'rtn'"):
+        quantize(None, str(tmp_path / "o"), "rtn", activation_scales="static")
+    with pytest.raises(ValueError, match="activation_scales must be 'dynamic' or 'static'"):
+        quantize(None, str(tmp_path / "o"), "w8a8", activation_scales="token")
