@@ -18,7 +18,8 @@ and config.json's quantization_config = {"quant_method": "compressed-tensors", "
 for weights only)}}, "ignore": ["lm_head"]}. Layers without a weight_scale (the LM head, "ignore") are float weights.
 
 Run on loom's packed q8g layout with one group per row (loom/quant/methods.py): the scales become float16 (a bfloat16
-scale converts exactly when above 2^-14; a float32 one rounds to 11 significant bits, as GGUF's scales are stored);
+scale converts exactly when above 2^-14; a float32 one rounds to 11 significant bits, as GGUF's scales are stored; a
+layer with a scale outside float16's normal range, or an input size that is not a multiple of 32, runs dense);
 activations are int8 per token (dynamic) or with the file's scale (static: the largest of a stacked layer's q/k/v
 or gate/up scales, as vLLM does, clamped to -127..127 where the format allows -128); above 8 rows one exact int8
 GEMM. Weights-only checkpoints run with loom's int16 activation codes, as w8a16.
@@ -106,7 +107,10 @@ def iter_int8_weights(weights: Iterator[tuple[str, torch.Tensor]],
         raise ValueError(f"int8 checkpoint: {sorted(pending)[:4]} lack a weight or a weight_scale")
 
 
-def _packed(module: str, weight: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+def _packed(module: str, weight: torch.Tensor, scale: torch.Tensor) -> PackedWeight | torch.Tensor:
+    """The packed weight of one projection, or its float32 values codes x scale where the packed layout cannot hold
+    it exactly enough: K not a multiple of 32, or a scale outside float16's normal range [2^-14, 65504] (a float16
+    scale would lose bits or flush to zero); such a layer runs dense."""
     if weight.dtype != torch.int8 or weight.dim() != 2:
         raise ValueError(f"{module}.weight must be int8 [N, K], got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
@@ -114,7 +118,10 @@ def _packed(module: str, weight: torch.Tensor, scale: torch.Tensor) -> PackedWei
         scale = scale.reshape(1).expand(n)
     elif scale.numel() != n:
         raise ValueError(f"{module}.weight_scale has {scale.numel()} values for {n} output channels")
-    return PackedWeight("q8g", weight.contiguous(), scale.float().reshape(n, 1).half().contiguous(), None, k)
+    scale = scale.float().reshape(n, 1)
+    if k % 32 or bool(((scale < 2.0**-14) | (scale > 65504)).any()):
+        return weight.float() * scale
+    return PackedWeight("q8g", weight.contiguous(), scale.half().contiguous(), None, k)
 
 
 class Int8CheckpointConfig:

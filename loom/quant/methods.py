@@ -22,8 +22,11 @@ serves them all, and a stacked layer whose shards came in different layouts shar
 w8a8's rotation: per-token int8 activations agreed with the float32 top-1 token on 91% of held-out positions,
 with the input rotated on 97.5% (benchmarks/NOTES.md, "w8a8: rotation and groups"). Its weights have one scale per
 output channel so that a whole row of x times a whole row of W is one exact int32 sum: above INT_GEMM_MIN_ROWS rows
-(prefill, batches) the product runs as torch's int8 GEMM (`torch._int_mm`: oneDNN, AMX or VNNI where the CPU has
-them), y = float(x_q W_q^T) * (s_x s_w), instead of dequantizing (groups of 32 agreed on ~0.5-1 point more top-1
+(prefill, batches) the product runs as torch's int8 GEMM (`torch._int_mm`: oneDNN with AMX or VNNI) where it is
+exact, y = float(x_q W_q^T) * (s_x s_w), instead of dequantizing. Without VNNI oneDNN's int8 kernel saturates pairs
+of products in 16 bits and returns wrong sums without an error (found by review: 4.9% of the sums of Gaussian
+codes wrong with oneDNN capped to AVX2), so `int8_gemm_is_exact()` checks it once on values that saturate, and a CPU
+that fails keeps loom's exact kernels (groups of 32 agreed on ~0.5-1 point more top-1
 tokens but cannot be one integer GEMM: benchmarks/NOTES.md, "W8A8 prefill"). Above `dense_min_rows` rows (prefill,
 large batches) the other methods' matmuls are compute-bound, and the weight is dequantized (in C) and multiplied
 by torch's GEMM instead (benchmarks/NOTES.md, "Quantized kernels").
@@ -31,6 +34,7 @@ by torch's GEMM instead (benchmarks/NOTES.md, "Quantized kernels").
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +179,8 @@ class PackedLinearMethod:
         device = device or packed[0].qweight.device
         layer.packed = _merge_if_uniform(packed)
         layer.int_gemm = self.scheme.activations in ("q8_token", "q8_static") and all(
-            p.layout == "q8g" and p.group_size == p.shape[1] and p.mins is None for p in layer.packed)
+            p.layout == "q8g" and p.group_size == p.shape[1] and p.mins is None for p in layer.packed) and all(
+            p.qweight.device.type == "cpu" for p in layer.packed) and int8_gemm_is_exact()
         if self.scheme.activations == "q8_static":
             if any(s is None or not s > 0 for s in layer.input_scales):
                 raise ValueError(f"{layer.prefix}: input_scale must be a positive number for every shard")
@@ -224,8 +229,8 @@ class PackedLinearMethod:
 
         m, k = x.shape
         xq = torch.div(x.float(), layer.input_scale).round_().clamp_(-127, 127).to(torch.int8)
-        xs = torch.full((m, k // 32), layer.input_scale, dtype=torch.float32)
-        return QuantizedActivations(xq, xs, torch.zeros(m, k // 32))
+        xs = torch.full((m, k // 32), layer.input_scale, dtype=torch.float32, device=x.device)
+        return QuantizedActivations(xq, xs, torch.zeros(m, k // 32, device=x.device))
 
     def weight_format(self, layer: Linear) -> tuple[str, int]:
         if layer.dense_weight is not None:
@@ -236,6 +241,24 @@ class PackedLinearMethod:
                                          f"Hadamard {layer.rotation_block}" if layer.rotation_block else ""]))
         label = f"{self.scheme.name} {layouts}" + (f" ({source})" if source else "")
         return label, sum(p.nbytes for p in layer.packed)
+
+
+@functools.cache
+def int8_gemm_is_exact() -> bool:
+    """Whether torch's CPU int8 GEMM (`torch._int_mm`) returns exact int32 sums here, checked once (per process)
+    on codes whose pairs of products overflow int16 once the activations are shifted to unsigned (2 x 255 x 127 >
+    32,767: what oneDNN's AVX2 kernel does before VPMADDUBSW, which saturates) and on -128 weights. oneDNN with VNNI
+    or AMX passes; its AVX2 kernel (Zen 1-3, Intel without VNNI) fails, and so does a torch without a CPU _int_mm."""
+    try:
+        a = torch.full((17, 64), 127, dtype=torch.int8)
+        a[1::2] = -127
+        b = torch.full((64, 8), 127, dtype=torch.int8)
+        b[:, 1::2] = -128
+        want = a.long() @ b.long()
+        return bool(torch.equal(torch._int_mm(a, b).long(), want)
+                    and torch.equal(torch._int_mm(a, b.t().contiguous().t()).long(), want))
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _int8_gemm(xa: Any, w: PackedWeight, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -75,20 +75,45 @@ def test_w8a8_above_the_kernel_rows_is_one_exact_int8_gemm(tiny_models) -> None:
     the per-block kernel's result to float32 rounding (the activations stay int8 per token, or a request's tokens
     would depend on its batch: found by a fresh-user trial)."""
     from loom.quant.hadamard import rotate
-    from loom.quant.methods import INT_GEMM_MIN_ROWS
+    from loom.quant.methods import INT_GEMM_MIN_ROWS, int8_gemm_is_exact
 
     loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
     layer = loaded.model.model.layers[0].mlp.down_proj
     (w,) = layer.packed
     assert w.group_size == layer.input_size and w.mins is None  # one scale per output channel
+    assert layer.int_gemm == int8_gemm_is_exact()  # a CPU whose int8 GEMM is not exact keeps the kernels
     x = torch.randn(64, layer.input_size)
     kernel_rows = torch.cat([layer(x[i : i + INT_GEMM_MIN_ROWS]) for i in range(0, 64, INT_GEMM_MIN_ROWS)])
-    gemm = layer(x)  # 64 rows: the int8 GEMM
+    gemm = layer(x)  # 64 rows: the int8 GEMM (or, without an exact one, the dense path)
     assert torch.allclose(gemm, kernel_rows, rtol=1e-5, atol=1e-5), (gemm - kernel_rows).abs().max()
-    xa = layer.quant_method.kernels.quantize_activations(rotate(x, layer.rotation_block), per_token=True)
-    exact = xa.xq.double() @ w.qweight.double().t()  # integer sums, exact in float64
-    want = exact.float() * w.scales.float().t() * xa.xs[:, :1]
-    assert torch.equal(gemm, want)
+    if layer.int_gemm:
+        xa = layer.quant_method.kernels.quantize_activations(rotate(x, layer.rotation_block), per_token=True)
+        exact = xa.xq.double() @ w.qweight.double().t()  # integer sums, exact in float64
+        want = exact.float() * w.scales.float().t() * xa.xs[:, :1]
+        assert torch.equal(gemm, want)
+
+
+def test_an_int8_gemm_that_saturates_is_not_used(tiny_models, monkeypatch) -> None:
+    """oneDNN's AVX2 int8 kernel adds pairs of (x + 128) * w products in int16 and saturates (review finding): the
+    self-check refuses such a GEMM and w8a8 keeps loom's exact kernels, whose rows equal the one-row results."""
+    import loom.quant.methods as methods
+
+    def saturating_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        pairs = ((a.long() + 128).reshape(a.shape[0], -1, 2, 1) * b.long().reshape(1, -1, 2, b.shape[1])).sum(2)
+        return (pairs.clamp(-32768, 32767).sum(1) - 128 * b.long().sum(0)).int()
+
+    monkeypatch.setattr(torch, "_int_mm", saturating_int_mm)
+    methods.int8_gemm_is_exact.cache_clear()
+    try:
+        assert not methods.int8_gemm_is_exact()
+        loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
+        layer = loaded.model.model.layers[0].mlp.down_proj
+        assert not layer.int_gemm
+        x = torch.randn(12, layer.input_size)
+        rows = torch.cat([layer(x[i : i + 1]) for i in range(12)])
+        assert torch.allclose(layer(x), rows, rtol=1e-5, atol=1e-5)
+    finally:
+        methods.int8_gemm_is_exact.cache_clear()
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mha_tied", "qwen2_gqa"])

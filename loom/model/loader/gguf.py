@@ -107,7 +107,7 @@ def gguf_arch_config(reader: gguf.GGUFReader) -> ModelArchConfig:
     head_dim = int(meta("attention.key_length", hidden_size // num_heads))
     rotary_dims = meta("rope.dimension_count")
     if rotary_dims is not None and int(rotary_dims) != head_dim:
-        raise ValueError(f"{gguf_arch}.rope.dimension_count {rotary_dims} < head_dim {head_dim} (rotary on part of "
+        raise ValueError(f"{gguf_arch}.rope.dimension_count {rotary_dims} != head_dim {head_dim} (rotary on part of "
                          "each head) is not supported")
     moe = _gguf_moe_fields(gguf_arch, meta, shapes, num_layers)
     gemma: dict[str, Any] = {}
