@@ -21,8 +21,8 @@ Run on loom's packed q8g layout with one group per row (loom/quant/methods.py): 
 scale converts exactly when above 2^-14; a float32 one rounds to 11 significant bits, as GGUF's scales are stored; a
 layer with a scale outside float16's normal range, or an input size that is not a multiple of 32, runs dense);
 activations are int8 per token (dynamic) or with the file's scale (static: the largest of a stacked layer's q/k/v
-or gate/up scales, as vLLM does, clamped to -127..127 where the format allows -128); above 8 rows one exact int8
-GEMM. Weights-only checkpoints run with loom's int16 activation codes, as w8a16.
+or gate/up scales, as vLLM does, clamped to -127..127 where the format allows -128); one exact int8 GEMM at every
+row count where the CPU has one (loom/quant/methods.py int8_gemm_is_exact), else loom's per-block kernel. Weights-only checkpoints run with loom's int16 activation codes, as w8a16.
 """
 
 from __future__ import annotations
@@ -53,7 +53,18 @@ def read_int8_checkpoint(qc: dict[str, Any], tensor_names: set[str]) -> Int8Chec
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError("quantization_config.config_groups must hold exactly one group for loom")
+    if qc.get("quantization_status", "compressed") != "compressed":
+        raise ValueError(f"quantization_config.quantization_status {qc.get('quantization_status')!r}: loom reads "
+                         "'compressed' checkpoints (int8 codes with their scales)")
+    if qc.get("kv_cache_scheme") is not None:
+        raise ValueError("quantization_config.kv_cache_scheme: loom does not read a quantized KV cache scheme from "
+                         "a checkpoint (use --kv-cache-dtype)")
     group = next(iter(groups.values()))
+    if isinstance(group, dict) and group.get("output_activations") is not None:
+        raise ValueError("quantization_config.config_groups: output_activations must be null for loom")
+    if isinstance(group, dict) and group.get("targets", ["Linear"]) != ["Linear"]:
+        raise ValueError(f"quantization_config.config_groups: targets {group.get('targets')!r}: loom reads groups "
+                         "that target ['Linear'] (which layers are int8 follows their weight_scale tensors)")
     weights = group.get("weights") if isinstance(group, dict) else None
     if (not isinstance(weights, dict) or weights.get("num_bits") != 8 or weights.get("type") != "int"
             or weights.get("symmetric") is False):
@@ -96,6 +107,11 @@ def iter_int8_weights(weights: Iterator[tuple[str, torch.Tensor]],
     for name, tensor in weights:
         module, _, kind = name.rpartition(".")
         if module not in checkpoint.quantized or kind not in ("weight", "weight_scale"):
+            if tensor.dtype == torch.int8 or (kind == "input_scale" and module not in checkpoint.quantized):
+                # int8 codes without a scale would load as float weights
+                raise ValueError(f"int8 checkpoint: {name} belongs to a layer without {module}.weight_scale")
+            if kind == "input_scale" and not (bool(torch.isfinite(tensor).all()) and bool((tensor > 0).all())):
+                raise ValueError(f"int8 checkpoint: {name} must be a finite positive number")
             yield name, tensor
             continue
         parts = pending.setdefault(module, {})
@@ -119,6 +135,8 @@ def _packed(module: str, weight: torch.Tensor, scale: torch.Tensor) -> PackedWei
     elif scale.numel() != n:
         raise ValueError(f"{module}.weight_scale has {scale.numel()} values for {n} output channels")
     scale = scale.float().reshape(n, 1)
+    if not (bool(torch.isfinite(scale).all()) and bool((scale >= 0).all())):
+        raise ValueError(f"{module}.weight_scale must hold finite non-negative numbers")
     if k % 32 or bool(((scale < 2.0**-14) | (scale > 65504)).any()):
         return weight.float() * scale
     return PackedWeight("q8g", weight.contiguous(), scale.half().contiguous(), None, k)

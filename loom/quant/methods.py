@@ -11,8 +11,8 @@ how activations enter the kernel:
 | w8a16  | RTN int8 groups of 32, best grid (q8g)    | int16 codes per block of 32                      |
 | w8a8   | RTN int8 symmetric, one scale per output  | int8, one dynamic scale per token, after the     |
 |        | channel, of the weight rotated by block   | same rotation (loom/quant/hadamard.py); int32    |
-|        | Hadamard matrices                         | sums (per block of 32 up to INT_GEMM_MIN_ROWS    |
-|        |                                           | rows, then over all of K in torch's int8 GEMM)   |
+|        | Hadamard matrices                         | sums over all of K in torch's int8 GEMM (where   |
+|        |                                           | exact; else per block of 32 in loom's kernel)    |
 
 "float" activations (the model dtype) reach the C kernels, which quantize them to int16 codes per block of
 32 (2^-16 of the block's max: finer than bfloat16; qgemm.c, item 3): int8 activations per block of 32 (llama.cpp's Q8_0/Q8_1 pairing) ran no faster
@@ -21,8 +21,8 @@ benchmarks/NOTES.md, "Quantized kernels"). Activations are quantized once per la
 serves them all, and a stacked layer whose shards came in different layouts shares that one quantization.
 w8a8's rotation: per-token int8 activations agreed with the float32 top-1 token on 91% of held-out positions,
 with the input rotated on 97.5% (benchmarks/NOTES.md, "w8a8: rotation and groups"). Its weights have one scale per
-output channel so that a whole row of x times a whole row of W is one exact int32 sum: above INT_GEMM_MIN_ROWS rows
-(prefill, batches) the product runs as torch's int8 GEMM (`torch._int_mm`: oneDNN with AMX or VNNI) where it is
+output channel so that a whole row of x times a whole row of W is one exact int32 sum: at every row count the
+product runs as torch's int8 GEMM (`torch._int_mm`: oneDNN with AMX or VNNI) where it is
 exact, y = float(x_q W_q^T) * (s_x s_w), instead of dequantizing. Without VNNI oneDNN's int8 kernel saturates pairs
 of products in 16 bits and returns wrong sums without an error (found by review: 4.9% of the sums of Gaussian
 codes wrong with oneDNN capped to AVX2), so `int8_gemm_is_exact()` checks it once on values that saturate, and a CPU
@@ -55,9 +55,11 @@ from loom.quant.torch_kernels import TorchQuantKernels
 # every batch here). A layer of several layouts takes the smallest.
 DENSE_MIN_ROWS_BY_LAYOUT = {"q4g32": 128, "q8g": 64}
 DENSE_MIN_ROWS = min(DENSE_MIN_ROWS_BY_LAYOUT.values())  # the C decode step's batch limit: every layout packed
-# Rows above which w8a8 multiplies in torch's int8 GEMM instead of loom's per-block kernel (measured on a Sapphire
-# Rapids-class CPU: [3072, 576] at 4 rows 0.12 ms either way, at 16 rows 0.12 vs 0.36 ms, at 512 0.9 vs 11 ms).
-INT_GEMM_MIN_ROWS = 8
+# Rows above which w8a8 multiplies in torch's int8 GEMM instead of loom's per-block kernel: 0, every row count, so
+# that a token's result does not depend on how many rows its step had (a prefix-cache hit or a chunk changing the
+# count changed greedy output at 8: fresh-user trial). It costs decode: [3072, 576] at one row 0.10 ms against the
+# kernel's 0.047, TPOT 15.9 -> 19.1 ms; at 16 rows 0.12 vs 0.36 ms, at 512 0.9 vs 11 ms (Sapphire Rapids-class CPU).
+INT_GEMM_MIN_ROWS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +145,7 @@ class PackedLinearMethod:
         layer.dense_weight = None  # set instead when a stacked layer mixes packed and dense shards
         layer.rotation_block = 0  # channels per Hadamard block of a rotated scheme, 0 = no rotation
         layer.input_perm = None  # int64 [input_size]: the packed weight multiplies x[:, input_perm] (GPTQ desc_act)
-        layer.int_gemm = False  # every part int8 per channel without mins: above INT_GEMM_MIN_ROWS one int8 GEMM
+        layer.int_gemm = False  # every part int8 per channel without mins, and an exact int8 GEMM: use it
         layer.input_scale = None  # q8_static: the scale x is quantized with
 
     @staticmethod

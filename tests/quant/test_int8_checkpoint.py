@@ -12,7 +12,7 @@ import torch
 
 from loom.model.loader import load_model
 from loom.model.loader.model_loader import default_quantization
-from loom.quant.methods import INT_GEMM_MIN_ROWS, int8_gemm_is_exact
+from loom.quant.methods import int8_gemm_is_exact
 from tests.model.model_harness import PagedHarness, TinyModel
 
 CPU = torch.device("cpu")
@@ -91,9 +91,9 @@ def _dequantized_copy(src: Path, out: Path) -> Path:
 
 def _logits(loaded) -> torch.Tensor:  # noqa: ANN001 (LoadedModel)
     harness = PagedHarness(loaded.model, loaded.arch, block_size=4)
-    rows = [harness.step({0: PROMPT})[0]]  # 12 rows: the int8 GEMM
+    rows = [harness.step({0: PROMPT})[0]]  # 12 rows
     for token in (3, 17):
-        rows.append(harness.step({0: [token]})[0])  # 1 row: the per-block kernel
+        rows.append(harness.step({0: [token]})[0])  # 1 row
     return torch.cat(rows)
 
 
@@ -118,7 +118,7 @@ def test_int8_checkpoint_runs_its_own_codes(tiny_models, tmp_path: Path, activat
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
 def test_int8_gemm_uses_the_file_codes_exactly(tiny_models, tmp_path: Path, activations: str) -> None:
-    """Above INT_GEMM_MIN_ROWS rows: the int32 sums of the file's int8 codes with the activation codes (per token,
+    """The int32 sums of the file's int8 codes with the activation codes (per token,
     or round(x / input_scale) with the file's scale), times the file's weight scale then the activation scale, bit
     for bit."""
     from safetensors.torch import load_file
@@ -129,7 +129,7 @@ def test_int8_gemm_uses_the_file_codes_exactly(tiny_models, tmp_path: Path, acti
     file = load_file(str(ckpt / "model.safetensors"))
     prefix = "model.layers.1.mlp.down_proj"
     codes, scale = file[f"{prefix}.weight"], file[f"{prefix}.weight_scale"]
-    x = torch.randn(INT_GEMM_MIN_ROWS + 5, layer.input_size)
+    x = torch.randn(13, layer.input_size)
     if activations == "dynamic":
         xa = layer.quant_method.kernels.quantize_activations(x, per_token=True)
         xq, xs = xa.xq, xa.xs[:, :1]
@@ -166,6 +166,50 @@ def test_int8_checkpoints_refused_by_field(tiny_models, tmp_path: Path) -> None:
     for name, (edit, message) in cases.items():
         with pytest.raises(ValueError, match=message):
             load_model(str(variant(name, edit)), torch.float32, CPU)
+
+    def top(name: str, key: str, value) -> Path:  # noqa: ANN001
+        out = tmp_path / name
+        shutil.copytree(ckpt, out)
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"][key] = value
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    for name, key, value, message in (("status", "quantization_status", "frozen", "quantization_status 'frozen'"),
+                                      ("kv", "kv_cache_scheme", {"num_bits": 8, "type": "float"}, "kv_cache_scheme")):
+        with pytest.raises(ValueError, match=message):
+            load_model(str(top(name, key, value)), torch.float32, CPU)
+    with pytest.raises(ValueError, match="output_activations must be null"):
+        load_model(str(variant("out", lambda g: g.update(output_activations={"num_bits": 8}))), torch.float32, CPU)
+    with pytest.raises(ValueError, match="targets"):
+        load_model(str(variant("targets", lambda g: g.update(targets=["re:.*q_proj$"]))), torch.float32, CPU)
+
+
+def test_int8_checkpoint_tensors_refused(tiny_models, tmp_path: Path) -> None:
+    """Found by the fresh-user trial: int8 codes whose weight_scale is missing loaded as float weights (garbage
+    output), and NaN or infinite scales loaded too."""
+    from safetensors.torch import load_file, save_file
+
+    static = write_int8_checkpoint(tiny_models["llama_gqa"], tmp_path / "int8", "static")
+    prefix = "model.layers.1.mlp.down_proj"
+
+    def edited(name: str, change) -> Path:  # noqa: ANN001
+        out = tmp_path / name
+        shutil.copytree(static, out)
+        tensors = load_file(str(out / "model.safetensors"))
+        change(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+        return out
+
+    cases = {
+        "no_scale": (lambda t: t.pop(f"{prefix}.weight_scale"), "without model.layers.1.mlp.down_proj.weight_scale"),
+        "nan_scale": (lambda t: t[f"{prefix}.weight_scale"].__setitem__(0, float("nan")), "finite non-negative"),
+        "inf_input": (lambda t: t.__setitem__(f"{prefix}.input_scale", torch.tensor([float("inf")])),
+                      "must be a finite positive number"),
+    }
+    for name, (change, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load_model(str(edited(name, change)), torch.float32, CPU)
 
 
 @pytest.mark.parametrize("activations", ["dynamic", "static"])
