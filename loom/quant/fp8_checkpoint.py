@@ -51,6 +51,35 @@ def compressed_tensors_config(config: dict[str, Any]) -> dict[str, Any] | None:
     return qc if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" else None
 
 
+def single_config_group(qc: dict[str, Any]) -> dict[str, Any]:
+    """The one config group of a compressed-tensors quantization_config (FP8 and INT8 readers).
+
+    Raises:
+        ValueError: config_groups is not a mapping of exactly one group.
+    """
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise ValueError("quantization_config.config_groups must hold exactly one group for loom")
+    group = next(iter(groups.values()))
+    return group if isinstance(group, dict) else {}
+
+
+def scaled_modules(weights: dict[str, Any], tensor_names: set[str], label: str) -> frozenset[str]:
+    """The modules a compressed-tensors checkpoint quantized (those with a weight_scale tensor), after checking
+    that its weight scales are per channel or per tensor; `label` ("FP8", "int8") names the format in errors.
+
+    Raises:
+        ValueError: another weights.strategy, or no weight_scale tensor at all.
+    """
+    if weights.get("strategy") not in ("channel", "tensor"):
+        raise ValueError(f"quantization_config.config_groups: weights.strategy {weights.get('strategy')!r}: loom "
+                         f"reads 'channel' or 'tensor' {label} scales")
+    quantized = frozenset(n.removesuffix(".weight_scale") for n in tensor_names if n.endswith(".weight_scale"))
+    if not quantized:
+        raise ValueError(f"a compressed-tensors {label} checkpoint without any weight_scale tensor")
+    return quantized
+
+
 @dataclass(frozen=True, slots=True)
 class Fp8Checkpoint:
     quantized: frozenset[str]  # module names with a weight_scale
@@ -68,19 +97,11 @@ def read_fp8_checkpoint(qc: dict[str, Any], tensor_names: set[str]) -> Fp8Checkp
     if fmt != "float-quantized":
         raise ValueError(f"quantization_config.format {fmt!r}: loom runs compressed-tensors 'float-quantized' "
                          "(FP8) and 'int-quantized' (INT8, loom/quant/int8_checkpoint.py) checkpoints only")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        raise ValueError("quantization_config.config_groups must hold exactly one group for loom")
-    group = next(iter(groups.values()))
-    weights = group.get("weights") if isinstance(group, dict) else None
+    group = single_config_group(qc)
+    weights = group.get("weights")
     if not isinstance(weights, dict) or weights.get("num_bits") != 8 or weights.get("type") != "float":
         raise ValueError("quantization_config.config_groups: weights must be num_bits 8, type 'float' (FP8)")
-    if weights.get("strategy") not in ("channel", "tensor"):
-        raise ValueError(f"quantization_config.config_groups: weights.strategy {weights.get('strategy')!r}: loom "
-                         "reads 'channel' or 'tensor' FP8 scales")
-    quantized = frozenset(n.removesuffix(".weight_scale") for n in tensor_names if n.endswith(".weight_scale"))
-    if not quantized:
-        raise ValueError("a compressed-tensors FP8 checkpoint without any weight_scale tensor")
+    quantized = scaled_modules(weights, tensor_names, "FP8")
     acts = group.get("input_activations")
     return Fp8Checkpoint(quantized, "none" if not acts else "dynamic fp8 (run as weight-only)")
 

@@ -50,31 +50,25 @@ def read_int8_checkpoint(qc: dict[str, Any], tensor_names: set[str]) -> Int8Chec
             symmetric per token (dynamic) or per tensor (static), more than one config group, no weight_scale
             tensor, or static activations without input_scale tensors; each names the field.
     """
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or len(groups) != 1:
-        raise ValueError("quantization_config.config_groups must hold exactly one group for loom")
+    from loom.quant.fp8_checkpoint import scaled_modules, single_config_group
+
+    group = single_config_group(qc)
     if qc.get("quantization_status", "compressed") != "compressed":
         raise ValueError(f"quantization_config.quantization_status {qc.get('quantization_status')!r}: loom reads "
                          "'compressed' checkpoints (int8 codes with their scales)")
     if qc.get("kv_cache_scheme") is not None:
         raise ValueError("quantization_config.kv_cache_scheme: loom does not read a quantized KV cache scheme from "
                          "a checkpoint (use --kv-cache-dtype)")
-    group = next(iter(groups.values()))
-    if isinstance(group, dict) and group.get("output_activations") is not None:
+    if group.get("output_activations") is not None:
         raise ValueError("quantization_config.config_groups: output_activations must be null for loom")
-    if isinstance(group, dict) and group.get("targets", ["Linear"]) != ["Linear"]:
+    if group.get("targets", ["Linear"]) != ["Linear"]:
         raise ValueError(f"quantization_config.config_groups: targets {group.get('targets')!r}: loom reads groups "
                          "that target ['Linear'] (which layers are int8 follows their weight_scale tensors)")
-    weights = group.get("weights") if isinstance(group, dict) else None
+    weights = group.get("weights")
     if (not isinstance(weights, dict) or weights.get("num_bits") != 8 or weights.get("type") != "int"
             or weights.get("symmetric") is False):
         raise ValueError("quantization_config.config_groups: weights must be num_bits 8, type 'int', symmetric")
-    if weights.get("strategy") not in ("channel", "tensor"):
-        raise ValueError(f"quantization_config.config_groups: weights.strategy {weights.get('strategy')!r}: loom "
-                         "reads 'channel' or 'tensor' int8 scales")
-    quantized = frozenset(n.removesuffix(".weight_scale") for n in tensor_names if n.endswith(".weight_scale"))
-    if not quantized:
-        raise ValueError("a compressed-tensors int8 checkpoint without any weight_scale tensor")
+    quantized = scaled_modules(weights, tensor_names, "int8")
     acts = group.get("input_activations")
     if not acts:
         return Int8Checkpoint(quantized, "none")
@@ -197,15 +191,6 @@ def int8_quantization_config(activations: str) -> dict[str, Any]:
     }
 
 
-def quantize_int8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (int8 codes [N, K], float32 scales [N, 1]): symmetric round to nearest with scale max|w| / 127
-    rounded to float16 first, so that loom's float16 scales are the file's own (codes clamped to -127..127)."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127).half().float()
-    codes = torch.where(scale > 0, (w / scale.clamp_min(1e-30)).round(), torch.zeros_like(w)).clamp_(-127, 127)
-    return codes.to(torch.int8), scale
-
-
 def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,
                           activations: str = "dynamic", calibration: str = "") -> dict[str, Any]:
     """SmoothQuant (Xiao et al. 2022, arXiv:2211.10438) then int8 per output channel, written to `output` as a
@@ -223,31 +208,20 @@ def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int
     """
     import time
 
-    from loom.model.loader import load_model
-    from loom.model.loader.model_loader import resolve_model_path
-    from loom.model.registry import get_model_class
     from loom.attention.backend import default_attention_backend, get_attention_backend
+    from loom.model.registry import get_model_class
     from loom.quant.gptq_checkpoint import LINEAR_NAMES, PROJECTIONS
-    from loom.quant.quantize import MODEL_TYPES, _check_alpha, _check_output, source_checkpoint, write_checkpoint
-    from loom.quant.smoothquant import collect_input_absmax, search_alpha, smooth_weights
+    from loom.quant.quantize import _check_alpha, _check_output, smoothed_source, write_checkpoint
+    from loom.quant.rtn import quantize_q8
+    from loom.quant.smoothquant import collect_input_absmax
 
     if activations not in ("dynamic", "static"):
         raise ValueError(f"activations must be 'dynamic' or 'static', got {activations!r}")
     _check_alpha(alpha)
     out = _check_output(output)
-    if not windows:
-        raise ValueError("w8a8 needs at least one calibration window")
     start = time.perf_counter()
-    path = resolve_model_path(model)
-    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    loaded, _, smoothed, config = smoothed_source(model, windows, alpha, "w8a8", calibration, rotated=False)
     arch = loaded.arch
-    if arch.architecture not in MODEL_TYPES:
-        raise ValueError(f"w8a8 has no smoothing map for {arch.architecture}")
-    stats = collect_input_absmax(loaded.model, arch, windows)
-    alphas = (search_alpha(loaded.model, arch, windows, stats, rotated=False) if alpha == "search"
-              else float(alpha))
-    source, config = source_checkpoint(path, arch, set(loaded.eos_token_ids))
-    smoothed = smooth_weights(source, stats, arch, alphas)
     input_scale: dict[str, float] = {}
     if activations == "static":  # the smoothed model's own input maxima, one per loom layer
         cpu = torch.device("cpu")
@@ -263,8 +237,9 @@ def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int
     for name, t in smoothed.items():
         module, _, kind = name.rpartition(".")
         if kind == "weight" and module.startswith("model.layers.") and module.rpartition(".")[2] in LINEAR_NAMES:
-            codes, scale = quantize_int8_channel(t)
-            tensors[name], tensors[f"{module}.weight_scale"] = codes.contiguous(), scale.contiguous()
+            packed = quantize_q8(t, t.shape[1])  # one float16 scale per row: loom reads the file's own
+            scale = packed.scales.float()
+            tensors[name], tensors[f"{module}.weight_scale"] = packed.qweight, scale
             if activations == "static":
                 tensors[f"{module}.input_scale"] = torch.tensor([input_scale[module]], dtype=torch.float32)
             bits += 8 * t.numel() + 32 * scale.numel()
@@ -279,4 +254,4 @@ def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int
 
 
 __all__ = ["Int8Checkpoint", "Int8CheckpointConfig", "int8_quant_config", "int8_quantization_config",
-           "iter_int8_weights", "quantize_int8_channel", "read_int8_checkpoint", "write_int8_checkpoint"]
+           "iter_int8_weights", "read_int8_checkpoint", "write_int8_checkpoint"]

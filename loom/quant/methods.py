@@ -55,11 +55,6 @@ from loom.quant.torch_kernels import TorchQuantKernels
 # every batch here). A layer of several layouts takes the smallest.
 DENSE_MIN_ROWS_BY_LAYOUT = {"q4g32": 128, "q8g": 64}
 DENSE_MIN_ROWS = min(DENSE_MIN_ROWS_BY_LAYOUT.values())  # the C decode step's batch limit: every layout packed
-# Rows above which w8a8 multiplies in torch's int8 GEMM instead of loom's per-block kernel: 0, every row count, so
-# that a token's result does not depend on how many rows its step had (a prefix-cache hit or a chunk changing the
-# count changed greedy output at 8: fresh-user trial). It costs decode: [3072, 576] at one row 0.10 ms against the
-# kernel's 0.047, TPOT 15.9 -> 19.1 ms; at 16 rows 0.12 vs 0.36 ms, at 512 0.9 vs 11 ms (Sapphire Rapids-class CPU).
-INT_GEMM_MIN_ROWS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +200,11 @@ class PackedLinearMethod:
             x = rotate(x, layer.rotation_block)
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
-        if layer.int_gemm and x.shape[0] > INT_GEMM_MIN_ROWS:
+        if layer.int_gemm:
+            # at every row count, so that a token's result does not depend on how many rows its step had (with the
+            # kernel below 8 rows a prefix-cache hit changed greedy output: fresh-user trial); it costs decode:
+            # [3072, 576] at one row 0.10 ms against the kernel's 0.047, TPOT 15.9 -> 19.1 ms; at 16 rows 0.12 vs
+            # 0.36 ms, at 512 0.9 vs 11 ms (Sapphire Rapids-class CPU)
             xa = self._int8_activations(layer, x)
             outs = [_int8_gemm(xa, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif x.shape[0] > self.dense_min_rows:

@@ -248,26 +248,11 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
             empty directory, or no calibration window.
     """
 
-    from loom.model.loader import load_model
-    from loom.model.loader.model_loader import resolve_model_path
-    from loom.quant.smoothquant import collect_input_absmax, search_alpha, smooth_weights
-
     _check_alpha(alpha)
     out = _check_output(output)
-    if not windows:
-        raise ValueError("smoothquant needs at least one calibration window")
     start = time.perf_counter()
-    path = resolve_model_path(model)
-    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
-    if loaded.arch.architecture not in MODEL_TYPES:
-        raise ValueError(f"smoothquant has no smoothing map for {loaded.arch.architecture}")
+    loaded, path, smoothed, config = smoothed_source(model, windows, alpha, "smoothquant", calibration)
     tokens = sum(len(w) for w in windows)
-    logger.info("calibrating on %d tokens (%d windows) of %s", tokens, len(windows), calibration or "given ids")
-    stats = collect_input_absmax(loaded.model, loaded.arch, windows)
-    alphas: float | dict[str, float] = (search_alpha(loaded.model, loaded.arch, windows, stats)
-                                        if alpha == "search" else float(alpha))
-    weights, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
-    smoothed = smooth_weights(weights, stats, loaded.arch, alphas)
     config[CONFIG_KEY] = {
         "method": "w8a8", "prepared_by": "smoothquant", "alpha": alpha if alpha == "search" else float(alpha),
         "calibration": calibration, "calibration_tokens": tokens, "source": str(path),
@@ -277,6 +262,38 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
     seconds = time.perf_counter() - start
     logger.info("wrote %s in %.1f s", out, seconds)
     return QuantizeResult(out, "smoothquant", calibration, tokens, alpha, seconds)
+
+
+def smoothed_source(model: str | None, windows: list[list[int]], alpha: float | str, method: str, calibration: str,
+                    rotated: bool = True) -> tuple[Any, Path, dict[str, torch.Tensor], dict[str, Any]]:
+    """SmoothQuant's calibration and folding, shared by `smoothquant` and `w8a8`: the source in float32 (quantization
+    "none"), its per-channel input maxima over `windows`, the scales (alpha, or per layer with "search", scored
+    on the run-time w8a8 grid when `rotated`, else without the rotation) folded into the source's tensors.
+
+    Returns:
+        (the loaded float32 model, the source path, the smoothed tensors under Hugging Face names, the output's
+        config.json from source_checkpoint).
+
+    Raises:
+        ValueError: no calibration window, or an architecture without a smoothing map (named with `method`).
+    """
+    from loom.model.loader import load_model
+    from loom.model.loader.model_loader import resolve_model_path
+    from loom.quant.smoothquant import collect_input_absmax, search_alpha, smooth_weights
+
+    if not windows:
+        raise ValueError(f"{method} needs at least one calibration window")
+    path = resolve_model_path(model)
+    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    if loaded.arch.architecture not in MODEL_TYPES:
+        raise ValueError(f"{method} has no smoothing map for {loaded.arch.architecture}")
+    logger.info("calibrating on %d tokens (%d windows) of %s", sum(len(w) for w in windows), len(windows),
+                calibration or "given ids")
+    stats = collect_input_absmax(loaded.model, loaded.arch, windows)
+    alphas: float | dict[str, float] = (search_alpha(loaded.model, loaded.arch, windows, stats, rotated=rotated)
+                                        if alpha == "search" else float(alpha))
+    weights, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
+    return loaded, path, smooth_weights(weights, stats, loaded.arch, alphas), config
 
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], tokenizer: Any) -> None:

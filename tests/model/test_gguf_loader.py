@@ -186,16 +186,23 @@ def test_synthetic_gguf_matches_hf(
         torch.testing.assert_close(out[i], hf_logits(tiny.hf, prompt), atol=1e-4, rtol=0)
 
 
-def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+def _write_minimal_gguf(path: Path, gguf_arch: str, width: int, fields: dict[str, int] | None = None) -> Path:
+    """A GGUF file of `gguf_arch` with uint32 metadata `fields` ({arch}.key) and a zero embedding [4, width]."""
     import gguf
 
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    for key, value in (fields or {}).items():
+        writer.add_uint32(f"{gguf_arch}.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, width), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
+    path = _write_minimal_gguf(tmp_path / "gpt2.gguf", "gpt2", 4)
     with pytest.raises(ValueError, match="'gpt2'.*llama.*qwen2"):
         load_model(str(path), torch.float32, CPU, quantization="none")
 
@@ -310,17 +317,7 @@ def test_phi3_longrope_gguf_matches_hf(tmp_path: Path) -> None:
 
 
 def test_partial_rotary_gguf_is_refused(tiny_models: dict[str, TinyModel], tmp_path: Path) -> None:
-    import gguf
-
-    path = tmp_path / "partial.gguf"
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    for key, value in (("block_count", 1), ("embedding_length", 64), ("attention.head_count", 4),
-                       ("rope.dimension_count", 12)):
-        writer.add_uint32(f"phi3.{key}", value)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 64), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = _write_minimal_gguf(tmp_path / "partial.gguf", "phi3", 64, {
+        "block_count": 1, "embedding_length": 64, "attention.head_count": 4, "rope.dimension_count": 12})
     with pytest.raises(ValueError, match="rope.dimension_count 12 != head_dim 16"):
         load_model(str(path), torch.float32, CPU, quantization="none")
