@@ -20,11 +20,13 @@ from torch import nn
 
 from loom.attention.backend import AttentionBackend
 from loom.attention.metadata import AttentionMetadata
+from loom.distributed.tensor_parallel import TensorParallel, head_shard, shard_range
 from loom.kernels.registry import fused_kernels_for
 from loom.model.arch import ModelArchConfig
 from loom.quant.config import NoQuantConfig, QuantizationConfig
 from loom.model.layers import (
     Linear,
+    LinearShard,
     LMHead,
     MergedLinear,
     PagedAttention,
@@ -48,11 +50,12 @@ def _rms_norm(width: int, arch: ModelArchConfig, kernels: Any, dtype: torch.dtyp
 
 
 def _feed_forward(arch: ModelArchConfig, layer_index: int, dtype: torch.dtype, device: torch.device,
-                  quant_config: QuantizationConfig, prefix: str) -> nn.Module:
+                  quant_config: QuantizationConfig, prefix: str, tp: TensorParallel | None) -> nn.Module:
     """A layer's FFN: the MoE block in the sparse layers of an MoE model, else the dense gated MLP."""
     if arch.num_experts and layer_index not in arch.dense_mlp_layers:
-        return SparseMoeBlock(arch, dtype, device, quant_config, prefix)
-    return LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, prefix, arch.hidden_act)
+        return SparseMoeBlock(arch, dtype, device, quant_config, prefix, tp)
+    return LlamaMLP(arch.hidden_size, arch.intermediate_size, dtype, device, quant_config, prefix, arch.hidden_act,
+                    tp)
 
 
 def _layer_index(prefix: str) -> int:
@@ -70,17 +73,28 @@ class LlamaAttention(nn.Module):
         device: torch.device,
         quant_config: QuantizationConfig,
         prefix: str,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """tp: this rank computes the heads of head_shard (q/k/v column-parallel by heads, o_proj row-parallel)."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        sizes = [arch.q_size, arch.kv_size, arch.kv_size]
-        self.qkv_proj = MergedLinear(arch.hidden_size, sizes, arch.attention_bias, dtype, device,
-                                     quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, o_proj_bias, dtype, device,
-                             quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        heads = head_shard(arch.num_heads, arch.num_kv_heads, tp)
+        if tp is not None and arch.qk_norm == "projection":
+            raise ValueError("tensor parallelism: QK-norm over the whole projection (OLMo 2, OLMoE) needs every "
+                             "head's sum of squares, which is not split yet; run it with tensor_parallel_size 1")
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, arch.head_dim
+        d = arch.head_dim
+        q_size, kv_size = heads.num_heads * d, heads.num_kv_heads * d
+        q_rows = (heads.q_start * d, heads.q_start * d + q_size)
+        kv_rows = (heads.kv_start * d, heads.kv_start * d + kv_size)
+        self.qkv_proj = MergedLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype, device,
+                                     quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+                                     shard=None if tp is None else LinearShard(tp, rows=(q_rows, kv_rows, kv_rows)))
+        self.o_proj = Linear(q_size, arch.hidden_size, o_proj_bias, dtype, device,
+                             quant_config=quant_config, prefix=f"{prefix}.o_proj",
+                             shard=None if tp is None else LinearShard(tp, cols=q_rows))
         self.kernels: Any = fused_kernels_for(dtype, device, quant_config.float32_kernels)  # fused rotary, or None
         layer_index = _layer_index(prefix.rsplit(".", 1)[0])
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend,
+        self.attn = PagedAttention(heads.num_heads, heads.num_kv_heads, arch.head_dim, backend,
                                    arch.layer_sliding_window(layer_index), arch.attention_scale,
                                    arch.attn_logit_softcapping)
         self.local_rope = arch.layer_rope_is_local(layer_index)  # rotates with the local base (Gemma 3 sliding)
@@ -124,14 +138,20 @@ class LlamaMLP(nn.Module):
     GELU with the tanh approximation (GeGLU, Gemma)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device,
-                 quant_config: QuantizationConfig, prefix: str, act: str = "silu") -> None:
+                 quant_config: QuantizationConfig, prefix: str, act: str = "silu", tp: TensorParallel | None = None,
+                 reduce: bool = True) -> None:
+        """tp: this rank holds a range of the MLP width (gate/up column-parallel, down row-parallel); reduce=False
+        leaves the down projection's partial sums for the caller to add (an MoE block adds all experts' once)."""
         super().__init__()
         self.act = act
-        sizes = [intermediate_size, intermediate_size]
-        self.gate_up_proj = MergedLinear(hidden_size, sizes, False, dtype, device, quant_config=quant_config,
-                                         prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device, quant_config=quant_config,
-                                prefix=f"{prefix}.down_proj")
+        start, stop = shard_range(intermediate_size, tp)
+        width = stop - start
+        self.gate_up_proj = MergedLinear(hidden_size, [width, width], False, dtype, device, quant_config=quant_config,
+                                         prefix=f"{prefix}.gate_up_proj",
+                                         shard=None if tp is None else LinearShard(tp, rows=((start, stop),) * 2))
+        self.down_proj = Linear(width, hidden_size, False, dtype, device, quant_config=quant_config,
+                                prefix=f"{prefix}.down_proj",
+                                shard=None if tp is None else LinearShard(tp, cols=(start, stop), reduce=reduce))
         self.kernels: Any = fused_kernels_for(dtype, device, quant_config.float32_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,22 +183,25 @@ class SparseMoeBlock(nn.Module):
     """
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                 quant_config: QuantizationConfig, prefix: str) -> None:
+                 quant_config: QuantizationConfig, prefix: str, tp: TensorParallel | None = None) -> None:
+        """tp: every expert's MLP width is split over the ranks; the block adds the ranks' partial sums once."""
         super().__init__()
+        self.tp = tp
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.moe_renormalize
         self.gate = Linear(arch.hidden_size, arch.num_experts, False, dtype, device, quant_config=NoQuantConfig(),
                            prefix=f"{prefix}.gate")
         width = arch.moe_intermediate_size or arch.intermediate_size
         self.experts = nn.ModuleList(
-            LlamaMLP(arch.hidden_size, width, dtype, device, quant_config, f"{prefix}.experts.{e}")
+            LlamaMLP(arch.hidden_size, width, dtype, device, quant_config, f"{prefix}.experts.{e}", tp=tp,
+                     reduce=False)
             for e in range(arch.num_experts)
         )
         # Qwen2-MoE: a shared expert every token runs, scaled by sigmoid(shared_expert_gate(x))
         self.shared_expert = self.shared_expert_gate = None
         if arch.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(arch.hidden_size, arch.shared_expert_intermediate_size, dtype, device,
-                                          quant_config, f"{prefix}.shared_expert")
+                                          quant_config, f"{prefix}.shared_expert", tp=tp, reduce=False)
             self.shared_expert_gate = Linear(arch.hidden_size, 1, False, dtype, device, quant_config=NoQuantConfig(),
                                              prefix=f"{prefix}.shared_expert_gate")
 
@@ -206,7 +229,7 @@ class SparseMoeBlock(nn.Module):
             start += count
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def expert_token_counts(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens routed to each expert [num_experts] int64 for x [n, hidden] (load-balance metrics)."""
@@ -223,13 +246,15 @@ class LlamaDecoderLayer(nn.Module):
         device: torch.device,
         quant_config: QuantizationConfig,
         prefix: str,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
         self.input_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
-        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn",
+                                        tp)
         self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
-        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp")
+        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp", tp)
 
     def forward(
         self,
@@ -263,12 +288,14 @@ class Olmo2DecoderLayer(nn.Module):
         device: torch.device,
         quant_config: QuantizationConfig,
         prefix: str,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
-        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(arch, o_proj_bias, backend, dtype, device, quant_config, f"{prefix}.self_attn",
+                                        tp)
         self.post_attention_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
-        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp")
+        self.mlp = _feed_forward(arch, _layer_index(prefix), dtype, device, quant_config, f"{prefix}.mlp", tp)
         self.post_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
 
     def forward(
@@ -306,8 +333,9 @@ class GemmaDecoderLayer(Olmo2DecoderLayer):
         device: torch.device,
         quant_config: QuantizationConfig,
         prefix: str,
+        tp: TensorParallel | None = None,
     ) -> None:
-        super().__init__(arch, o_proj_bias, backend, dtype, device, quant_config, prefix)
+        super().__init__(arch, o_proj_bias, backend, dtype, device, quant_config, prefix, tp)
         kernels = fused_kernels_for(dtype, device, quant_config.float32_kernels)
         self.input_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
         self.pre_feedforward_layernorm = _rms_norm(arch.hidden_size, arch, kernels, dtype, device)
@@ -328,17 +356,18 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         quant_config: QuantizationConfig,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, device,
-                                           packed=quant_config.embedding_packed())
+                                           packed=quant_config.embedding_packed(), tp=tp)
         # Gemma multiplies the embedding rows by sqrt(hidden_size), a float32 scalar cast to the model dtype
         self.embedding_scale = None if arch.embedding_scale is None else \
             torch.tensor(arch.embedding_scale, dtype=torch.float32).to(dtype)
         layer_cls = GemmaDecoderLayer if arch.sandwich_norm else Olmo2DecoderLayer if arch.post_norm \
             else LlamaDecoderLayer
         self.layers = nn.ModuleList(
-            layer_cls(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}")
+            layer_cls(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}", tp)
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
@@ -361,7 +390,8 @@ class LlamaModel(nn.Module):
         from loom.quant.methods import DENSE_MIN_ROWS
 
         self.decode_step = None
-        if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self):
+        if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self) \
+                or self.embed_tokens.tp is not None:  # tensor parallel: the C step has no all-reduce
             return
         kernel = get_kernel("decode_step")
         if kernel is not None:
@@ -426,17 +456,22 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         quant_config: QuantizationConfig | None = None,
         o_proj_bias: bool | None = None,
+        *,
+        tp: TensorParallel | None = None,
     ) -> None:
         """quant_config: which method each linear layer gets (None = dense, loom.quant.NoQuantConfig);
-        o_proj_bias: None = same as arch.attention_bias (Llama); Qwen2 passes False."""
+        o_proj_bias: None = same as arch.attention_bias (Llama); Qwen2 passes False; tp: this process's place in
+        a tensor-parallel group (None = the whole model here; loom/distributed/tensor_parallel.py)."""
         super().__init__()
         self.arch = arch
+        self.tp = tp
         quant_config = quant_config or NoQuantConfig()
         self.quant_config = quant_config
         bias = arch.attention_bias if o_proj_bias is None else o_proj_bias
-        self.model = LlamaModel(arch, bias, backend, dtype, device, quant_config)
+        self.model = LlamaModel(arch, bias, backend, dtype, device, quant_config, tp)
         tied = self.model.embed_tokens if arch.tie_word_embeddings else None
-        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied, quant_config=quant_config)
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied, quant_config=quant_config,
+                              tp=tp)
 
     def forward(
         self,
@@ -493,6 +528,9 @@ class LlamaForCausalLM(nn.Module):
                 # a projection the checkpoint stores fused (Phi-3's qkv_proj, gate_up_proj): split it into the
                 # shards of our stacked layer, in order
                 module = self.get_submodule(module_name)
+                if module.shard is not None:
+                    raise ValueError(f"{name}: tensor parallelism does not split checkpoints that store this "
+                                     "projection fused (Phi-3's Hugging Face files) yet; use its GGUF file")
                 sizes = list(module.output_sizes)
                 if tensor.shape[0] != sum(sizes):
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not split into {sizes}")
@@ -570,9 +608,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     def __init__(
         self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-        quant_config: QuantizationConfig | None = None,
+        quant_config: QuantizationConfig | None = None, *, tp: TensorParallel | None = None,
     ) -> None:
-        super().__init__(arch, backend, dtype, device, quant_config, o_proj_bias=False)
+        super().__init__(arch, backend, dtype, device, quant_config, o_proj_bias=False, tp=tp)
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

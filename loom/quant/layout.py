@@ -68,6 +68,22 @@ class PackedWeight:
         return PackedWeight(self.layout, self.qweight[index].contiguous(), self.scales[index].contiguous(),
                             None if self.mins is None else self.mins[index].contiguous(), self.group_size)
 
+    def cols(self, start: int, stop: int) -> PackedWeight:
+        """The columns [start, stop) of the matrix, same layout (a tensor-parallel rank's input range).
+
+        Raises:
+            ValueError: start or stop not on a group boundary (a group's codes share one scale).
+        """
+        g = 32 if self.layout == "q4g32" else self.group_size
+        if start % g or stop % g or not 0 <= start < stop <= self.shape[1]:
+            raise ValueError(f"columns [{start}, {stop}) of a {self.layout} matrix with groups of {g} and "
+                             f"K={self.shape[1]}: a split must fall on group boundaries")
+        per_byte = 2 if self.layout == "q4g32" else 1
+        q = self.qweight[:, start // per_byte : stop // per_byte].contiguous()
+        gs = slice(start // self.group_size, stop // self.group_size)
+        return PackedWeight(self.layout, q, self.scales[:, gs].contiguous(),
+                            None if self.mins is None else self.mins[:, gs].contiguous(), self.group_size)
+
 
 def unpack_codes(packed: PackedWeight) -> torch.Tensor:
     """The integer codes q [N, K] int16 (q4g32: 0..15; q8g: -128..127)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 
 from loom.attention.metadata import AttentionMetadata
 from loom.config import CacheConfig, ModelConfig
+from loom.distributed.tensor_parallel import TensorParallel, max_kv_heads_per_rank
 from loom.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from loom.model.loader import load_model
@@ -95,10 +97,14 @@ class _StepInputs:
 class ModelRunner:
     """Owns the model, the paged KV tensors and the generator of unseeded samples."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
+                 tp: TensorParallel | None = None) -> None:
+        """tp: this process's rank in a tensor-parallel group (it holds its shard of the weights and the KV heads
+        of its attention heads); None = the whole model."""
         self.device = device
+        self.tp = tp
         self.dtype = resolve_dtype(model_config.dtype, device, model_config.quantization, model_config.model)
-        loaded = load_model(model_config.model, self.dtype, device, quantization=model_config.quantization)
+        loaded = load_model(model_config.model, self.dtype, device, quantization=model_config.quantization, tp=tp)
         self.model = loaded.model
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -108,7 +114,15 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             cache_config.kv_cache_dtype, self.dtype,
             packed_cpu=packed_on_cpu(device, model_config.quantization, model_config.model))
-        self.kv_bytes_per_token = kv_cache_bytes_per_token(self.arch, self.kv_cache_dtype)
+        # the KV heads held here; blocks are counted for the rank holding the most, so a block id is a block on every
+        # rank (the scheduler's ids mean the same everywhere)
+        local_arch = self.arch if tp is None else dataclasses.replace(
+            self.arch, num_heads=self.model.model.layers[0].self_attn.num_heads,
+            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads)
+        most_kv = max_kv_heads_per_rank(self.arch.num_heads, self.arch.num_kv_heads, 1 if tp is None else tp.size)
+        budget_arch = dataclasses.replace(self.arch, num_kv_heads=most_kv,
+                                          num_heads=most_kv * (self.arch.num_heads // self.arch.num_kv_heads))
+        self.kv_bytes_per_token = kv_cache_bytes_per_token(budget_arch, self.kv_cache_dtype)
         # KV cache groups: one for a model whose layers attend alike; Gemma's sliding and global layers get a block
         # table per group (loom/core/kv_groups.py) unless the hybrid KV cache is switched off
         windows = [self.arch.layer_sliding_window(i) for i in range(self.arch.num_layers)]
@@ -122,7 +136,7 @@ class ModelRunner:
                              "cache of this model (switch it off with --no-hybrid-kv-cache, or offload nothing)")
         self.group_of_layer, slots = layer_slots(groups, self.arch.num_layers)
         self.num_blocks = cache_config.num_blocks or num_blocks_for_budget(
-            self.arch, self.kv_cache_dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes,
+            budget_arch, self.kv_cache_dtype, cache_config.block_size, cache_config.kv_cache_memory_bytes,
             layers_per_block=len(groups[0].layers) if hybrid else None,
         )
         if self.num_blocks < 1:
@@ -130,10 +144,10 @@ class ModelRunner:
                 f"kv_cache_memory_gb is too small for one block of {cache_config.block_size} tokens "
                 f"({self.kv_bytes_per_token * cache_config.block_size} bytes)"
             )
-        self.kv_caches = allocate_kv_caches(self.arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device,
+        self.kv_caches = allocate_kv_caches(local_arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device,
                                             layer_slots=slots if hybrid else None)
         self.num_host_blocks = num_host_blocks_for_budget(
-            self.arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
+            budget_arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
         )
         self.host_kv_cache = HostKVCache(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
         self.default_generator = torch.Generator().manual_seed(model_config.seed)  # unseeded rows' uniforms
@@ -149,6 +163,12 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output.scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         output = ModelRunnerOutput(sampled_token_ids={})
+        if self.tp is not None and self.tp.rank != 0:
+            # a tensor-parallel worker: the LM head's gather needs every rank, the sampling only rank 0
+            for rows in (inputs.prompt_lp_indices, inputs.sample_indices):
+                if rows:
+                    self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+            return output
         if inputs.prompt_lp_indices:
             self._add_prompt_logprobs(hidden, inputs, output)
         if inputs.sample_indices:

@@ -2,7 +2,7 @@
 
 from loom.model.layers.attention import PagedAttention
 from loom.model.layers.embedding import LMHead, VocabEmbedding
-from loom.model.layers.linear import Linear, LinearMethod, MergedLinear, UnquantizedLinearMethod
+from loom.model.layers.linear import Linear, LinearMethod, LinearShard, MergedLinear, UnquantizedLinearMethod
 from loom.model.layers.norm import RMSNorm
 from loom.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
@@ -10,6 +10,7 @@ __all__ = [
     "LMHead",
     "Linear",
     "LinearMethod",
+    "LinearShard",
     "MergedLinear",
     "PagedAttention",
     "RMSNorm",

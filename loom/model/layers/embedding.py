@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.model.layers.linear import Linear, LinearMethod
+from loom.distributed.tensor_parallel import TensorParallel, partition, shard_range
+from loom.model.layers.linear import Linear, LinearMethod, LinearShard
 from loom.quant.layout import PackedWeight, dequantize
 
 
@@ -20,15 +21,20 @@ class VocabEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 packed: bool = False) -> None:
+                 packed: bool = False, tp: TensorParallel | None = None) -> None:
+        """tp: vocab-parallel (Megatron-LM): this rank holds the rows [vocab_start, vocab_end) and looks up only
+        the ids there; an all-reduce adds the ranks' rows (exactly one is nonzero per token)."""
         super().__init__()
         self.dtype = dtype
-        self.shape = (vocab_size, hidden_size)
+        self.shape = (vocab_size, hidden_size)  # of the checkpoint's table
+        self.tp = tp
+        self.vocab_start, self.vocab_end = shard_range(vocab_size, tp)
         self.weight: nn.Parameter | None = None
         if not packed:
             self.weight = nn.Parameter(
-                torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
-            )  # [vocab_size, hidden_size]
+                torch.empty(self.vocab_end - self.vocab_start, hidden_size, dtype=dtype, device=device),
+                requires_grad=False,
+            )  # [vocab rows held here, hidden_size]
         self.packed: PackedWeight | None = None  # [vocab_size, hidden_size] in a loom layout, when packed
 
     def load(self, name: str, tensor: Any, shard: int | None = None) -> None:
@@ -40,6 +46,9 @@ class VocabEmbedding(nn.Module):
         shape = tuple(tensor.shape)
         if name != "weight" or shard is not None or shape != self.shape:
             raise ValueError(f"embedding {name} of shape {shape} does not fit the table {self.shape}")
+        if self.tp is not None:
+            rows = slice(self.vocab_start, self.vocab_end)
+            tensor = tensor.rows(rows) if isinstance(tensor, PackedWeight) else tensor[rows]
         if self.weight is None:
             self.packed = tensor if isinstance(tensor, PackedWeight) else None
             if self.packed is None:  # the file stores it in float after all
@@ -50,9 +59,17 @@ class VocabEmbedding(nn.Module):
             self.weight.data.copy_(tensor)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(input_ids)
+        here = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        rows = self._lookup(torch.where(here, input_ids - self.vocab_start, 0))
+        return self.tp.all_reduce(rows.masked_fill_(~here.unsqueeze(-1), 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the table held here -> [len(ids), hidden_size], model dtype."""
         if self.packed is not None:
-            return dequantize(self.packed.rows(input_ids), self.dtype)
-        return F.embedding(input_ids, self.weight)
+            return dequantize(self.packed.rows(ids), self.dtype)
+        return F.embedding(ids, self.weight)
 
     def weight_format(self) -> tuple[str, int]:
         """(format, bytes held) for the start-up report (a lookup reads only its rows)."""
@@ -76,9 +93,15 @@ class LMHead(Linear):
         quant_method: LinearMethod | None = None,
         *,
         quant_config: Any = None,
+        tp: TensorParallel | None = None,
     ) -> None:
-        super().__init__(hidden_size, vocab_size, False, dtype, device, quant_method,
-                         quant_config=quant_config, prefix="lm_head")
+        """tp: vocab-parallel: this rank computes the logits of its vocab rows (the embedding's rows when tied) and
+        an all-gather joins them."""
+        start, stop = shard_range(vocab_size, tp)
+        super().__init__(hidden_size, stop - start, False, dtype, device, quant_method, quant_config=quant_config,
+                         prefix="lm_head", shard=None if tp is None else LinearShard(tp, rows=((start, stop),)))
+        self.vocab_widths = None if tp is None else [b - a for a, b in
+                                                     (partition(vocab_size, tp.size, r) for r in range(tp.size))]
         self.tied = tied
         if tied is not None and tied.weight is not None and isinstance(self.weight, nn.Parameter) \
                 and self.weight.shape == tied.weight.shape and self.weight.dtype == tied.weight.dtype:
@@ -87,4 +110,7 @@ class LMHead(Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (the matmul runs in the model dtype and
         is cast, as transformers does)."""
-        return super().forward(hidden).float()
+        logits = super().forward(hidden).float()
+        if self.shard is not None:
+            logits = self.shard.tp.all_gather_columns(logits, self.vocab_widths)
+        return logits

@@ -9,14 +9,17 @@ run-time form once the checkpoint is in (`process_weights_after_loading`) and ru
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.distributed.tensor_parallel import TensorParallel
 from loom.kernels.cpu import GEMV_MAX_ROWS, GemvBf16
 from loom.kernels.registry import get_kernel
+from loom.quant.layout import PackedWeight
 
 # Rows the oneDNN weight layout is tuned for: a decode batch. Any number of rows works with it.
 _ONEDNN_PACK_ROWS = 32
@@ -138,6 +141,39 @@ def copy_rows(layer: Linear, target: torch.Tensor, tensor: torch.Tensor, shard: 
     part.copy_(tensor)
 
 
+@dataclass(frozen=True, slots=True)
+class LinearShard:
+    """The part of a checkpoint matrix one tensor-parallel rank holds (loom/distributed/tensor_parallel.py).
+
+    Column-parallel (`rows`): each stacked projection's range of checkpoint rows; the rank's outputs are its own.
+    Row-parallel (`cols`): a range of the checkpoint's input columns; the rank's outputs are partial sums that
+    `Linear.forward` all-reduces, and only rank 0 holds the bias, so the sum adds it once.
+    """
+
+    tp: TensorParallel
+    rows: tuple[tuple[int, int], ...] | None = None  # per stacked projection: [start, stop) of its checkpoint rows
+    cols: tuple[int, int] | None = None  # [start, stop) of the checkpoint's input columns
+    reduce: bool = True  # row-parallel: all-reduce in forward (False: the caller sums later, e.g. once per MoE block)
+
+    def slice(self, name: str, tensor: Any, shard: int | None) -> Any:
+        """This rank's part of checkpoint parameter `name` ("weight" / "bias"; projection `shard` of a stack).
+
+        Raises:
+            ValueError: a tensor kind that does not split here (checkpoint-specific packed formats), or a split
+                that does not fall on the packed layout's group boundaries.
+        """
+        if not isinstance(tensor, (torch.Tensor, PackedWeight)):
+            raise ValueError(f"a {type(tensor).__name__} checkpoint tensor does not split for tensor parallelism")
+        if self.rows is not None:
+            start, stop = self.rows[shard or 0]
+            return tensor.rows(slice(start, stop)) if isinstance(tensor, PackedWeight) else tensor[start:stop]
+        assert self.cols is not None
+        start, stop = self.cols
+        if name == "bias":  # added once, after the sum
+            return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+        return tensor.cols(start, stop) if isinstance(tensor, PackedWeight) else tensor[:, start:stop].contiguous()
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W [output_size, input_size]; what is stored and how it is multiplied is the
     quant method's. Several projections of one input (q|k|v, gate|up) stack their rows (`output_sizes`),
@@ -155,11 +191,14 @@ class Linear(nn.Module):
         *,
         quant_config: Any = None,
         prefix: str = "",
+        shard: LinearShard | None = None,
     ) -> None:
         """quant_method: explicit method; else `quant_config.get_quant_method(self, prefix)` (a
         loom.quant.QuantizationConfig; prefix = the checkpoint name of the layer, e.g.
-        "model.layers.0.self_attn.qkv_proj"); else the default dense method."""
+        "model.layers.0.self_attn.qkv_proj"); else the default dense method. shard: the rank's part under tensor
+        parallelism (input_size / output_size are then the rank's), None = the whole matrix."""
         super().__init__()
+        self.shard = shard
         sizes = list(output_size) if isinstance(output_size, list) else [output_size]
         self.input_size = input_size
         self.output_sizes = sizes  # rows of each shard, in stacking order
@@ -177,7 +216,11 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, input_size, sizes, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        out = self.quant_method.apply(self, x)
+        if self.shard is not None and self.shard.cols is not None and self.shard.reduce:  # row-parallel: add the
+            # ranks' partial sums
+            self.shard.tp.all_reduce(out)
+        return out
 
     def shard_rows(self, shard: int) -> slice:
         """Rows of the stacked weight that hold shard number `shard`."""
@@ -193,7 +236,7 @@ class Linear(nn.Module):
         loader = self.weight_loaders.get(name)
         if loader is None:
             raise ValueError(f"checkpoint has a {name} for a projection built without one (attention_bias)")
-        loader(tensor, shard)
+        loader(tensor if self.shard is None else self.shard.slice(name, tensor, shard), shard)
 
     def process_weights_after_loading(self) -> None:
         """Let the method derive its own weight form once the checkpoint is loaded."""
@@ -218,6 +261,7 @@ class MergedLinear(Linear):
         *,
         quant_config: Any = None,
         prefix: str = "",
+        shard: LinearShard | None = None,
     ) -> None:
         super().__init__(input_size, list(output_sizes), bias, dtype, device, quant_method,
-                         quant_config=quant_config, prefix=prefix)
+                         quant_config=quant_config, prefix=prefix, shard=shard)

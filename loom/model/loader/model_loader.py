@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from loom.attention.backend import default_attention_backend, get_attention_backend
+from loom.distributed.tensor_parallel import TensorParallel
 from loom.model.arch import ModelArchConfig
 from loom.model.loader.default import default_model_path
 from loom.model.loader.gguf import (
@@ -29,6 +30,11 @@ from loom.quant.awq_method import awq_quant_config, awq_quantization_config
 from loom.quant.fp8_checkpoint import compressed_tensors_config, fp8_quant_config
 from loom.quant.int8_checkpoint import int8_quant_config, iter_int8_weights
 from loom.quant.gptq_method import read_gptq_checkpoint
+
+
+# Methods whose weights split over tensor-parallel ranks: dense ones, and those quantized at load from a dense or
+# GGUF-packed tensor (rows split freely; a row-parallel split must fall on the packed groups' boundaries)
+TENSOR_PARALLEL_METHODS = ("none", "gguf", "w8a16", "w4a16")
 
 
 @dataclass(slots=True)
@@ -124,6 +130,7 @@ def load_model(
     *,
     attention_backend: str | None = None,
     quantization: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory into a loom model on `device` in `dtype`.
 
@@ -139,6 +146,8 @@ def load_model(
         quantization: a name in loom.quant.config.QUANTIZATION_METHODS; None = default_quantization(model):
             "gguf" for a GGUF file (its own quantized blocks, repacked), "gptq" for a Hugging Face GPTQ
             checkpoint (its codes, repacked), the method a `loom quantize` output was prepared for, else "none".
+        tp: this process's rank in a tensor-parallel group: it loads only its shard of each matrix
+            (loom/distributed/tensor_parallel.py); None = the whole model.
 
     Raises:
         ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
@@ -180,7 +189,10 @@ def load_model(
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),
                                     float32_kernels=quant_config.float32_kernels)
-    net = model_cls(arch, backend, dtype, device, quant_config)
+    if tp is not None and quant_config.name not in TENSOR_PARALLEL_METHODS:
+        raise ValueError(f"tensor parallelism with quantization {quant_config.name!r} is not supported yet; "
+                         f"supported: {', '.join(TENSOR_PARALLEL_METHODS)}")
+    net = model_cls(arch, backend, dtype, device, quant_config, tp=tp)
     net.load_weights(weights)
     net.eval()
     tokenizer = tokenizer_from_path(path) if has_tokenizer else None

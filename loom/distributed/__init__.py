@@ -1,0 +1,1 @@
+"""Model parallelism on torch.distributed: process groups and the tensor-parallel split of a decoder."""
