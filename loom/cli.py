@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 import sys
 
@@ -145,9 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        if hasattr(ns, "tensor_parallel_size") and _torchrun_rank() > 0:  # a worker rank: rank 0 runs the command
+            from loom.executor.worker import serve_torchrun_rank
+
+            args = engine_args_from_namespace(ns)
+            serve_torchrun_rank(args.model_config(), args.cache_config(), args.tensor_parallel_size,
+                                args.num_threads, args.distributed_timeout_s)
+            return 0
         return ns.func(ns)
     except ValueError as exc:
         parser.exit(2, f"loom: error: {_name_flags(str(exc), _flags_of(parser))}\n")
+
+
+def _torchrun_rank() -> int:
+    """This process's rank under torchrun (its RANK variable), else 0."""
+    from loom.executor.multiproc import launched_by_torchrun
+
+    return int(os.environ["RANK"]) if launched_by_torchrun() else 0
 
 
 if __name__ == "__main__":

@@ -95,6 +95,20 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # ranks that split every weight matrix (1 = the whole model in this process)
+    distributed_timeout_s: float = 300.0  # a collective waiting longer than this fails the step (a stuck worker)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if not (math.isfinite(self.distributed_timeout_s) and self.distributed_timeout_s > 0):
+            raise ValueError(f"distributed_timeout_s must be a finite number of seconds > 0, got "
+                             f"{self.distributed_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Everything a user can set, flat, as the CLI and `LLM(...)` take it."""
 
@@ -128,6 +142,8 @@ class EngineArgs:
     speculative_tree_width: int = 1  # ngram/suffix: most candidate branches per greedy request and step
     speculative_model: str | None = None  # draft_model: the draft's GGUF file or Hugging Face directory
     speculative_quantization: str | None = None  # draft_model: the draft's --quantization; None = the target's
+    tensor_parallel_size: int = 1  # processes that split every weight matrix (loom/executor/multiproc.py)
+    distributed_timeout_s: float = 300.0  # tensor parallel: a collective stuck longer than this fails the engine
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
@@ -149,6 +165,15 @@ class EngineArgs:
             raise ValueError("preemption_mode='swap' needs a host tier: set kv_offload_memory_gb > 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        parallel = self.parallel_config()
+        if parallel.tensor_parallel_size > 1 and self.speculative_config() is not None \
+                and self._method() == "draft_model":
+            raise ValueError("tensor_parallel_size > 1 with a draft model is not supported yet (the draft would run "
+                             "unsplit on rank 0); use speculative_method ngram or suffix")
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              distributed_timeout_s=self.distributed_timeout_s)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
@@ -201,6 +226,7 @@ __all__ = [
     "ModelConfig",
     "CacheConfig",
     "SchedulerConfig",
+    "ParallelConfig",
     "EngineArgs",
     "SUPPORTED_DTYPES",
     "SUPPORTED_KV_CACHE_DTYPES",

@@ -106,7 +106,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="no drafts in a step while at least this many requests run, where verify rows cost "
                         "about as much as decode rows; 'none' = never off (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None,
-                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else the number of cores)")
+                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else the number of cores; with tensor "
+                        "parallelism, per rank: the cores shared by the local ranks)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=defaults.tensor_parallel_size,
+                   help="processes that split every weight matrix (Megatron-style tensor parallelism on "
+                        "torch.distributed, gloo): N - 1 local workers are started, or the ranks of a torchrun "
+                        "launch join (docs/distributed.md) (default: %(default)s)")
+    g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
+                   default=defaults.distributed_timeout_s,
+                   help="tensor parallel: seconds a collective may wait for a rank before the engine fails "
+                        "(a stuck worker) (default: %(default)s)")
     return parser
 
 

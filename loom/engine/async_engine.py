@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loom.core.scheduler import QueueFullError
+from loom.executor.base import ExecutorDiedError
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.engine.beam_search import BeamSearchParams
 from loom.sampling_params import SamplingParams
@@ -190,6 +191,8 @@ class AsyncLLMEngine:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 logger.warning("engine thread did not stop within %.1f s", timeout_s)
+                return
+        self.engine.shutdown()  # the executor's workers (tensor parallel), after the last step
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps and return its result (tests, admin)."""
@@ -329,6 +332,11 @@ class AsyncLLMEngine:
     def _step(self, state: _Loop) -> None:
         try:
             outputs = self.engine.step()
+        except ExecutorDiedError:  # a tensor-parallel worker died: nothing can run any more
+            logger.exception("the executor died; failing %d request(s) and stopping the engine", len(state.streams))
+            self._abort_all(state, "error")
+            self._stop.set()
+            return
         except Exception:  # noqa: BLE001 - fail the requests of this step, keep serving the next ones
             logger.exception("engine step failed; failing %d request(s) in flight", len(state.streams))
             self._abort_all(state, "error")

@@ -25,7 +25,8 @@ from loom.request import Request, RequestStatus
 from loom.sample.penalties import check_params_against_vocab
 from loom.sampling_params import SamplingParams
 from loom.spec.proposer import ProposerContext, make_proposer
-from loom.worker.model_runner import ModelRunner
+from loom.executor import Executor, ExecutorDiedError, make_executor
+from loom.executor.worker import threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +63,15 @@ class LLMEngine:
     """Single-threaded engine. Not thread-safe: one owner calls every method (see AsyncLLMEngine)."""
 
     def __init__(self, args: EngineArgs) -> None:
-        _set_num_threads(args.num_threads)
+        tp_size = args.tensor_parallel_size
+        _set_num_threads(args.num_threads if tp_size == 1 else threads_per_rank(args.num_threads, tp_size))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model_config = args.model_config()
         cache_config = args.cache_config()
         started = time.perf_counter()
-        self.runner = ModelRunner(model_config, cache_config, device)
+        self.executor: Executor = make_executor(model_config, cache_config, args.parallel_config(), device,
+                                                args.num_threads)
+        self.runner = self.executor.driver  # rank 0's runner: shapes, tokenizer, KV cache layout
         arch = self.runner.arch
         self.tokenizer = self.runner.tokenizer
         if self.tokenizer is None:
@@ -145,6 +149,10 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor parallel); the engine cannot step afterwards. Idempotent."""
+        self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -348,7 +356,11 @@ class LLMEngine:
             [r.request_id for r in scheduler_output.scheduled if r.is_new], time.monotonic()
         )
         try:
-            runner_output = self.runner.execute_model(scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output)
+        except ExecutorDiedError:  # no later step can run: fail every request, then the caller's loop
+            self.scheduler.release_step_blocks()
+            self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+            raise
         except Exception:  # a failing forward must not take the engine down: fail the requests of this step
             logger.exception("model execution failed; failing the %d scheduled requests", len(scheduler_output.scheduled))
             return self._fail_step(scheduler_output)

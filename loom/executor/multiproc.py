@@ -1,0 +1,159 @@
+"""Tensor parallelism over processes on torch.distributed: rank 0 is the engine's process (scheduler and driver
+runner), ranks 1.. are workers that run the same step on their shard of the model.
+
+Two process groups: the default one carries the model's collectives (all-reduce, all-gather) with
+`timeout_s`, so a worker that stops answering fails a step instead of hanging it; a second gloo group carries
+each step's StepMessage from rank 0 (broadcast_object_list) with a long timeout, so workers can wait through an
+idle server. A worker that dies closes its sockets, and rank 0's next collective fails at once; local workers are
+also checked by their process handles before every step. Either way the executor raises ExecutorDiedError and
+stops the rest: no later step runs on a model that is missing a shard.
+
+Start: `tensor_parallel_size` N > 1 spawns N - 1 local worker processes (loopback TCP rendezvous), or, under
+`torchrun` (WORLD_SIZE, RANK, MASTER_ADDR in the environment), joins the ranks torchrun started: rank 0 runs the
+engine, every other rank `loom.executor.worker.serve_worker` (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loom.config import CacheConfig, ModelConfig
+from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from loom.distributed.tensor_parallel import TensorParallel
+from loom.executor.base import ExecutorDiedError
+from loom.executor.step_message import StepEncoder
+from loom.executor.worker import CONTROL_TIMEOUT, WorkerArgs
+from loom.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def launched_by_torchrun() -> bool:
+    """True when this process is one rank of a torchrun launch (its rendezvous variables are set)."""
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    """Rank 0 of a tensor-parallel group; see the module docstring."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
+                 tensor_parallel_size: int, num_threads: int | None, timeout_s: float) -> None:
+        """Raises:
+            ValueError: a device other than the CPU, or torchrun's WORLD_SIZE differs from tensor_parallel_size.
+            ExecutorDiedError: a worker failed to start (its error is logged by the worker)."""
+        if device.type != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
+        self.size = tensor_parallel_size
+        self._procs: list[Any] = []
+        self._dead = False
+        if launched_by_torchrun():
+            world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+            if world != self.size or rank != 0:
+                raise ValueError(f"torchrun started {world} ranks (this is rank {rank}) for tensor_parallel_size "
+                                 f"{self.size}: they must be equal, and rank 0 runs the engine")
+            init_method = "env://"
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            for rank in range(1, self.size):
+                # a fresh interpreter (`python -m loom.executor.worker`), not multiprocessing: a user's script
+                # needs no `if __name__ == "__main__"` guard, and nothing of this process is inherited
+                proc = subprocess.Popen([sys.executable, "-m", "loom.executor.worker"], stdin=subprocess.PIPE)
+                assert proc.stdin is not None
+                pickle.dump(WorkerArgs(rank, self.size, init_method, model_config, cache_config, num_threads,
+                                       timeout_s), proc.stdin)
+                proc.stdin.close()
+                self._procs.append(proc)
+        self._encoder: StepEncoder | None = None
+        try:
+            dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=self.size,
+                                    timeout=timedelta(seconds=timeout_s))
+            self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+            self.driver = ModelRunner(model_config, cache_config, device, tp=TensorParallel(0, self.size))
+            self._check_same_blocks()
+        except Exception as e:
+            dead = self._dead_workers()
+            self._shutdown(tell_workers=False)
+            if dead and not isinstance(e, ValueError):  # a user error is the same on every rank: say it as is
+                raise ExecutorDiedError(f"tensor-parallel workers failed to start: {dead}") from e
+            raise
+        self._encoder = StepEncoder()
+        logger.info("tensor parallel: %d ranks on gloo (%s), %d KV blocks on every rank", self.size,
+                    "torchrun" if not self._procs else "local worker processes", self.driver.num_blocks)
+
+    def _check_same_blocks(self) -> None:
+        """Every rank must size its KV cache alike (the scheduler's block ids index every rank's cache)."""
+        mine = torch.tensor([self.driver.num_blocks, self.driver.num_host_blocks], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine)
+        if any(not torch.equal(p, mine) for p in parts):
+            raise RuntimeError(f"ranks disagree on KV blocks (blocks, host blocks): {[p.tolist() for p in parts]}")
+
+    def _dead_workers(self) -> str:
+        return ", ".join(f"rank {i + 1} (pid {p.pid}, exit code {p.returncode})"
+                         for i, p in enumerate(self._procs) if p.poll() is not None)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._dead:
+            raise ExecutorDiedError("the tensor-parallel executor has stopped (a worker died earlier)")
+        dead = self._dead_workers()
+        if dead:
+            self._fail(f"tensor-parallel worker died: {dead}")
+        try:
+            dist.broadcast_object_list([self._encoder.encode(scheduler_output)], src=0, group=self._control)
+            return self.driver.execute_model(scheduler_output)
+        except Exception as e:  # a failed collective, or a failure after the workers started the step: the ranks
+            # are no longer in step, so no later step can run
+            dead = self._dead_workers()
+            self._fail(f"tensor-parallel step failed ({type(e).__name__}: {e})"
+                       + (f"; dead workers: {dead}" if dead else ""), e)
+
+    def _fail(self, message: str, cause: BaseException | None = None) -> None:
+        logger.error("%s; stopping the executor", message)
+        self._shutdown(tell_workers=False)
+        raise ExecutorDiedError(message) from cause
+
+    def shutdown(self) -> None:
+        self._shutdown(tell_workers=True)
+
+    def _shutdown(self, tell_workers: bool) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        if tell_workers and getattr(self, "_encoder", None) is not None:
+            try:  # a clean stop: the workers leave their loop (torchrun's ranks exit with it)
+                dist.broadcast_object_list([None], src=0, group=self._control)
+            except Exception:  # noqa: BLE001 - a worker already gone; terminated below
+                logger.debug("stop message not delivered", exc_info=True)
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5 if tell_workers else 0.01)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a group with dead peers may fail to close; nothing to keep
+                logger.debug("destroy_process_group failed", exc_info=True)
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

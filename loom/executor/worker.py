@@ -1,0 +1,103 @@
+"""A tensor-parallel worker (rank >= 1): load this rank's shard, then run every step rank 0 sends until told to
+stop. Any error ends the process: rank 0 then sees its next collective fail (loom/executor/multiproc.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from loom.config import CacheConfig, ModelConfig
+from loom.distributed.tensor_parallel import TensorParallel
+from loom.executor.step_message import StepDecoder
+
+logger = logging.getLogger(__name__)
+
+# The step channel waits through an idle server: only the model's collectives carry the short timeout.
+CONTROL_TIMEOUT = timedelta(days=7)
+
+
+def threads_per_rank(num_threads: int | None, size: int) -> int:
+    """torch threads of one rank: num_threads, else this machine's cores shared evenly by the local ranks."""
+    return num_threads or max(1, (os.cpu_count() or 1) // size)
+
+
+def serve_worker(rank: int, size: int, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    """Run rank `rank` of an initialized default process group until rank 0 sends the stop message.
+
+    Raises:
+        whatever loading or a step raises (the caller exits; rank 0's collectives then fail).
+    """
+    from loom.worker.model_runner import ModelRunner
+
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    runner = ModelRunner(model_config, cache_config, torch.device("cpu"), tp=TensorParallel(rank, size))
+    mine = torch.tensor([runner.num_blocks, runner.num_host_blocks], dtype=torch.int64)
+    dist.all_gather([torch.empty_like(mine) for _ in range(size)], mine)  # rank 0 checks they agree
+    decoder = StepDecoder()
+    while True:
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        if box[0] is None:
+            return
+        runner.execute_model(decoder.decode(box[0]))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    """What a local worker process reads (pickled) from its stdin."""
+
+    rank: int
+    size: int
+    init_method: str  # tcp://127.0.0.1:PORT of rank 0's rendezvous
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    num_threads: int | None
+    timeout_s: float  # the model collectives' timeout
+
+
+def main() -> None:
+    """`python -m loom.executor.worker`, started by MultiprocExecutor with WorkerArgs on stdin."""
+    args: WorkerArgs = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads_per_rank(args.num_threads, args.size))
+    try:
+        dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=args.size,
+                                timeout=timedelta(seconds=args.timeout_s))
+        serve_worker(args.rank, args.size, args.model_config, args.cache_config)
+    except Exception:  # noqa: BLE001 - logged, then the exit code tells rank 0
+        logger.exception("tensor-parallel worker rank %d failed", args.rank)
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def serve_torchrun_rank(model_config: ModelConfig, cache_config: CacheConfig, tensor_parallel_size: int,
+                        num_threads: int | None, timeout_s: float) -> None:
+    """A rank > 0 of a torchrun launch (`torchrun ... -m loom.cli serve --tensor-parallel-size N`): join the group
+    torchrun's rendezvous set up and serve rank 0's steps until it stops.
+
+    Raises:
+        ValueError: WORLD_SIZE differs from tensor_parallel_size.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != tensor_parallel_size:
+        raise ValueError(f"torchrun started {world} ranks for tensor_parallel_size {tensor_parallel_size}: they "
+                         "must be equal")
+    torch.set_num_threads(threads_per_rank(num_threads, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        serve_worker(rank, world, model_config, cache_config)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

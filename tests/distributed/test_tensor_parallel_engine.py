@@ -1,0 +1,131 @@
+"""Tensor parallelism end to end: two processes (rank 0 in the test, one worker) against one, in float32.
+
+The ranks split every matrix, so their sums run in another order: greedy tokens must be equal and logprobs within
+1e-4 (the issue's bar), not bit-identical. Each engine uses one thread per process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loom import LLM, SamplingParams
+from loom.executor import ExecutorDiedError
+from tests.helpers import save_tiny_model
+
+pytestmark = pytest.mark.timeout(300)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+TEXTS = ["The quick brown fox", "def fibonacci(n):", "Bonjour, comment", "1, 2, 3, 4, 5,",
+         "A long shared system prompt that fills several blocks. The quick brown fox",
+         "A long shared system prompt that fills several blocks. def fibonacci(n):"]
+
+# name -> (architecture, overrides): uneven KV heads (3 over 2 ranks) with biases on q/k/v/o; one KV head
+# replicated on both ranks (Qwen2's q/k/v biases); a mixture of experts (each expert's width split)
+TINY = {
+    "llama_uneven_heads_bias": ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                                              intermediate_size=200, attention_bias=True)),
+    "qwen2_replicated_kv": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "mixtral": ("mixtral", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp")
+    return {name: str(save_tiny_model(root / name, arch, hf_tokenizer, **kw)) for name, (arch, kw) in TINY.items()}
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list:
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_close(want: list, got: list) -> None:
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+
+
+def _no_leak(llm: LLM) -> None:
+    engine = llm.engine
+    engine.scheduler.check_invariants()
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_tp2_equals_tp1_batched_with_prefix_hits_chunks_and_preemption(name: str, tiny_dirs: dict[str, str],
+                                                                       hf_tokenizer) -> None:
+    prompts = [hf_tokenizer.encode(t) for t in TEXTS]
+    common = dict(model=tiny_dirs[name], dtype="float32", num_threads=1, block_size=4)
+    want = _run(LLM(**common, num_kv_blocks=512), prompts)
+    # small steps (chunked prefill) and few blocks (preemption), twice over the same prompts (prefix hits)
+    tp = LLM(**common, tensor_parallel_size=2, num_kv_blocks=24, max_num_batched_tokens=8)
+    try:
+        for _ in range(2):
+            _assert_close(want, _run(tp, prompts))
+        stats = tp.engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        _no_leak(tp)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_tp2_prompt_logprobs_and_ngram_speculation(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """The workers join the LM head's gather for prompt-logprob rows and for every verify row of a draft."""
+    prompts = [hf_tokenizer.encode("one two three one two three one two three one two")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+    common = dict(model=tiny_dirs["llama_uneven_heads_bias"], dtype="float32", num_threads=1,
+                  speculative_method="ngram", speculative_disable_by_batch_size=None)
+    want = LLM(**common).generate(prompts, params, use_tqdm=False)[0]
+    tp = LLM(**common, tensor_parallel_size=2)
+    try:
+        got = tp.generate(prompts, params, use_tqdm=False)[0]
+        _assert_close([want.outputs[0]], [got.outputs[0]])
+        assert tp.engine.get_stats().spec_num_draft_tokens > 0
+        for a, b in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_tp2_real_model_float32_equals_tp1(llm: LLM) -> None:
+    """The bundled SmolLM2 (9 query heads, 3 KV heads: an uneven split) dequantized in float32."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn.", "1, 2, 3, 4,",
+               "Explain photosynthesis in one sentence.", "Translate 'good morning' to French:",
+               "The three primary colors are", "import numpy as np\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    tp = LLM(dtype="float32", quantization="none", num_threads=1, tensor_parallel_size=2)
+    try:
+        _assert_close(want, [o.outputs[0] for o in tp.generate(prompts, params, use_tqdm=False)])
+        _no_leak(tp)
+    finally:
+        tp.engine.shutdown()
+
+
+def test_a_dead_worker_fails_the_engine_with_a_clear_error_not_a_hang(tiny_dirs: dict[str, str],
+                                                                      hf_tokenizer) -> None:
+    tp = LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2,
+             distributed_timeout_s=60)
+    prompt = [hf_tokenizer.encode("The quick brown fox")]
+    assert _run(tp, prompt)[0].token_ids
+    worker = tp.engine.executor._procs[0]
+    worker.kill()
+    worker.wait()
+    with pytest.raises(ExecutorDiedError, match="worker died"):
+        _run(tp, prompt)
+    assert tp.engine.get_stats().num_running == 0 and not tp.engine.has_unfinished_requests()
+    with pytest.raises(ExecutorDiedError, match="has stopped"):
+        _run(tp, prompt)
+
+
+def test_unsupported_tensor_parallel_setups_are_refused_by_name(tiny_dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(model=tiny_dirs["mixtral"], tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="quantization 'w8a8' is not supported yet"):
+        LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2, quantization="w8a8")
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 with 2 KV heads and 4 query heads"):
+        LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=3)
