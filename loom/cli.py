@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             from loom.executor.worker import serve_torchrun_rank
 
             args = engine_args_from_namespace(ns)
-            serve_torchrun_rank(args.model_config(), args.cache_config(), args.tensor_parallel_size,
-                                args.num_threads, args.distributed_timeout_s)
+            serve_torchrun_rank(args.model_config(), args.cache_config(), args.parallel_config(), args.num_threads)
             return 0
         return ns.func(ns)
     except ValueError as exc:

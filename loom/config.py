@@ -97,15 +97,23 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks that split every weight matrix (1 = the whole model in this process)
+    pipeline_parallel_size: int = 1  # stages the layers are split into, each tensor_parallel_size ranks
+    pipeline_microbatches: int = 2  # most micro-batches a step is cut into, so the stages work at once
     distributed_timeout_s: float = 300.0  # a collective waiting longer than this fails the step (a stuck worker)
 
     def __post_init__(self) -> None:
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (math.isfinite(self.distributed_timeout_s) and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s must be a finite number of seconds > 0, got "
                              f"{self.distributed_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: tensor_parallel_size * pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +151,8 @@ class EngineArgs:
     speculative_model: str | None = None  # draft_model: the draft's GGUF file or Hugging Face directory
     speculative_quantization: str | None = None  # draft_model: the draft's --quantization; None = the target's
     tensor_parallel_size: int = 1  # processes that split every weight matrix (loom/executor/multiproc.py)
+    pipeline_parallel_size: int = 1  # stages the layers are split into (loom/distributed/pipeline_parallel.py)
+    pipeline_microbatches: int = 2  # pipeline parallel: most micro-batches a step is cut into
     distributed_timeout_s: float = 300.0  # tensor parallel: a collective stuck longer than this fails the engine
 
     def __post_init__(self) -> None:
@@ -166,13 +176,18 @@ class EngineArgs:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         parallel = self.parallel_config()
-        if parallel.tensor_parallel_size > 1 and self.speculative_config() is not None \
-                and self._method() == "draft_model":
-            raise ValueError("tensor_parallel_size > 1 with a draft model is not supported yet (the draft would run "
-                             "unsplit on rank 0); use speculative_method ngram or suffix")
+        if parallel.world_size > 1 and self._method() == "draft_model":
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 with a draft model is not supported "
+                             "yet (the draft would run unsplit on rank 0); use speculative_method ngram or suffix")
+        if parallel.world_size > 1 and self.speculative_tree_width > 1:
+            raise ValueError("speculative_tree_width > 1 with tensor_parallel_size / pipeline_parallel_size > 1 is "
+                             "not supported yet (rank 0 alone knows which branch won, the other ranks' caches would "
+                             "miss its rows)")
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              pipeline_microbatches=self.pipeline_microbatches,
                               distributed_timeout_s=self.distributed_timeout_s)
 
     def model_config(self) -> ModelConfig:

@@ -112,6 +112,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="processes that split every weight matrix (Megatron-style tensor parallelism on "
                         "torch.distributed, gloo): N - 1 local workers are started, or the ranks of a torchrun "
                         "launch join (docs/distributed.md) (default: %(default)s)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=defaults.pipeline_parallel_size,
+                   help="stages the decoder layers are split into (GPipe-style pipeline parallelism), each of "
+                        "--tensor-parallel-size ranks (default: %(default)s)")
+    g.add_argument("--pipeline-microbatches", type=int, default=defaults.pipeline_microbatches,
+                   help="pipeline parallel: most micro-batches a step's requests are cut into, so that the stages "
+                        "work at once (default: %(default)s)")
     g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                    default=defaults.distributed_timeout_s,
                    help="tensor parallel: seconds a collective may wait for a rank before the engine fails "

@@ -63,8 +63,8 @@ class LLMEngine:
     """Single-threaded engine. Not thread-safe: one owner calls every method (see AsyncLLMEngine)."""
 
     def __init__(self, args: EngineArgs) -> None:
-        tp_size = args.tensor_parallel_size
-        _set_num_threads(args.num_threads if tp_size == 1 else threads_per_rank(args.num_threads, tp_size))
+        world = args.parallel_config().world_size
+        _set_num_threads(args.num_threads if world == 1 else threads_per_rank(args.num_threads, world))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model_config = args.model_config()
         cache_config = args.cache_config()

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loom.config import CacheConfig, ModelConfig
+from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from loom.distributed.tensor_parallel import TensorParallel
 from loom.executor.base import ExecutorDiedError
 from loom.executor.step_message import StepEncoder
-from loom.executor.worker import CONTROL_TIMEOUT, WorkerArgs
+from loom.executor.worker import CONTROL_TIMEOUT, WorkerArgs, model_parallel_groups
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,20 +52,22 @@ class MultiprocExecutor:
     """Rank 0 of a tensor-parallel group; see the module docstring."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
-                 tensor_parallel_size: int, num_threads: int | None, timeout_s: float) -> None:
+                 parallel: ParallelConfig, num_threads: int | None) -> None:
         """Raises:
-            ValueError: a device other than the CPU, or torchrun's WORLD_SIZE differs from tensor_parallel_size.
+            ValueError: a device other than the CPU, or torchrun's WORLD_SIZE differs from the world size.
             ExecutorDiedError: a worker failed to start (its error is logged by the worker)."""
         if device.type != "cpu":
-            raise ValueError("tensor_parallel_size > 1 runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
-        self.size = tensor_parallel_size
+            raise ValueError("tensor / pipeline parallelism runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
+        self.size = parallel.world_size
+        timeout_s = parallel.distributed_timeout_s
         self._procs: list[Any] = []
         self._dead = False
         if launched_by_torchrun():
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.size or rank != 0:
-                raise ValueError(f"torchrun started {world} ranks (this is rank {rank}) for tensor_parallel_size "
-                                 f"{self.size}: they must be equal, and rank 0 runs the engine")
+                raise ValueError(f"torchrun started {world} ranks (this is rank {rank}) for tensor_parallel_size x "
+                                 f"pipeline_parallel_size = {self.size}: they must be equal, and rank 0 runs the "
+                                 "engine")
             init_method = "env://"
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -75,8 +76,8 @@ class MultiprocExecutor:
                 # needs no `if __name__ == "__main__"` guard, and nothing of this process is inherited
                 proc = subprocess.Popen([sys.executable, "-m", "loom.executor.worker"], stdin=subprocess.PIPE)
                 assert proc.stdin is not None
-                pickle.dump(WorkerArgs(rank, self.size, init_method, model_config, cache_config, num_threads,
-                                       timeout_s), proc.stdin)
+                pickle.dump(WorkerArgs(rank, parallel, init_method, model_config, cache_config, num_threads),
+                            proc.stdin)
                 proc.stdin.close()
                 self._procs.append(proc)
         self._encoder: StepEncoder | None = None
@@ -84,7 +85,8 @@ class MultiprocExecutor:
             dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=timeout_s))
             self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-            self.driver = ModelRunner(model_config, cache_config, device, tp=TensorParallel(0, self.size))
+            tp, pp = model_parallel_groups(0, parallel, model_config)
+            self.driver = ModelRunner(model_config, cache_config, device, tp=tp, pp=pp)
             self._check_same_blocks()
         except Exception as e:
             dead = self._dead_workers()
@@ -93,7 +95,8 @@ class MultiprocExecutor:
                 raise ExecutorDiedError(f"tensor-parallel workers failed to start: {dead}") from e
             raise
         self._encoder = StepEncoder()
-        logger.info("tensor parallel: %d ranks on gloo (%s), %d KV blocks on every rank", self.size,
+        logger.info("model parallel: tensor %d x pipeline %d = %d ranks on gloo (%s), %d KV blocks on every rank",
+                    parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.size,
                     "torchrun" if not self._procs else "local worker processes", self.driver.num_blocks)
 
     def _check_same_blocks(self) -> None:

@@ -13,7 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from loom.config import CacheConfig, ModelConfig
+from loom.config import CacheConfig, ModelConfig, ParallelConfig
+from loom.distributed.pipeline_parallel import PipelineParallel, build_groups
 from loom.distributed.tensor_parallel import TensorParallel
 from loom.executor.step_message import StepDecoder
 
@@ -28,7 +29,21 @@ def threads_per_rank(num_threads: int | None, size: int) -> int:
     return num_threads or max(1, (os.cpu_count() or 1) // size)
 
 
-def serve_worker(rank: int, size: int, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+def model_parallel_groups(rank: int, parallel: ParallelConfig,
+                          model_config: ModelConfig) -> tuple[TensorParallel | None, PipelineParallel | None]:
+    """This rank's tensor-parallel group and pipeline stage (every rank calls it, in the same order).
+
+    Raises:
+        ValueError: more stages than the model has layers.
+    """
+    from loom.model.loader import read_arch
+
+    num_layers = read_arch(model_config.model).num_layers if parallel.pipeline_parallel_size > 1 else 0
+    return build_groups(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, num_layers,
+                        parallel.pipeline_microbatches)
+
+
+def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig, cache_config: CacheConfig) -> None:
     """Run rank `rank` of an initialized default process group until rank 0 sends the stop message.
 
     Raises:
@@ -37,9 +52,10 @@ def serve_worker(rank: int, size: int, model_config: ModelConfig, cache_config: 
     from loom.worker.model_runner import ModelRunner
 
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    runner = ModelRunner(model_config, cache_config, torch.device("cpu"), tp=TensorParallel(rank, size))
+    tp, pp = model_parallel_groups(rank, parallel, model_config)
+    runner = ModelRunner(model_config, cache_config, torch.device("cpu"), tp=tp, pp=pp)
     mine = torch.tensor([runner.num_blocks, runner.num_host_blocks], dtype=torch.int64)
-    dist.all_gather([torch.empty_like(mine) for _ in range(size)], mine)  # rank 0 checks they agree
+    dist.all_gather([torch.empty_like(mine) for _ in range(parallel.world_size)], mine)  # rank 0 checks them
     decoder = StepDecoder()
     while True:
         box: list[object] = [None]
@@ -54,12 +70,11 @@ class WorkerArgs:
     """What a local worker process reads (pickled) from its stdin."""
 
     rank: int
-    size: int
+    parallel: ParallelConfig
     init_method: str  # tcp://127.0.0.1:PORT of rank 0's rendezvous
     model_config: ModelConfig
     cache_config: CacheConfig
     num_threads: int | None
-    timeout_s: float  # the model collectives' timeout
 
 
 def main() -> None:
@@ -67,34 +82,35 @@ def main() -> None:
     args: WorkerArgs = pickle.load(sys.stdin.buffer)
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(threads_per_rank(args.num_threads, args.size))
+    world = args.parallel.world_size
+    torch.set_num_threads(threads_per_rank(args.num_threads, world))
     try:
-        dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=args.size,
-                                timeout=timedelta(seconds=args.timeout_s))
-        serve_worker(args.rank, args.size, args.model_config, args.cache_config)
+        dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=world,
+                                timeout=timedelta(seconds=args.parallel.distributed_timeout_s))
+        serve_worker(args.rank, args.parallel, args.model_config, args.cache_config)
     except Exception:  # noqa: BLE001 - logged, then the exit code tells rank 0
         logger.exception("tensor-parallel worker rank %d failed", args.rank)
         sys.exit(1)
     dist.destroy_process_group()
 
 
-def serve_torchrun_rank(model_config: ModelConfig, cache_config: CacheConfig, tensor_parallel_size: int,
-                        num_threads: int | None, timeout_s: float) -> None:
+def serve_torchrun_rank(model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
+                        num_threads: int | None) -> None:
     """A rank > 0 of a torchrun launch (`torchrun ... -m loom.cli serve --tensor-parallel-size N`): join the group
     torchrun's rendezvous set up and serve rank 0's steps until it stops.
 
     Raises:
-        ValueError: WORLD_SIZE differs from tensor_parallel_size.
+        ValueError: WORLD_SIZE differs from tensor_parallel_size x pipeline_parallel_size.
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != tensor_parallel_size:
-        raise ValueError(f"torchrun started {world} ranks for tensor_parallel_size {tensor_parallel_size}: they "
-                         "must be equal")
+    if world != parallel.world_size:
+        raise ValueError(f"torchrun started {world} ranks for tensor_parallel_size x pipeline_parallel_size = "
+                         f"{parallel.world_size}: they must be equal")
     torch.set_num_threads(threads_per_rank(num_threads, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=parallel.distributed_timeout_s))
     try:
-        serve_worker(rank, world, model_config, cache_config)
+        serve_worker(rank, parallel, model_config, cache_config)
     finally:
         dist.destroy_process_group()
 

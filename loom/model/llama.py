@@ -20,6 +20,7 @@ from torch import nn
 
 from loom.attention.backend import AttentionBackend
 from loom.attention.metadata import AttentionMetadata
+from loom.distributed.pipeline_parallel import PipelineParallel
 from loom.distributed.tensor_parallel import TensorParallel, head_shard, shard_range
 from loom.kernels.registry import fused_kernels_for
 from loom.model.arch import ModelArchConfig
@@ -347,6 +348,13 @@ class GemmaDecoderLayer(Olmo2DecoderLayer):
         return self.pre_feedforward_layernorm(h)
 
 
+class PPMissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, never called."""
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("a pipeline stage ran a layer it does not hold")
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -357,10 +365,15 @@ class LlamaModel(nn.Module):
         device: torch.device,
         quant_config: QuantizationConfig,
         tp: TensorParallel | None = None,
+        pp: PipelineParallel | None = None,
     ) -> None:
+        """pp: this rank's pipeline stage: it holds its layers only (the others are PPMissingLayer), the embedding
+        on the first stage (and the last, for a tied LM head)."""
         super().__init__()
+        self.pp = pp
+        holds_embedding = pp is None or pp.is_first or (pp.is_last and arch.tie_word_embeddings)
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype, device,
-                                           packed=quant_config.embedding_packed(), tp=tp)
+                                           packed=quant_config.embedding_packed(), tp=tp) if holds_embedding else None
         # Gemma multiplies the embedding rows by sqrt(hidden_size), a float32 scalar cast to the model dtype
         self.embedding_scale = None if arch.embedding_scale is None else \
             torch.tensor(arch.embedding_scale, dtype=torch.float32).to(dtype)
@@ -368,6 +381,7 @@ class LlamaModel(nn.Module):
             else LlamaDecoderLayer
         self.layers = nn.ModuleList(
             layer_cls(arch, o_proj_bias, backend, dtype, device, quant_config, f"model.layers.{i}", tp)
+            if pp is None or pp.holds_layer(i) else PPMissingLayer()
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
@@ -390,8 +404,9 @@ class LlamaModel(nn.Module):
         from loom.quant.methods import DENSE_MIN_ROWS
 
         self.decode_step = None
-        if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self) \
-                or self.embed_tokens.tp is not None:  # tensor parallel: the C step has no all-reduce
+        if self.pp is not None or self.embed_tokens.tp is not None:  # the C step has no collectives
+            return
+        if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self):
             return
         kernel = get_kernel("decode_step")
         if kernel is not None:
@@ -421,22 +436,34 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata | list[AttentionMetadata],
-    ) -> torch.Tensor:
-        """attn_metadata: one for every layer, or each layer's (a hybrid KV cache: one per group of layers)."""
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """attn_metadata: one for every layer, or each layer's (a hybrid KV cache: one per group of layers).
+        Pipeline stages: a later stage starts from `intermediate` = the previous stage's (hidden, residual)
+        [num_tokens, hidden_size] instead of input_ids, and every stage but the last returns its (hidden,
+        residual) for the next."""
         cos_sin = self.rotary_emb.cos_sin(positions, self._longrope_rows(positions, attn_metadata))
         cos_sin_local = None if self.rotary_emb_local is None else self.rotary_emb_local.cos_sin(positions)
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_scale is not None:
-            hidden = hidden * self.embedding_scale
+        residual: torch.Tensor | None = None
+        if intermediate is not None:
+            hidden, residual = intermediate
+        else:
+            hidden = self.embed_tokens(input_ids)
+            if self.embedding_scale is not None:
+                hidden = hidden * self.embedding_scale
         if self.decode_step is not None:  # a pure decode step in one C call, when it serves this step
             out = self.decode_step.run(hidden, cos_sin, kv_caches, attn_metadata, cos_sin_local)
             if out is not None:
                 return out
-        residual: torch.Tensor | None = None
         per_layer = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata] * len(self.layers)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, per_layer, strict=True):
+            if isinstance(layer, PPMissingLayer):
+                continue
             layer_cos_sin = cos_sin_local if layer.self_attn.local_rope else cos_sin
             hidden, residual = layer(hidden, residual, layer_cos_sin, kv_cache, meta)
+        if self.pp is not None and not self.pp.is_last:
+            assert residual is not None  # every stage holds at least one layer
+            return hidden, residual
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm(hidden, residual)[0]
@@ -458,20 +485,23 @@ class LlamaForCausalLM(nn.Module):
         o_proj_bias: bool | None = None,
         *,
         tp: TensorParallel | None = None,
+        pp: PipelineParallel | None = None,
     ) -> None:
         """quant_config: which method each linear layer gets (None = dense, loom.quant.NoQuantConfig);
         o_proj_bias: None = same as arch.attention_bias (Llama); Qwen2 passes False; tp: this process's place in
-        a tensor-parallel group (None = the whole model here; loom/distributed/tensor_parallel.py)."""
+        a tensor-parallel group (None = the whole model here; loom/distributed/tensor_parallel.py); pp: this
+        process's pipeline stage (its layers only; the LM head on the last stage; loom/distributed/pipeline_parallel.py)."""
         super().__init__()
         self.arch = arch
         self.tp = tp
+        self.pp = pp
         quant_config = quant_config or NoQuantConfig()
         self.quant_config = quant_config
         bias = arch.attention_bias if o_proj_bias is None else o_proj_bias
-        self.model = LlamaModel(arch, bias, backend, dtype, device, quant_config, tp)
+        self.model = LlamaModel(arch, bias, backend, dtype, device, quant_config, tp, pp)
         tied = self.model.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied, quant_config=quant_config,
-                              tp=tp)
+                              tp=tp) if pp is None or pp.is_last else None
 
     def forward(
         self,
@@ -479,7 +509,8 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata | list[AttentionMetadata],
-    ) -> torch.Tensor:
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run every layer over a flattened batch, writing its K/V into the paged caches.
 
         Args:
@@ -488,14 +519,16 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: num_layers tensors [2, num_blocks, block_size, num_kv_heads, head_dim].
             attn_metadata: where each token's K/V goes and what each request attends to; a list gives each layer
                 its own (a hybrid KV cache, loom/core/kv_groups.py).
+            intermediate: a later pipeline stage's input, the previous stage's (hidden, residual).
 
         Returns:
-            Final-norm hidden states [num_tokens, hidden_size], model dtype.
+            Final-norm hidden states [num_tokens, hidden_size], model dtype; on a pipeline stage before the last,
+            its (hidden, residual) for the next stage.
 
         Raises:
             ValueError: a position beyond max_position_embeddings.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32 (soft-capped where the family does: Gemma 2)."""
@@ -522,6 +555,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # the tied head reads the embedding
             module_name, param, shard = _stacked_target(name)
+            if not self._holds(module_name):
+                continue  # another pipeline stage's
             key = (module_name, param, shard)
             if key not in expected and (module_name, param, 0) in expected and isinstance(tensor, torch.Tensor) \
                     and tensor.dim() >= 1:
@@ -556,7 +591,8 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from exc
             loaded.add(key)
-            if module_name == "model.embed_tokens" and self.lm_head.tied is not None and not _shares_table(self.lm_head):
+            if module_name == "model.embed_tokens" and self.lm_head is not None and self.lm_head.tied is not None \
+                    and not _shares_table(self.lm_head):
                 self.lm_head.load("weight", tensor)  # a tied head that keeps its own (packed) form
         missing = sorted(f"{m}.{p}" + ("" if s is None else f"[{s}]") for m, p, s in expected - loaded)
         if missing:
@@ -565,6 +601,18 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
         self.model.prepare_decode_step()
+
+    def _holds(self, module_name: str) -> bool:
+        """False for a module another pipeline stage holds (a layer, the embedding or the LM head)."""
+        if self.pp is None:
+            return True
+        if module_name.startswith("model.layers."):
+            return self.pp.holds_layer(int(module_name.split(".")[2]))
+        if module_name == "model.embed_tokens":
+            return self.model.embed_tokens is not None
+        if module_name == "lm_head":
+            return self.lm_head is not None
+        return True
 
     def _expected_loads(self) -> set[tuple[str, str, int | None]]:
         """(module name, parameter name, shard or None) of every checkpoint tensor the model needs."""
@@ -609,8 +657,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def __init__(
         self, arch: ModelArchConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
         quant_config: QuantizationConfig | None = None, *, tp: TensorParallel | None = None,
+        pp: PipelineParallel | None = None,
     ) -> None:
-        super().__init__(arch, backend, dtype, device, quant_config, o_proj_bias=False, tp=tp)
+        super().__init__(arch, backend, dtype, device, quant_config, o_proj_bias=False, tp=tp, pp=pp)
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -42,13 +42,14 @@ def num_blocks_for_budget(arch: ModelArchConfig, dtype: torch.dtype, block_size:
 
 def allocate_kv_caches(
     arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-    layer_slots: list[int] | None = None,
+    layer_slots: list[int] | None = None, held: range | None = None,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, [2, num_blocks, block_size, num_kv_heads, row]
     (index 0 = keys, 1 = values; row = kv_row_width(head_dim, dtype): head_dim, plus scale bytes for int8/fp8);
     slot s lives at [:, s // block_size, s % block_size]. With `layer_slots` (a hybrid KV cache: each layer's
     physical slot, loom/core/kv_groups.layer_slots) layers of the same slot share one tensor: each block id is
-    a page that one KV cache group owns at a time.
+    a page that one KV cache group owns at a time. With `held` (a pipeline stage's layers) the other layers get an
+    empty tensor.
 
     Raises:
         ValueError: num_blocks or block_size < 1.
@@ -59,7 +60,8 @@ def allocate_kv_caches(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     shape = (2, num_blocks, block_size, arch.num_kv_heads, kv_row_width(arch.head_dim, dtype))
     if layer_slots is None:
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        return [torch.zeros(shape, dtype=dtype, device=device) if held is None or i in held
+                else torch.empty(0, dtype=dtype, device=device) for i in range(arch.num_layers)]
     physical = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(max(layer_slots) + 1)]
     return [physical[slot] for slot in layer_slots]
 
@@ -73,6 +75,7 @@ def copy_kv_slots(kv_caches: list[torch.Tensor], src_slots: list[int], dst_slots
     device = kv_caches[0].device
     src = torch.tensor(src_slots, dtype=torch.int64, device=device)
     dst = torch.tensor(dst_slots, dtype=torch.int64, device=device)
-    for cache in {id(c): c for c in kv_caches}.values():  # a hybrid cache's layers share tensors: copy each once
+    for cache in {id(c): c for c in kv_caches if c.numel()}.values():  # a hybrid cache's layers share tensors:
+        # copy each once (a pipeline stage's other layers hold nothing)
         flat = cache.view(2, cache.shape[1] * cache.shape[2], *cache.shape[3:])
         flat[:, dst] = flat[:, src]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from loom.attention.metadata import AttentionMetadata
 from loom.config import CacheConfig, ModelConfig
+from loom.distributed.pipeline_parallel import PipelineParallel, split_microbatches
 from loom.distributed.tensor_parallel import TensorParallel, max_kv_heads_per_rank
 from loom.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -98,13 +101,23 @@ class ModelRunner:
     """Owns the model, the paged KV tensors and the generator of unseeded samples."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, pp: PipelineParallel | None = None) -> None:
         """tp: this process's rank in a tensor-parallel group (it holds its shard of the weights and the KV heads
-        of its attention heads); None = the whole model."""
+        of its attention heads); pp: its pipeline stage (its layers and their KV caches); None = the whole model.
+        Only the driver (tensor-parallel rank 0 of the first stage) samples.
+
+        Raises:
+            ValueError: a pipeline stage with a hybrid KV cache or a host tier (not supported yet), or as load_model.
+        """
         self.device = device
         self.tp = tp
+        self.pp = pp
+        self.is_driver = (tp is None or tp.rank == 0) and (pp is None or pp.is_first)
+        if pp is not None and cache_config.kv_offload_memory_bytes:
+            raise ValueError("kv_offload_memory: the host tier is not supported with pipeline parallelism yet")
         self.dtype = resolve_dtype(model_config.dtype, device, model_config.quantization, model_config.model)
-        loaded = load_model(model_config.model, self.dtype, device, quantization=model_config.quantization, tp=tp)
+        loaded = load_model(model_config.model, self.dtype, device, quantization=model_config.quantization, tp=tp,
+                            pp=pp)
         self.model = loaded.model
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -116,12 +129,15 @@ class ModelRunner:
             packed_cpu=packed_on_cpu(device, model_config.quantization, model_config.model))
         # the KV heads held here; blocks are counted for the rank holding the most, so a block id is a block on every
         # rank (the scheduler's ids mean the same everywhere)
+        # (and, under pipeline parallelism, for the stage holding the most layers)
+        attn = self.model.model.layers[0 if pp is None else pp.layer_start].self_attn
         local_arch = self.arch if tp is None else dataclasses.replace(
-            self.arch, num_heads=self.model.model.layers[0].self_attn.num_heads,
-            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads)
+            self.arch, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
         most_kv = max_kv_heads_per_rank(self.arch.num_heads, self.arch.num_kv_heads, 1 if tp is None else tp.size)
-        budget_arch = dataclasses.replace(self.arch, num_kv_heads=most_kv,
-                                          num_heads=most_kv * (self.arch.num_heads // self.arch.num_kv_heads))
+        most_layers = self.arch.num_layers if pp is None else -(-self.arch.num_layers // pp.size)
+        budget_arch = dataclasses.replace(self.arch, num_kv_heads=most_kv, num_layers=most_layers,
+                                          num_heads=most_kv * (self.arch.num_heads // self.arch.num_kv_heads),
+                                          layer_types=None)
         self.kv_bytes_per_token = kv_cache_bytes_per_token(budget_arch, self.kv_cache_dtype)
         # KV cache groups: one for a model whose layers attend alike; Gemma's sliding and global layers get a block
         # table per group (loom/core/kv_groups.py) unless the hybrid KV cache is switched off
@@ -131,6 +147,9 @@ class ModelRunner:
             groups = [KVCacheGroup(tuple(range(self.arch.num_layers)), None)]
         self.kv_groups: list[KVCacheGroup] = groups
         hybrid = len(groups) > 1
+        if hybrid and pp is not None:
+            raise ValueError("pipeline parallelism with a hybrid sliding-window KV cache (Gemma 2 / 3) is not "
+                             "supported yet; switch it off with --no-hybrid-kv-cache")
         if hybrid and cache_config.kv_offload_memory_bytes:
             raise ValueError("kv_offload_memory: the host tier is not supported with the hybrid sliding-window KV "
                              "cache of this model (switch it off with --no-hybrid-kv-cache, or offload nothing)")
@@ -145,7 +164,8 @@ class ModelRunner:
                 f"({self.kv_bytes_per_token * cache_config.block_size} bytes)"
             )
         self.kv_caches = allocate_kv_caches(local_arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device,
-                                            layer_slots=slots if hybrid else None)
+                                            layer_slots=slots if hybrid else None,
+                                            held=None if pp is None else range(pp.layer_start, pp.layer_stop))
         self.num_host_blocks = num_host_blocks_for_budget(
             budget_arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
         )
@@ -158,21 +178,73 @@ class ModelRunner:
         self._copy_host_blocks(scheduler_output)
         self._copy_blocks(scheduler_output.blocks_to_copy)
         self._copy_branch_context(scheduler_output.scheduled)
+        output = ModelRunnerOutput(sampled_token_ids={})
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return output
+        if self.pp is not None:
+            return self._execute_pipeline_stage(scheduler_output.scheduled)
         inputs = self._prepare_inputs(scheduler_output.scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        prompt_lp_logits, sample_logits = self._logits(hidden, inputs)  # every tensor-parallel rank: a collective
+        if not self.is_driver:
+            return output  # the sampling is rank 0's alone
+        if prompt_lp_logits is not None:
+            self._add_prompt_logprobs(prompt_lp_logits, inputs, output)
+        if sample_logits is not None:
+            self._sample(sample_logits, inputs.sample_reqs, output)
+        return output
+
+    def _logits(self, hidden: torch.Tensor, inputs: _StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits [rows, vocab_size] float32 of the prompt-logprob rows and of the sampled rows (None where none)."""
+        out = []
+        for rows in (inputs.prompt_lp_indices, inputs.sample_indices):
+            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            out.append(self.model.compute_logits(hidden[index]) if rows else None)
+        return out[0], out[1]
+
+    def _execute_pipeline_stage(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
+        """This stage's part of a step: its requests cut into micro-batches that flow through the stages one after
+        the other (while this stage runs micro-batch j, the next runs j - 1). The last stage computes the logits and
+        sends them to rank 0, which samples after its own stage has sent every micro-batch on."""
+        pp = self.pp
+        assert pp is not None
+        ranges = split_microbatches([len(r.token_ids) for r in scheduled], pp.num_microbatches)
+        batches = [self._prepare_inputs(scheduled[a:b]) for a, b in ranges]
+        sending: list[tuple[Any, torch.Tensor]] = []  # (request, tensor kept alive until it is sent)
+        for inputs in batches:
+            intermediate = None
+            if not pp.is_first:
+                n = inputs.input_ids.shape[0]
+                intermediate = (torch.empty(n, self.arch.hidden_size, dtype=self.dtype, device=self.device),
+                                torch.empty(n, self.arch.hidden_size, dtype=self.dtype, device=self.device))
+                pp.recv_prev(list(intermediate))
+            out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
+            if not pp.is_last:
+                tensors = [t.contiguous() for t in out]
+                sending.extend(zip(pp.send_next(tensors), tensors, strict=True))
+                continue
+            for logits in self._logits(out, inputs):
+                if logits is not None and pp.tp_rank == 0:
+                    sending.append((dist.isend(logits, 0), logits))
         output = ModelRunnerOutput(sampled_token_ids={})
-        if self.tp is not None and self.tp.rank != 0:
-            # a tensor-parallel worker: the LM head's gather needs every rank, the sampling only rank 0
-            for rows in (inputs.prompt_lp_indices, inputs.sample_indices):
-                if rows:
-                    self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
-            return output
-        if inputs.prompt_lp_indices:
-            self._add_prompt_logprobs(hidden, inputs, output)
-        if inputs.sample_indices:
-            self._sample(hidden, inputs, output)
+        if self.is_driver:
+            last = pp.global_rank(pp.size - 1) - pp.tp_rank  # the last stage's tensor-parallel rank 0
+            sample_logits = []
+            for inputs in batches:
+                vocab = self.arch.vocab_size
+                for rows, is_lp in ((inputs.prompt_lp_indices, True), (inputs.sample_indices, False)):
+                    if not rows:
+                        continue
+                    logits = torch.empty(len(rows), vocab, dtype=torch.float32, device=self.device)
+                    dist.recv(logits, last)
+                    if is_lp:
+                        self._add_prompt_logprobs(logits, inputs, output)
+                    else:
+                        sample_logits.append(logits)
+            if sample_logits:  # one sampling call for the whole step, as without a pipeline
+                self._sample(torch.cat(sample_logits), [r for b in batches for r in b.sample_reqs], output)
+        for request, _ in sending:
+            request.wait()
         return output
 
     def _copy_host_blocks(self, scheduler_output: SchedulerOutput) -> None:
@@ -303,9 +375,8 @@ class ModelRunner:
             prompt_lp_owners=lp_owners,
         )
 
-    def _add_prompt_logprobs(self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
-        rows = torch.tensor(inputs.prompt_lp_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+    def _add_prompt_logprobs(self, logits: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
+        """logits [len(inputs.prompt_lp_indices), vocab_size] float32."""
         targets = torch.tensor(inputs.prompt_lp_targets, dtype=torch.int64, device=self.device)
         # Requests may ask for different top-N: compute once with the largest, then trim per request.
         num_top = max(owner[3] for owner in inputs.prompt_lp_owners)
@@ -313,12 +384,11 @@ class ModelRunner:
         for request_id, first, count, top in inputs.prompt_lp_owners:
             output.prompt_logprobs[request_id] = [_trim(lp, 1 + top) for lp in all_lps[first : first + count]]
 
-    def _sample(self, hidden: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
-        rows = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+    def _sample(self, logits: torch.Tensor, sample_reqs: list[ScheduledRequest], output: ModelRunnerOutput) -> None:
+        """logits [sampled rows, vocab_size] float32 of `sample_reqs`' rows, in order."""
         sampling_inputs = []
         num_valid: dict[str, int] = {}  # structured-output request -> drafts its grammar accepts
-        for r in inputs.sample_reqs:
+        for r in sample_reqs:
             # a verify pass samples after the last token and after each draft of each branch, each row with
             # the output it would follow (penalties, min_tokens, a seeded request's uniform for that
             # position, and a structured-output request's grammar mask after the drafts before it)
@@ -340,7 +410,7 @@ class ModelRunner:
         result = sample(logits, sampling_inputs, self.default_generator)
         token_ids = result.sampled_token_ids.tolist()
         row = 0
-        for req in inputs.sample_reqs:
+        for req in sample_reqs:
             best: tuple[list[int], int, int] | None = None  # (kept tokens, first row, branch)
             for branch, drafts in enumerate(_branches(req)):
                 n = len(drafts) + 1

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from loom.attention.backend import default_attention_backend, get_attention_backend
+from loom.distributed.pipeline_parallel import PipelineParallel
 from loom.distributed.tensor_parallel import TensorParallel
 from loom.model.arch import ModelArchConfig
 from loom.model.loader.default import default_model_path
@@ -131,6 +132,7 @@ def load_model(
     attention_backend: str | None = None,
     quantization: str | None = None,
     tp: TensorParallel | None = None,
+    pp: PipelineParallel | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory into a loom model on `device` in `dtype`.
 
@@ -148,6 +150,7 @@ def load_model(
             checkpoint (its codes, repacked), the method a `loom quantize` output was prepared for, else "none".
         tp: this process's rank in a tensor-parallel group: it loads only its shard of each matrix
             (loom/distributed/tensor_parallel.py); None = the whole model.
+        pp: this process's pipeline stage: it builds and loads its layers only (loom/distributed/pipeline_parallel.py).
 
     Raises:
         ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
@@ -192,7 +195,7 @@ def load_model(
     if tp is not None and quant_config.name not in TENSOR_PARALLEL_METHODS:
         raise ValueError(f"tensor parallelism with quantization {quant_config.name!r} is not supported yet; "
                          f"supported: {', '.join(TENSOR_PARALLEL_METHODS)}")
-    net = model_cls(arch, backend, dtype, device, quant_config, tp=tp)
+    net = model_cls(arch, backend, dtype, device, quant_config, tp=tp, pp=pp)
     net.load_weights(weights)
     net.eval()
     tokenizer = tokenizer_from_path(path) if has_tokenizer else None

@@ -1,4 +1,4 @@
-"""Tensor parallelism end to end: two processes (rank 0 in the test, one worker) against one, in float32.
+"""Tensor and pipeline parallelism end to end: two or four processes (rank 0 in the test) against one, in float32.
 
 The ranks split every matrix, so their sums run in another order: greedy tokens must be equal and logprobs within
 1e-4 (the issue's bar), not bit-identical. Each engine uses one thread per process.
@@ -73,6 +73,25 @@ def test_tp2_equals_tp1_batched_with_prefix_hits_chunks_and_preemption(name: str
         tp.engine.shutdown()
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+def test_pipeline_stages_equal_one_process_batched_with_prefix_hits_chunks_and_preemption(
+        tp: int, pp: int, tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """Two stages (two micro-batches per step), and TP=2 x PP=2: four processes."""
+    prompts = [hf_tokenizer.encode(t) for t in TEXTS]
+    common = dict(model=tiny_dirs["llama_uneven_heads_bias"], dtype="float32", num_threads=1, block_size=4)
+    want = _run(LLM(**common, num_kv_blocks=512), prompts)
+    llm = LLM(**common, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kv_blocks=24,
+              max_num_batched_tokens=8)
+    try:
+        for _ in range(2):
+            _assert_close(want, _run(llm, prompts))
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        _no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_tp2_prompt_logprobs_and_ngram_speculation(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
     """The workers join the LM head's gather for prompt-logprob rows and for every verify row of a draft."""
     prompts = [hf_tokenizer.encode("one two three one two three one two three one two")]
@@ -106,6 +125,19 @@ def test_tp2_real_model_float32_equals_tp1(llm: LLM) -> None:
         tp.engine.shutdown()
 
 
+def test_pp2_real_model_float32_equals_one_process(llm: LLM) -> None:
+    """The bundled SmolLM2's 30 layers over two stages, two micro-batches per step."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn.", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    pp = LLM(dtype="float32", quantization="none", num_threads=1, pipeline_parallel_size=2)
+    try:
+        _assert_close(want, [o.outputs[0] for o in pp.generate(prompts, params, use_tqdm=False)])
+        _no_leak(pp)
+    finally:
+        pp.engine.shutdown()
+
+
 def test_a_dead_worker_fails_the_engine_with_a_clear_error_not_a_hang(tiny_dirs: dict[str, str],
                                                                       hf_tokenizer) -> None:
     tp = LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2,
@@ -129,3 +161,9 @@ def test_unsupported_tensor_parallel_setups_are_refused_by_name(tiny_dirs: dict[
         LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2, quantization="w8a8")
     with pytest.raises(ValueError, match="tensor_parallel_size 3 with 2 KV heads and 4 query heads"):
         LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
+        LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_microbatches must be an integer >= 1"):
+        LLM(model=tiny_dirs["mixtral"], pipeline_parallel_size=2, pipeline_microbatches=0)
+    with pytest.raises(ValueError, match="speculative_tree_width > 1 with tensor_parallel_size"):
+        LLM(model=tiny_dirs["mixtral"], tensor_parallel_size=2, speculative_method="ngram", speculative_tree_width=2)
