@@ -99,6 +99,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks that split every weight matrix (1 = the whole model in this process)
     pipeline_parallel_size: int = 1  # stages the layers are split into, each tensor_parallel_size ranks
     pipeline_microbatches: int = 2  # most micro-batches a step is cut into, so the stages work at once
+    enable_expert_parallel: bool = False  # MoE: whole experts spread over the tensor-parallel ranks, tokens sent to them
     distributed_timeout_s: float = 300.0  # a collective waiting longer than this fails the step (a stuck worker)
 
     def __post_init__(self) -> None:
@@ -106,6 +107,9 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("enable_expert_parallel spreads the experts over the tensor-parallel ranks: set "
+                             "tensor_parallel_size > 1")
         if not (math.isfinite(self.distributed_timeout_s) and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s must be a finite number of seconds > 0, got "
                              f"{self.distributed_timeout_s}")
@@ -153,6 +157,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # processes that split every weight matrix (loom/executor/multiproc.py)
     pipeline_parallel_size: int = 1  # stages the layers are split into (loom/distributed/pipeline_parallel.py)
     pipeline_microbatches: int = 2  # pipeline parallel: most micro-batches a step is cut into
+    enable_expert_parallel: bool = False  # MoE: experts spread whole over the tensor-parallel ranks (all-to-all)
     distributed_timeout_s: float = 300.0  # tensor parallel: a collective stuck longer than this fails the engine
 
     def __post_init__(self) -> None:
@@ -188,6 +193,7 @@ class EngineArgs:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               pipeline_microbatches=self.pipeline_microbatches,
+                              enable_expert_parallel=self.enable_expert_parallel,
                               distributed_timeout_s=self.distributed_timeout_s)
 
     def model_config(self) -> ModelConfig:

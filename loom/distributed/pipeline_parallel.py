@@ -78,10 +78,11 @@ def stage_layers(num_layers: int, size: int, stage: int) -> tuple[int, int]:
     return partition(num_layers, size, stage)
 
 
-def build_groups(world_rank: int, tp_size: int, pp_size: int, num_layers: int,
-                 num_microbatches: int) -> tuple[TensorParallel | None, PipelineParallel | None]:
-    """This rank's tensor-parallel group and pipeline stage. Every rank must call it (new_group is collective),
-    after init_process_group with world size tp_size * pp_size.
+def build_groups(world_rank: int, tp_size: int, pp_size: int, num_layers: int, num_microbatches: int,
+                 expert_parallel: bool = False) -> tuple[TensorParallel | None, PipelineParallel | None]:
+    """This rank's tensor-parallel group (its MoE experts spread whole over the group with `expert_parallel`) and
+    pipeline stage. Every rank must call it (new_group is collective), after init_process_group with world size
+    tp_size * pp_size.
 
     Raises:
         ValueError: as stage_layers.
@@ -91,7 +92,7 @@ def build_groups(world_rank: int, tp_size: int, pp_size: int, num_layers: int,
         ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
         group = dist.new_group(ranks, backend="gloo") if tp_size > 1 else None
         if world_rank in ranks and tp_size > 1:
-            tp = TensorParallel(world_rank - stage * tp_size, tp_size, group)
+            tp = TensorParallel(world_rank - stage * tp_size, tp_size, group, expert_parallel)
     if pp_size == 1:
         return tp, None
     stage = world_rank // tp_size

@@ -28,6 +28,7 @@ class TensorParallel:
     rank: int  # 0 .. size - 1 within the group
     size: int  # ranks in the group (> 1; one rank is no TensorParallel at all)
     group: Any = None  # torch.distributed ProcessGroup of the ranks; None = the default group
+    expert_parallel: bool = False  # MoE experts spread whole over the ranks (not each expert's width split)
 
     def __post_init__(self) -> None:
         if self.size < 2 or not 0 <= self.rank < self.size:
@@ -49,6 +50,23 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
+
+
+    def all_gather_rows(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Concatenate each rank's x [counts[rank], ...] along the first dimension -> [sum(counts), ...]."""
+        most = max(counts)
+        if x.shape[0] != most:
+            x = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])])
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Send rows [sum(send_counts[:r]), +send_counts[r]) of x to rank r; returns the rows each rank sent here,
+        in rank order [sum(recv_counts), ...]."""
+        out = x.new_empty(sum(recv_counts), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.group)
+        return out
 
 
 def partition(n: int, size: int, rank: int) -> tuple[int, int]:

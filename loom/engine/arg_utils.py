@@ -118,6 +118,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pipeline-microbatches", type=int, default=defaults.pipeline_microbatches,
                    help="pipeline parallel: most micro-batches a step's requests are cut into, so that the stages "
                         "work at once (default: %(default)s)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="mixture-of-experts models: spread whole experts over the --tensor-parallel-size ranks and "
+                        "send each token to its experts' ranks and back (all-to-all), instead of splitting every "
+                        "expert's width")
     g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                    default=defaults.distributed_timeout_s,
                    help="tensor parallel: seconds a collective may wait for a rank before the engine fails "

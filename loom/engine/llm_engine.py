@@ -57,6 +57,9 @@ class EngineStats:
     spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # cumulative kept drafts at position 0, 1, ...
     spec_num_branches: int = 0  # cumulative candidate branches verified (tree candidates; one per chain)
     spec_num_branch_wins: int = 0  # cumulative verify passes kept from a branch other than the first
+    # mixture of experts: cumulative (token, expert) routings per expert, summed over the MoE layers rank 0 runs
+    # (all of them, or its pipeline stage's); () for a dense model
+    moe_expert_tokens: tuple[int, ...] = ()
 
 
 class LLMEngine:
@@ -115,6 +118,9 @@ class LLMEngine:
                         spec.method, spec.num_speculative_tokens, options,
                         "at every batch size" if spec.disable_by_batch_size is None
                         else f"off while >= {spec.disable_by_batch_size} requests run")
+        from loom.model.llama import SparseMoeBlock
+
+        self._moe_blocks = [m for m in self.runner.model.modules() if isinstance(m, SparseMoeBlock)]
         self.output_processor = OutputProcessor(self.tokenizer)
         self.runner.structured = self.structured
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids
@@ -404,6 +410,8 @@ class LLMEngine:
             spec_num_accepted_tokens_per_pos=tuple(s.spec_stats.num_accepted_tokens_per_pos),
             spec_num_branches=s.spec_stats.num_branches,
             spec_num_branch_wins=s.spec_stats.num_branch_wins,
+            moe_expert_tokens=tuple(sum(b.expert_tokens for b in self._moe_blocks).tolist())
+            if self._moe_blocks else (),
         )
 
 

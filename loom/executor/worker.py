@@ -40,7 +40,7 @@ def model_parallel_groups(rank: int, parallel: ParallelConfig,
 
     num_layers = read_arch(model_config.model).num_layers if parallel.pipeline_parallel_size > 1 else 0
     return build_groups(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, num_layers,
-                        parallel.pipeline_microbatches)
+                        parallel.pipeline_microbatches, parallel.enable_expert_parallel)
 
 
 def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig, cache_config: CacheConfig) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from loom.attention.backend import AttentionBackend
 from loom.attention.metadata import AttentionMetadata
 from loom.distributed.pipeline_parallel import PipelineParallel
-from loom.distributed.tensor_parallel import TensorParallel, head_shard, shard_range
+from loom.distributed.tensor_parallel import TensorParallel, head_shard, partition, shard_range
 from loom.kernels.registry import fused_kernels_for
 from loom.model.arch import ModelArchConfig
 from loom.quant.config import NoQuantConfig, QuantizationConfig
@@ -185,17 +185,31 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                  quant_config: QuantizationConfig, prefix: str, tp: TensorParallel | None = None) -> None:
-        """tp: every expert's MLP width is split over the ranks; the block adds the ranks' partial sums once."""
+        """tp: every expert's MLP width is split over the ranks and the block adds the ranks' partial sums once;
+        or, with tp.expert_parallel, each rank holds whole experts (a contiguous range) and tokens travel to their
+        experts' ranks and back (all-to-all; GShard, Lepikhin et al. 2020, arXiv:2006.16668)."""
         super().__init__()
         self.tp = tp
+        self.ep = tp if tp is not None and tp.expert_parallel else None
+        num_experts = arch.num_experts
+        self.expert_start, self.expert_stop = (0, num_experts) if self.ep is None else \
+            partition(num_experts, self.ep.size, self.ep.rank)
+        # rank holding each expert (expert parallel)
+        self.expert_owner = torch.tensor([next(r for r in range(self.ep.size) if
+                                               e < partition(num_experts, self.ep.size, r)[1])
+                                          for e in range(num_experts)]) if self.ep is not None else None
+        # tokens routed to each expert since start-up, summed over the steps (load-balance metrics)
+        self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64)
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.moe_renormalize
         self.gate = Linear(arch.hidden_size, arch.num_experts, False, dtype, device, quant_config=NoQuantConfig(),
                            prefix=f"{prefix}.gate")
         width = arch.moe_intermediate_size or arch.intermediate_size
         self.experts = nn.ModuleList(
-            LlamaMLP(arch.hidden_size, width, dtype, device, quant_config, f"{prefix}.experts.{e}", tp=tp,
-                     reduce=False)
+            (LlamaMLP(arch.hidden_size, width, dtype, device, quant_config, f"{prefix}.experts.{e}", tp=tp,
+                      reduce=False) if self.ep is None else
+             LlamaMLP(arch.hidden_size, width, dtype, device, quant_config, f"{prefix}.experts.{e}")
+             if self.expert_start <= e < self.expert_stop else PPMissingLayer())
             for e in range(arch.num_experts)
         )
         # Qwen2-MoE: a shared expert every token runs, scaled by sigmoid(shared_expert_gate(x))
@@ -216,6 +230,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden], x's dtype."""
         weights, ids = self.route(x)
+        self.expert_tokens += torch.bincount(ids.flatten(), minlength=len(self.experts)).cpu()
+        if self.ep is not None:
+            return self._forward_expert_parallel(x, weights, ids)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -231,6 +248,38 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _forward_expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: this rank dispatches its share of the tokens (x is the same on every rank) to the ranks
+        holding their experts, runs the rows sent to its own experts, sends the results back, weights and adds them
+        per token in expert order (as the unsplit block does), and the ranks' token shares are gathered."""
+        ep = self.ep
+        assert ep is not None and self.expert_owner is not None
+        n = x.shape[0]
+        counts = [b - a for a, b in (partition(n, ep.size, r) for r in range(ep.size))]
+        start, stop = partition(n, ep.size, ep.rank)
+        flat = ids[start:stop].flatten()
+        owner = self.expert_owner.to(flat.device)[flat]
+        order = torch.argsort(owner * len(self.experts) + flat, stable=True)  # by rank, then expert: expert order
+        tokens = torch.arange(start, stop, device=x.device).repeat_interleave(self.top_k)[order]
+        send = torch.bincount(owner, minlength=ep.size)
+        recv = ep.all_to_all(send, [1] * ep.size, [1] * ep.size)  # how many rows each rank sends here
+        send_counts, recv_counts = send.tolist(), recv.tolist()
+        rows = ep.all_to_all(x.index_select(0, tokens), send_counts, recv_counts)
+        experts = ep.all_to_all(flat[order], send_counts, recv_counts)
+        out = torch.empty_like(rows)
+        for e in range(self.expert_start, self.expert_stop):
+            mine = (experts == e).nonzero().flatten()
+            if mine.numel():
+                out[mine] = self.experts[e](rows.index_select(0, mine))
+        back = ep.all_to_all(out, recv_counts, send_counts)
+        local = torch.zeros(stop - start, x.shape[1], dtype=x.dtype, device=x.device)
+        local.index_add_(0, tokens - start, (back * weights[start:stop].flatten()[order, None]).to(x.dtype))
+        combined = ep.all_gather_rows(local, counts)
+        if self.shared_expert is not None:  # split by width over the same ranks: its partial sums are added here
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            combined = combined + ep.all_reduce(shared)
+        return combined
 
     def expert_token_counts(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens routed to each expert [num_experts] int64 for x [n, hidden] (load-balance metrics)."""
@@ -349,7 +398,8 @@ class GemmaDecoderLayer(Olmo2DecoderLayer):
 
 
 class PPMissingLayer(nn.Module):
-    """A decoder layer another pipeline stage holds: no parameters, never called."""
+    """A module another rank holds (a pipeline stage's decoder layer, an expert-parallel rank's expert): no
+    parameters, never called."""
 
     def forward(self, *args: Any) -> Any:
         raise RuntimeError("a pipeline stage ran a layer it does not hold")
@@ -603,16 +653,20 @@ class LlamaForCausalLM(nn.Module):
         self.model.prepare_decode_step()
 
     def _holds(self, module_name: str) -> bool:
-        """False for a module another pipeline stage holds (a layer, the embedding or the LM head)."""
-        if self.pp is None:
-            return True
-        if module_name.startswith("model.layers."):
-            return self.pp.holds_layer(int(module_name.split(".")[2]))
+        """False for a module another rank holds: a layer of another pipeline stage, the embedding or the LM head
+        off their stages, an expert of another expert-parallel rank."""
         if module_name == "model.embed_tokens":
             return self.model.embed_tokens is not None
         if module_name == "lm_head":
             return self.lm_head is not None
-        return True
+        module: Any = self
+        for part in module_name.split("."):
+            if isinstance(module, PPMissingLayer):
+                return False
+            module = getattr(module, part, None)
+            if module is None:
+                return True  # an unknown name: load_weights names it
+        return not isinstance(module, PPMissingLayer)
 
     def _expected_loads(self) -> set[tuple[str, str, int | None]]:
         """(module name, parameter name, shard or None) of every checkpoint tensor the model needs."""

@@ -78,6 +78,12 @@ class ServerMetrics:
         self.spec_branch_wins = Counter("loom:spec_decode_num_branch_wins",
                                         "Verify passes whose kept tokens came from a branch other than the first.",
                                         labels, registry=r).labels(model_name)
+        # mixture of experts: routings per expert and the load imbalance (hottest expert over the mean; 1 = even)
+        self._moe_tokens = Counter("loom:moe_expert_tokens", "Tokens routed to each expert, summed over the MoE "
+                                   "layers.", ["model_name", "expert"], registry=r)
+        self.moe_imbalance = Gauge("loom:moe_expert_load_imbalance", "Routings of the most-used expert over the mean "
+                                   "(1 = balanced), since start-up.", labels, registry=r).labels(model_name)
+        self._last_moe: list[int] = []
         self._last_spec = (0, 0, 0, 0, 0)
         self._last_spec_pos: list[int] = []
         self._seen: dict[str, float | None] = {}  # request_id -> last_token_time seen (engine thread only)
@@ -119,6 +125,13 @@ class ServerMetrics:
             _advance(self.spec_branches, getattr(stats, "spec_num_branches", 0), self._last_spec[3]),
             _advance(self.spec_branch_wins, getattr(stats, "spec_num_branch_wins", 0), self._last_spec[4]),
         )
+        moe = list(getattr(stats, "moe_expert_tokens", ()))
+        if moe and sum(moe):
+            self._last_moe += [0] * (len(moe) - len(self._last_moe))
+            for expert, total in enumerate(moe):
+                counter = self._moe_tokens.labels(self.model_name, str(expert))
+                self._last_moe[expert] = _advance(counter, total, self._last_moe[expert])
+            self.moe_imbalance.set(max(moe) * len(moe) / sum(moe))
         per_pos = list(getattr(stats, "spec_num_accepted_tokens_per_pos", ()))
         self._last_spec_pos += [0] * (len(per_pos) - len(self._last_spec_pos))
         for pos, total in enumerate(per_pos):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from loom import LLM, SamplingParams
 from loom.executor import ExecutorDiedError
@@ -90,6 +91,30 @@ def test_pipeline_stages_equal_one_process_batched_with_prefix_hits_chunks_and_p
         _no_leak(llm)
     finally:
         llm.engine.shutdown()
+
+
+def test_expert_parallel_equals_one_process_and_counts_every_routing(tiny_dirs: dict[str, str],
+                                                                      hf_tokenizer) -> None:
+    """Mixtral's 4 experts, 2 whole experts per rank; tokens go to their experts' ranks by all-to-all."""
+    prompts = [hf_tokenizer.encode(t) for t in TEXTS]
+    common = dict(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, block_size=4)
+    one = LLM(**common, num_kv_blocks=512)
+    want = _run(one, prompts)
+    ep = LLM(**common, tensor_parallel_size=2, enable_expert_parallel=True, num_kv_blocks=512)
+    try:
+        model = ep.engine.runner.model
+        held = [isinstance(e, torch.nn.Module) and any(True for _ in e.parameters())
+                for e in model.model.layers[0].mlp.experts]
+        assert held == [True, True, False, False]  # rank 0 holds experts 0 and 1 only
+        _assert_close(want, _run(ep, prompts))
+        counts = ep.engine.get_stats().moe_expert_tokens
+        assert counts == one.engine.get_stats().moe_expert_tokens  # the same routing, counted on rank 0
+        assert len(counts) == 4 and sum(counts) > 0 and sum(counts) % 2 == 0  # top-2: two per token and layer
+        _no_leak(ep)
+    finally:
+        ep.engine.shutdown()
+    with pytest.raises(ValueError, match="enable_expert_parallel spreads the experts"):
+        LLM(**common, enable_expert_parallel=True)
 
 
 def test_tp2_prompt_logprobs_and_ngram_speculation(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
