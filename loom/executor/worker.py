@@ -61,6 +61,9 @@ def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig,
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0, group=control)
         if box[0] is None:
+            if runner.pp is not None and os.environ.get("LOOM_PIPELINE_PROFILE"):  # benchmarks/parallel_bench.py
+                print(f"pipeline stage {runner.pp.stage} rank {rank}: busy {runner.pipeline_busy_s:.4f} s of "
+                      f"{runner.pipeline_step_s:.4f} s in steps", file=sys.stderr, flush=True)
             return
         runner.execute_model(decoder.decode(box[0]))
 

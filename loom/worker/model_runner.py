@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +172,10 @@ class ModelRunner:
         )
         self.host_kv_cache = HostKVCache(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
         self.default_generator = torch.Generator().manual_seed(model_config.seed)  # unseeded rows' uniforms
+        # pipeline stage: seconds computing (its layers, and the logits on the last stage) and seconds in steps, so
+        # 1 - busy / step is this stage's bubble fraction (benchmarks/parallel_bench.py)
+        self.pipeline_busy_s = 0.0
+        self.pipeline_step_s = 0.0
         self.structured: StructuredOutputManager | None = None  # set by the engine; grammar masks per request
 
     @torch.inference_mode()
@@ -208,6 +213,7 @@ class ModelRunner:
         sends them to rank 0, which samples after its own stage has sent every micro-batch on."""
         pp = self.pp
         assert pp is not None
+        started = time.perf_counter()
         ranges = split_microbatches([len(r.token_ids) for r in scheduled], pp.num_microbatches)
         batches = [self._prepare_inputs(scheduled[a:b]) for a, b in ranges]
         sending: list[tuple[Any, torch.Tensor]] = []  # (request, tensor kept alive until it is sent)
@@ -218,12 +224,16 @@ class ModelRunner:
                 intermediate = (torch.empty(n, self.arch.hidden_size, dtype=self.dtype, device=self.device),
                                 torch.empty(n, self.arch.hidden_size, dtype=self.dtype, device=self.device))
                 pp.recv_prev(list(intermediate))
+            busy = time.perf_counter()
             out = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
             if not pp.is_last:
                 tensors = [t.contiguous() for t in out]
+                self.pipeline_busy_s += time.perf_counter() - busy
                 sending.extend(zip(pp.send_next(tensors), tensors, strict=True))
                 continue
-            for logits in self._logits(out, inputs):
+            all_logits = self._logits(out, inputs)
+            self.pipeline_busy_s += time.perf_counter() - busy
+            for logits in all_logits:
                 if logits is not None and pp.tp_rank == 0:
                     sending.append((dist.isend(logits, 0), logits))
         output = ModelRunnerOutput(sampled_token_ids={})
@@ -245,6 +255,7 @@ class ModelRunner:
                 self._sample(torch.cat(sample_logits), [r for b in batches for r in b.sample_reqs], output)
         for request, _ in sending:
             request.wait()
+        self.pipeline_step_s += time.perf_counter() - started
         return output
 
     def _copy_host_blocks(self, scheduler_output: SchedulerOutput) -> None:

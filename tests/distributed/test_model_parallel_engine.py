@@ -192,3 +192,41 @@ def test_unsupported_tensor_parallel_setups_are_refused_by_name(tiny_dirs: dict[
         LLM(model=tiny_dirs["mixtral"], pipeline_parallel_size=2, pipeline_microbatches=0)
     with pytest.raises(ValueError, match="speculative_tree_width > 1 with tensor_parallel_size"):
         LLM(model=tiny_dirs["mixtral"], tensor_parallel_size=2, speculative_method="ngram", speculative_tree_width=2)
+
+
+def test_async_engine_stops_and_fails_its_requests_when_a_worker_dies(tiny_dirs: dict[str, str]) -> None:
+    """The server's engine: requests in flight end with finish reason "error", the engine stops (the server's
+    /health then answers 503), and a new request is refused with EngineDeadError."""
+    import asyncio
+
+    from loom.config import EngineArgs
+    from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1,
+                                                        tensor_parallel_size=2))
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def go() -> str | None:
+        last = None
+        async for out in engine.generate("a", "The quick brown fox", long):
+            if last is None:  # the first token is out: kill the worker under the running request
+                engine.engine.executor._procs[0].kill()
+            last = out
+        return last.outputs[0].finish_reason if last is not None else None
+
+    try:
+        assert asyncio.run(asyncio.wait_for(go(), 120)) == "error"
+        for _ in range(100):
+            if not engine.is_running:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert not engine.is_running
+
+        async def again() -> None:
+            async for _ in engine.generate("b", "hello", GREEDY):
+                pass
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(asyncio.wait_for(again(), 30))
+    finally:
+        engine.shutdown()
