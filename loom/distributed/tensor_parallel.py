@@ -76,9 +76,14 @@ def partition(n: int, size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def shard_range(n: int, tp: TensorParallel | None) -> tuple[int, int]:
-    """This rank's [start, stop) of n rows or columns; (0, n) without tensor parallelism."""
-    return (0, n) if tp is None else partition(n, tp.size, tp.rank)
+def shard_range(n: int, tp: TensorParallel | None, align: int = 1) -> tuple[int, int]:
+    """This rank's [start, stop) of n rows or columns; (0, n) without tensor parallelism. With `align`, the split
+    falls on multiples of it where n is one (so a row-parallel split keeps packed weights' groups whole)."""
+    if tp is None:
+        return 0, n
+    unit = align if n % align == 0 else 1
+    start, stop = partition(n // unit, tp.size, tp.rank)
+    return start * unit, stop * unit
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,8 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         world = args.parallel_config().world_size
-        _set_num_threads(args.num_threads if world == 1 else threads_per_rank(args.num_threads, world))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine (torchrun says)
+        _set_num_threads(args.num_threads if world == 1 else threads_per_rank(args.num_threads, local))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model_config = args.model_config()
         cache_config = args.cache_config()
@@ -146,7 +147,8 @@ class LLMEngine:
         if report is not None:
             parts = report()
             logger.info(
-                "weights (quantization %s): %s; a decode step reads %.1f MB of them",
+                "weights%s (quantization %s): %s; a decode step reads %.1f MB of them",
+                "" if args.parallel_config().world_size == 1 else " of rank 0's shard",
                 getattr(self.runner.model.quant_config, "name", "none"),
                 "; ".join(f"{kind} {fmt} {nbytes / 1e6:.1f} MB" for kind, (fmt, nbytes) in parts.items()),
                 sum(n for kind, (_, n) in parts.items() if kind != "embed_tokens") / 1e6,

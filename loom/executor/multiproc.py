@@ -19,8 +19,10 @@ import logging
 import os
 import pickle
 import socket
+import select
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +33,7 @@ from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from loom.executor.base import ExecutorDiedError
 from loom.executor.step_message import StepEncoder
-from loom.executor.worker import CONTROL_TIMEOUT, WorkerArgs, model_parallel_groups
+from loom.executor.worker import WorkerArgs, model_parallel_groups
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -58,10 +60,15 @@ class MultiprocExecutor:
             ExecutorDiedError: a worker failed to start (its error is logged by the worker)."""
         if device.type != "cpu":
             raise ValueError("tensor / pipeline parallelism runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
+        if dist.is_initialized():
+            raise ValueError("a model-parallel engine already runs in this process (one default process group per "
+                             "process): shut it down first (LLMEngine.shutdown())")
         self.size = parallel.world_size
         timeout_s = parallel.distributed_timeout_s
         self._procs: list[Any] = []
         self._dead = False
+        self._owns_group = False  # this executor created the default process group (and so destroys it)
+        self._encoder: StepEncoder | None = None
         if launched_by_torchrun():
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.size or rank != 0:
@@ -71,33 +78,62 @@ class MultiprocExecutor:
             init_method = "env://"
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-            for rank in range(1, self.size):
+        try:
+            for rank in range(1, self.size if init_method != "env://" else 1):
                 # a fresh interpreter (`python -m loom.executor.worker`), not multiprocessing: a user's script
-                # needs no `if __name__ == "__main__"` guard, and nothing of this process is inherited
-                proc = subprocess.Popen([sys.executable, "-m", "loom.executor.worker"], stdin=subprocess.PIPE)
+                # needs no `if __name__ == "__main__"` guard, and nothing of this process is inherited; a session
+                # of its own, so a terminal's Ctrl-C reaches rank 0 alone (which then stops it cleanly)
+                proc = subprocess.Popen([sys.executable, "-m", "loom.executor.worker"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, start_new_session=True)
+                self._procs.append(proc)
                 assert proc.stdin is not None
                 pickle.dump(WorkerArgs(rank, parallel, init_method, model_config, cache_config, num_threads),
                             proc.stdin)
                 proc.stdin.close()
-                self._procs.append(proc)
-        self._encoder: StepEncoder | None = None
-        try:
+            self._wait_ready(timeout_s)
             dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=timeout_s))
-            self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+            self._owns_group = True
+            # rank 0 waits for the workers' next receive with the collectives' timeout (a frozen worker fails the
+            # step); the workers wait for rank 0's next step with the long one (an idle server)
+            self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             tp, pp = model_parallel_groups(0, parallel, model_config)
             self.driver = ModelRunner(model_config, cache_config, device, tp=tp, pp=pp)
             self._check_same_blocks()
         except Exception as e:
             dead = self._dead_workers()
             self._shutdown(tell_workers=False)
-            if dead and not isinstance(e, ValueError):  # a user error is the same on every rank: say it as is
+            if dead and not isinstance(e, (ValueError, ExecutorDiedError)):  # a user error is the same on every
+                # rank: say it as is
                 raise ExecutorDiedError(f"tensor-parallel workers failed to start: {dead}") from e
             raise
         self._encoder = StepEncoder()
         logger.info("model parallel: tensor %d x pipeline %d = %d ranks on gloo (%s), %d KV blocks on every rank",
                     parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.size,
                     "torchrun" if not self._procs else "local worker processes", self.driver.num_blocks)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Wait until every local worker has its arguments and its imports (it writes a line on stdout just before
+        it joins the process group), watching the processes meanwhile: one that dies at start-up (a bad
+        interpreter, an import error) fails the start at once instead of leaving rank 0 in the rendezvous until
+        the timeout.
+
+        Raises:
+            ExecutorDiedError: a local worker exited before it was ready, or was not ready within timeout_s.
+        """
+        waiting = {proc.stdout.fileno(): proc for proc in self._procs if proc.stdout is not None}
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], 0.1)
+            for fd in ready:
+                if waiting[fd].stdout.readline():  # "ready"; an empty read is the end of the pipe: it exited
+                    waiting[fd].stdout.close()
+                    del waiting[fd]
+            dead = self._dead_workers()
+            if dead:
+                raise ExecutorDiedError(f"tensor-parallel workers exited before joining: {dead}")
+            if time.monotonic() > deadline:
+                raise ExecutorDiedError(f"tensor-parallel workers not ready after {timeout_s:.0f} s")
 
     def _check_same_blocks(self) -> None:
         """Every rank must size its KV cache alike (the scheduler's block ids index every rank's cache)."""
@@ -117,11 +153,14 @@ class MultiprocExecutor:
         dead = self._dead_workers()
         if dead:
             self._fail(f"tensor-parallel worker died: {dead}")
+        self.driver.step_collectives_done = False  # (the previous step's flag must not excuse this broadcast)
         try:
             dist.broadcast_object_list([self._encoder.encode(scheduler_output)], src=0, group=self._control)
             return self.driver.execute_model(scheduler_output)
-        except Exception as e:  # a failed collective, or a failure after the workers started the step: the ranks
-            # are no longer in step, so no later step can run
+        except Exception as e:
+            if self.driver.step_collectives_done:  # rank 0's own work after the step's last collective (sampling):
+                raise  # the ranks are still in step; the engine fails this step's requests only
+            # a failed collective, or a failure while the workers are inside the step: no later step can run
             dead = self._dead_workers()
             self._fail(f"tensor-parallel step failed ({type(e).__name__}: {e})"
                        + (f"; dead workers: {dead}" if dead else ""), e)
@@ -149,7 +188,7 @@ class MultiprocExecutor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-        if dist.is_initialized():
+        if self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a group with dead peers may fail to close; nothing to keep

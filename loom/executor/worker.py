@@ -83,6 +83,8 @@ class WorkerArgs:
 def main() -> None:
     """`python -m loom.executor.worker`, started by MultiprocExecutor with WorkerArgs on stdin."""
     args: WorkerArgs = pickle.load(sys.stdin.buffer)
+    print("ready", flush=True)  # rank 0 waits for this line before it joins the process group
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # rank 0 reads no more: anything printed goes to stderr
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s tp-rank-{args.rank} %(levelname)s %(name)s: %(message)s")
     world = args.parallel.world_size

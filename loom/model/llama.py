@@ -145,7 +145,7 @@ class LlamaMLP(nn.Module):
         leaves the down projection's partial sums for the caller to add (an MoE block adds all experts' once)."""
         super().__init__()
         self.act = act
-        start, stop = shard_range(intermediate_size, tp)
+        start, stop = shard_range(intermediate_size, tp, align=32)  # whole groups of packed weights per rank
         width = stop - start
         self.gate_up_proj = MergedLinear(hidden_size, [width, width], False, dtype, device, quant_config=quant_config,
                                          prefix=f"{prefix}.gate_up_proj",

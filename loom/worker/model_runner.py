@@ -176,21 +176,27 @@ class ModelRunner:
         # 1 - busy / step is this stage's bubble fraction (benchmarks/parallel_bench.py)
         self.pipeline_busy_s = 0.0
         self.pipeline_step_s = 0.0
+        # the step in progress has passed its last collective (under model parallelism an error after that point is
+        # rank 0's alone and fails only that step; before it, the ranks are out of step)
+        self.step_collectives_done = False
         self.structured: StructuredOutputManager | None = None  # set by the engine; grammar masks per request
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.step_collectives_done = False
         self._copy_host_blocks(scheduler_output)
         self._copy_blocks(scheduler_output.blocks_to_copy)
         self._copy_branch_context(scheduler_output.scheduled)
         output = ModelRunnerOutput(sampled_token_ids={})
         if scheduler_output.is_empty:
+            self.step_collectives_done = True
             return output
         if self.pp is not None:
             return self._execute_pipeline_stage(scheduler_output.scheduled)
         inputs = self._prepare_inputs(scheduler_output.scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         prompt_lp_logits, sample_logits = self._logits(hidden, inputs)  # every tensor-parallel rank: a collective
+        self.step_collectives_done = True  # what follows is rank 0's alone
         if not self.is_driver:
             return output  # the sampling is rank 0's alone
         if prompt_lp_logits is not None:
@@ -215,6 +221,7 @@ class ModelRunner:
         assert pp is not None
         started = time.perf_counter()
         ranges = split_microbatches([len(r.token_ids) for r in scheduled], pp.num_microbatches)
+        sample_logits: list[torch.Tensor] = []
         batches = [self._prepare_inputs(scheduled[a:b]) for a, b in ranges]
         sending: list[tuple[Any, torch.Tensor]] = []  # (request, tensor kept alive until it is sent)
         for inputs in batches:
@@ -239,7 +246,6 @@ class ModelRunner:
         output = ModelRunnerOutput(sampled_token_ids={})
         if self.is_driver:
             last = pp.global_rank(pp.size - 1) - pp.tp_rank  # the last stage's tensor-parallel rank 0
-            sample_logits = []
             for inputs in batches:
                 vocab = self.arch.vocab_size
                 for rows, is_lp in ((inputs.prompt_lp_indices, True), (inputs.sample_indices, False)):
@@ -251,11 +257,12 @@ class ModelRunner:
                         self._add_prompt_logprobs(logits, inputs, output)
                     else:
                         sample_logits.append(logits)
-            if sample_logits:  # one sampling call for the whole step, as without a pipeline
-                self._sample(torch.cat(sample_logits), [r for b in batches for r in b.sample_reqs], output)
         for request, _ in sending:
             request.wait()
+        self.step_collectives_done = True
         self.pipeline_step_s += time.perf_counter() - started
+        if sample_logits:  # one sampling call for the whole step, as without a pipeline
+            self._sample(torch.cat(sample_logits), [r for b in batches for r in b.sample_reqs], output)
         return output
 
     def _copy_host_blocks(self, scheduler_output: SchedulerOutput) -> None:

@@ -150,17 +150,20 @@ def test_tp2_real_model_float32_equals_tp1(llm: LLM) -> None:
         tp.engine.shutdown()
 
 
-def test_pp2_real_model_float32_equals_one_process(llm: LLM) -> None:
-    """The bundled SmolLM2's 30 layers over two stages, two micro-batches per step."""
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+def test_pipeline_stages_real_model_float32_equal_one_process(tp: int, pp: int, llm: LLM) -> None:
+    """The bundled SmolLM2's 30 layers over two stages (two micro-batches per step), alone and with each stage
+    split over two ranks (four processes)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn.", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
     want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    pp = LLM(dtype="float32", quantization="none", num_threads=1, pipeline_parallel_size=2)
+    staged = LLM(dtype="float32", quantization="none", num_threads=1, tensor_parallel_size=tp,
+                 pipeline_parallel_size=pp)
     try:
-        _assert_close(want, [o.outputs[0] for o in pp.generate(prompts, params, use_tqdm=False)])
-        _no_leak(pp)
+        _assert_close(want, [o.outputs[0] for o in staged.generate(prompts, params, use_tqdm=False)])
+        _no_leak(staged)
     finally:
-        pp.engine.shutdown()
+        staged.engine.shutdown()
 
 
 def test_a_dead_worker_fails_the_engine_with_a_clear_error_not_a_hang(tiny_dirs: dict[str, str],
@@ -230,3 +233,58 @@ def test_async_engine_stops_and_fails_its_requests_when_a_worker_dies(tiny_dirs:
             asyncio.run(asyncio.wait_for(again(), 30))
     finally:
         engine.shutdown()
+
+
+def test_a_frozen_worker_fails_the_step_after_the_timeout(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """A worker that neither answers nor dies (SIGSTOP: a machine gone without closing its sockets) fails the step
+    after distributed_timeout_s, not after the step channel's long idle timeout."""
+    import signal
+    import time
+
+    tp = LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2,
+             distributed_timeout_s=3)
+    worker = tp.engine.executor._procs[0]
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ExecutorDiedError):
+            _run(tp, [hf_tokenizer.encode("The quick brown fox")])
+        assert time.monotonic() - started < 60
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        tp.engine.shutdown()
+
+
+def test_a_worker_that_cannot_start_fails_the_start_at_once(tiny_dirs: dict[str, str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import time
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker interpreter exits 1 at once
+    started = time.monotonic()
+    with pytest.raises(ExecutorDiedError, match="exited before joining"):
+        LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2)
+    assert time.monotonic() - started < 60  # not the 300 s collective timeout
+
+
+def test_one_model_parallel_engine_per_process_and_rank0_errors_fail_one_step(tiny_dirs: dict[str, str],
+                                                                               hf_tokenizer) -> None:
+    tp = LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2)
+    prompt = [hf_tokenizer.encode("The quick brown fox")]
+    try:
+        with pytest.raises(ValueError, match="already runs in this process"):
+            LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2)
+        want = _run(tp, prompt)  # the first engine is untouched
+        runner = tp.engine.runner
+        sample = runner._sample
+
+        def fail_once(*args: object) -> None:
+            runner._sample = sample
+            raise RuntimeError("a sampling bug")
+
+        runner._sample = fail_once  # after the step's last collective: rank 0's own failure
+        assert _run(tp, prompt)[0].finish_reason == "error"
+        assert _run(tp, prompt)[0].token_ids == want[0].token_ids  # the ranks stayed in step
+        _no_leak(tp)
+    finally:
+        tp.engine.shutdown()

@@ -154,6 +154,9 @@ class FakeEngine:
         for rid in request_ids:
             self.reqs.pop(rid, None)
 
+    def shutdown(self) -> None:
+        self.shut_down = True  # LLMEngine.shutdown stops an executor's workers; the fake has none
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
