@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from loom.bench.comm import ParallelPrediction, PhasePrediction
 from loom.bench.roofline import Roofline
 
 GIB = float(1 << 30)
@@ -105,7 +106,58 @@ def format_efficiencies(rows: list[Efficiency]) -> str:
                      f"-> {100 * r.fraction:.1f}% of roofline" for r in rows)
 
 
-def to_json(summary: dict[str, float | str], rows: list[Efficiency]) -> str:
-    """Summary and efficiencies as one JSON document (inf becomes null)."""
+def parallel_summary(pred: ParallelPrediction, work: Workload, link_source: str) -> dict[str, float | str]:
+    """Predicted figures of a tensor- and pipeline-parallel layout (loom.bench.comm.predict), keyed with units."""
+    b, c, n = work.batch, work.context, work.prompt_len
+    d, p = pred.decode, pred.prefill
+    return {
+        "tensor_parallel_size": pred.tensor_parallel_size,
+        "pipeline_parallel_size": pred.pipeline_parallel_size,
+        "pipeline_micro_batches_decode": d.micro_batches,
+        "interconnect": pred.link.name,
+        "interconnect_source": link_source,
+        "link_bandwidth_GBps": pred.link.bandwidth / 1e9,
+        "link_latency_us": pred.link.latency * 1e6,
+        **{f"link_{o.op}_bandwidth_GBps": o.bandwidth / 1e9 for o in pred.link.per_op},
+        **{f"link_{o.op}_latency_us": o.latency * 1e6 for o in pred.link.per_op},
+        "activation_bytes_on_wire": pred.activation_bytes,
+        "params_per_decoded_token_per_rank_all_layers": pred.shard.num_decode_params,
+        f"decode_comm_bytes_B{b}": d.comm.bytes,
+        f"decode_comm_ms_B{b}": d.comm.time_s * 1e3,
+        f"decode_compute_ms_B{b}_C{c}": d.compute_s * 1e3,
+        "decode_bubble_fraction": d.bubble_fraction,
+        f"predicted_tpot_ms_B{b}_C{c}": d.time_s * 1e3,
+        f"predicted_decode_tok_s_B{b}_C{c}": pred.decode_tok_s,
+        f"decode_comm_share_B{b}_C{c}": d.comm.time_s / d.time_s,
+        f"prefill_comm_bytes_N{n}": p.comm.bytes,
+        f"prefill_comm_ms_N{n}": p.comm.time_s * 1e3,
+        f"prefill_compute_ms_N{n}": p.compute_s * 1e3,
+        "prefill_bubble_fraction": p.bubble_fraction,
+        f"predicted_ttft_ms_N{n}": p.time_s * 1e3,
+    }
+
+
+def format_comm(phase: PhasePrediction, label: str) -> str:
+    """One line per kind of message of a phase: count, bytes, time."""
+    lines = [f"{label}: {len(phase.comm.items)} kinds of message, {phase.comm.bytes:,.0f} bytes, "
+             f"{phase.comm.time_s * 1e3:.4g} ms on the critical path"]
+    lines += [f"  {i.op:<10} x{i.messages:<5} {i.message_bytes:>14,.0f} B  p={i.ranks}  {i.time_s * 1e3:>9.4g} ms  "
+              f"{i.what}" for i in phase.comm.items]
+    return "\n".join(lines)
+
+
+def _comm_json(phase: PhasePrediction) -> list[dict[str, object]]:
+    return [{**asdict(i), "bytes": i.bytes} for i in phase.comm.items]
+
+
+def to_json(summary: dict[str, float | str], rows: list[Efficiency],
+            parallel: tuple[dict[str, float | str], ParallelPrediction] | None = None) -> str:
+    """Summary and efficiencies as one JSON document (inf becomes null); with `parallel` (its summary and
+    prediction) also "parallel" and "communication" (each message kind of a decode step and of a prefill)."""
     clean = {k: (None if isinstance(v, float) and v == float("inf") else v) for k, v in summary.items()}
-    return json.dumps({"floors": clean, "efficiency": [asdict(r) for r in rows]}, indent=2)
+    doc: dict[str, object] = {"floors": clean, "efficiency": [asdict(r) for r in rows]}
+    if parallel is not None:
+        psum, pred = parallel
+        doc["parallel"] = psum
+        doc["communication"] = {"decode": _comm_json(pred.decode), "prefill": _comm_json(pred.prefill)}
+    return json.dumps(doc, indent=2)

@@ -127,6 +127,24 @@ def _add_analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measured-ttft-ms", type=float, default=None, help="measured TTFT for --prompt-len, ms")
     p.add_argument("--measured-output-tok-s", type=float, default=None, help="measured decode tok/s at (B, C)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
+    par = p.add_argument_group("parallel layout (issue 14: roofline of a rank's shard plus communication)")
+    # dests unlike the engine's: loom.cli treats a namespace with tensor_parallel_size under torchrun as a worker's
+    par.add_argument("--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                     help="N, ranks splitting every layer; > 1 adds the predicted step time (default: %(default)s)")
+    par.add_argument("--pipeline-parallel-size", dest="pp_size", type=int, default=1,
+                     help="M, stages of consecutive layers; > 1 adds the predicted step time (default: %(default)s)")
+    par.add_argument("--pipeline-micro-batches", dest="pp_micro_batches", type=int, default=None,
+                     help="m, decode micro-batches in flight over the stages (default: min(M, --batch))")
+    par.add_argument("--interconnect", default="loopback",
+                     help="link between ranks: nvlink, pcie, 25gbe, 100gbe, or loopback (this machine's gloo, "
+                          "from --link-profile) (default: %(default)s)")
+    par.add_argument("--link-bandwidth-gbs", type=float, default=None,
+                     help="link bandwidth in GB/s per direction per rank, replacing the interconnect's")
+    par.add_argument("--link-latency-us", type=float, default=None,
+                     help="link latency in microseconds per message hop, replacing the interconnect's")
+    par.add_argument("--link-profile", type=Path, default=None,
+                     help="benchmarks/comm_bench.py JSON for --interconnect loopback (default: "
+                          "benchmarks/results/comm_loopback.json if present, else built-in figures)")
 
 
 def result_path(result_dir: Path, kind: str, label: str, suffix: str) -> Path:

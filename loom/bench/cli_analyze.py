@@ -10,10 +10,13 @@ from loom.bench.analyze import (
     Workload,
     efficiencies,
     floor_summary,
+    format_comm,
     format_efficiencies,
     format_summary,
+    parallel_summary,
     to_json,
 )
+from loom.bench.comm import ParallelPrediction, interconnect, predict
 from loom.bench.model_arch import load_model_arch
 from loom.bench.roofline import BYTES_PER_WEIGHT, Roofline, kv_bytes_per_element
 
@@ -68,8 +71,39 @@ def _engine_dtype() -> str:
     return "bfloat16" if bf16_is_fast(torch.device("cpu")) else "float32"
 
 
+def check_parallel_args(ns: argparse.Namespace) -> None:
+    """Validate the parallel-layout flags before the (slow) machine probe.
+
+    Raises:
+        ValueError: a size < 1, an unknown --interconnect, a --link-bandwidth-gbs <= 0 or --link-latency-us < 0,
+            naming the flag.
+    """
+    for dest, flag in (("tp_size", "--tensor-parallel-size"), ("pp_size", "--pipeline-parallel-size"),
+                       ("pp_micro_batches", "--pipeline-micro-batches")):
+        v = getattr(ns, dest)
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    interconnect(ns.interconnect, ns.link_bandwidth_gbs, ns.link_latency_us, ns.link_profile)
+
+
+def parallel_prediction(roof: Roofline, work: Workload, ns: argparse.Namespace,
+                        compute_dtype: str) -> tuple[ParallelPrediction, str]:
+    """loom.bench.comm.predict for the flags; activations on the wire in the compute dtype. Returns it and where
+    the link's figures came from.
+
+    Raises:
+        ValueError: what check_parallel_args and predict raise.
+    """
+    link, source = interconnect(ns.interconnect, ns.link_bandwidth_gbs, ns.link_latency_us, ns.link_profile)
+    act = 4.0 if compute_dtype == "float32" else 2.0
+    return predict(roof, work.batch, work.context, work.prompt_len, ns.tp_size, ns.pp_size, link, act,
+                   ns.pp_micro_batches), source
+
+
 def cmd_analyze(ns: argparse.Namespace) -> int:
-    """Print the floors (and efficiencies when measured figures are given); optionally write JSON."""
+    """Print the floors (and efficiencies when measured figures are given), and with a tensor- or pipeline-parallel
+    size above 1 the predicted step time, TTFT and tokens/s; optionally write JSON."""
+    check_parallel_args(ns)
     roof = build_roofline(ns)
     if ns.max_model_len is None:
         ns.max_model_len = roof.arch.max_position_embeddings
@@ -89,7 +123,16 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     if rows:
         print()
         print(format_efficiencies(rows))
+    parallel = None
+    if ns.tp_size > 1 or ns.pp_size > 1:
+        pred, source = parallel_prediction(roof, work, ns, roof.machine.dtype)
+        parallel = (parallel_summary(pred, work, source), pred)
+        print()
+        print(format_summary(parallel[0]))
+        print()
+        print(format_comm(pred.decode, f"decode step B={work.batch}"))
+        print(format_comm(pred.prefill, f"prefill N={work.prompt_len}"))
     if ns.json is not None:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
-        ns.json.write_text(to_json(summary, rows))
+        ns.json.write_text(to_json(summary, rows, parallel))
     return 0
