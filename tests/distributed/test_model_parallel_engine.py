@@ -140,7 +140,7 @@ def test_tp2_real_model_float32_equals_tp1(llm: LLM) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn.", "1, 2, 3, 4,",
                "Explain photosynthesis in one sentence.", "Translate 'good morning' to French:",
                "The three primary colors are", "import numpy as np\n"]
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     tp = LLM(dtype="float32", quantization="none", num_threads=1, tensor_parallel_size=2)
     try:
@@ -155,7 +155,7 @@ def test_pipeline_stages_real_model_float32_equal_one_process(tp: int, pp: int, 
     """The bundled SmolLM2's 30 layers over two stages (two micro-batches per step), alone and with each stage
     split over two ranks (four processes)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn.", "1, 2, 3, 4,"]
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
     want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     staged = LLM(dtype="float32", quantization="none", num_threads=1, tensor_parallel_size=tp,
                  pipeline_parallel_size=pp)
