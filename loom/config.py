@@ -107,6 +107,8 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.pipeline_microbatches != 2 and self.pipeline_parallel_size == 1:
+            logger.warning("pipeline_microbatches: no effect without pipeline_parallel_size > 1")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("enable_expert_parallel spreads the experts over the tensor-parallel ranks: set "
                              "tensor_parallel_size > 1")

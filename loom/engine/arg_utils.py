@@ -124,8 +124,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "expert's width")
     g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                    default=defaults.distributed_timeout_s,
-                   help="tensor parallel: seconds a collective may wait for a rank before the engine fails "
-                        "(a stuck worker) (default: %(default)s)")
+                   help="tensor / pipeline parallel: seconds a collective may wait for a rank before the engine "
+                        "fails (a stuck worker) (default: %(default)s)")
     return parser
 
 

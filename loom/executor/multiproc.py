@@ -33,7 +33,7 @@ from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from loom.executor.base import ExecutorDiedError
 from loom.executor.step_message import StepEncoder
-from loom.executor.worker import WorkerArgs, model_parallel_groups
+from loom.executor.worker import LOAD_TIMEOUT, WorkerArgs, agree_on_options, check_layout, model_parallel_groups
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class MultiprocExecutor:
             raise ValueError("tensor / pipeline parallelism runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
         if dist.is_initialized():
             raise ValueError("a model-parallel engine already runs in this process (one default process group per "
-                             "process): shut it down first (LLMEngine.shutdown())")
+                             "process): shut it down first (llm.engine.shutdown())")
         self.size = parallel.world_size
         timeout_s = parallel.distributed_timeout_s
         self._procs: list[Any] = []
@@ -78,6 +78,7 @@ class MultiprocExecutor:
             init_method = "env://"
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
+        check_layout(model_config, parallel)  # before any process starts
         try:
             for rank in range(1, self.size if init_method != "env://" else 1):
                 # a fresh interpreter (`python -m loom.executor.worker`), not multiprocessing: a user's script
@@ -97,9 +98,11 @@ class MultiprocExecutor:
             # rank 0 waits for the workers' next receive with the collectives' timeout (a frozen worker fails the
             # step); the workers wait for rank 0's next step with the long one (an idle server)
             self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            loaded = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)  # waits for the slowest rank's loading
+            agree_on_options((model_config, cache_config, parallel), loaded)
             tp, pp = model_parallel_groups(0, parallel, model_config)
             self.driver = ModelRunner(model_config, cache_config, device, tp=tp, pp=pp)
-            self._check_same_blocks()
+            self._check_same_blocks(loaded)
         except Exception as e:
             dead = self._dead_workers()
             self._shutdown(tell_workers=False)
@@ -135,11 +138,11 @@ class MultiprocExecutor:
             if time.monotonic() > deadline:
                 raise ExecutorDiedError(f"tensor-parallel workers not ready after {timeout_s:.0f} s")
 
-    def _check_same_blocks(self) -> None:
+    def _check_same_blocks(self, group: Any) -> None:
         """Every rank must size its KV cache alike (the scheduler's block ids index every rank's cache)."""
         mine = torch.tensor([self.driver.num_blocks, self.driver.num_host_blocks], dtype=torch.int64)
         parts = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(parts, mine)
+        dist.all_gather(parts, mine, group=group)
         if any(not torch.equal(p, mine) for p in parts):
             raise RuntimeError(f"ranks disagree on KV blocks (blocks, host blocks): {[p.tolist() for p in parts]}")
 

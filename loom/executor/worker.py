@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 # The step channel waits through an idle server: only the model's collectives carry the short timeout.
 CONTROL_TIMEOUT = timedelta(days=7)
+# Loading a large checkpoint may take far longer than a step: the ranks' check after loading waits this long.
+LOAD_TIMEOUT = timedelta(hours=2)
 
 
 def threads_per_rank(num_threads: int | None, size: int) -> int:
@@ -43,6 +45,51 @@ def model_parallel_groups(rank: int, parallel: ParallelConfig,
                         parallel.pipeline_microbatches, parallel.enable_expert_parallel)
 
 
+def check_layout(model_config: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse a layout the model cannot take before any process starts: more stages than layers, heads that do not
+    split over the tensor-parallel ranks, a quantization method or an architecture that does not split yet.
+
+    Raises:
+        ValueError: naming the option.
+    """
+    from loom.distributed.pipeline_parallel import stage_layers
+    from loom.distributed.tensor_parallel import head_shard
+    from loom.model.loader import read_arch
+    from loom.model.loader.model_loader import TENSOR_PARALLEL_METHODS, default_quantization
+
+    arch = read_arch(model_config.model)
+    stage_layers(arch.num_layers, parallel.pipeline_parallel_size, 0)
+    tp = parallel.tensor_parallel_size
+    if tp > 1:
+        for rank in range(tp):
+            head_shard(arch.num_heads, arch.num_kv_heads, TensorParallel(rank, tp))
+        method = model_config.quantization or default_quantization(model_config.model)
+        if method not in TENSOR_PARALLEL_METHODS:
+            raise ValueError(f"tensor parallelism with quantization {method!r} is not supported yet; supported: "
+                             f"{', '.join(TENSOR_PARALLEL_METHODS)}")
+        if arch.qk_norm == "projection":
+            raise ValueError("tensor parallelism: QK-norm over the whole projection (OLMo 2, OLMoE) needs every "
+                             "head's sum of squares, which is not split yet; run it with tensor_parallel_size 1")
+    if parallel.enable_expert_parallel and not arch.num_experts:
+        logger.warning("enable_expert_parallel: %s has no experts (a dense model): no effect", arch.architecture)
+
+
+def agree_on_options(options: tuple[object, ...], group: object) -> None:
+    """Every rank must run with rank 0's options (torchrun starts each machine's command on its own): compare them
+    on every rank, so that a mismatch fails everywhere with one clear message instead of a desynchronized gloo error.
+
+    Raises:
+        ValueError: naming the ranks whose options differ from rank 0's.
+    """
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, options, group=group)
+    differ = [rank for rank, theirs in enumerate(gathered) if theirs != gathered[0]]
+    if differ:
+        raise ValueError(f"ranks {differ} were started with other options than rank 0 (model, quantization, dtype, "
+                         "KV cache, parallel sizes must be the same on every machine): rank 0 has "
+                         f"{gathered[0]!r}, rank {differ[0]} has {gathered[differ[0]]!r}")
+
+
 def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig, cache_config: CacheConfig) -> None:
     """Run rank `rank` of an initialized default process group until rank 0 sends the stop message.
 
@@ -52,10 +99,13 @@ def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig,
     from loom.worker.model_runner import ModelRunner
 
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    loaded = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)
+    agree_on_options((model_config, cache_config, parallel), loaded)
     tp, pp = model_parallel_groups(rank, parallel, model_config)
     runner = ModelRunner(model_config, cache_config, torch.device("cpu"), tp=tp, pp=pp)
     mine = torch.tensor([runner.num_blocks, runner.num_host_blocks], dtype=torch.int64)
-    dist.all_gather([torch.empty_like(mine) for _ in range(parallel.world_size)], mine)  # rank 0 checks them
+    # rank 0 checks that the ranks agree
+    dist.all_gather([torch.empty_like(mine) for _ in range(parallel.world_size)], mine, group=loaded)
     decoder = StepDecoder()
     while True:
         box: list[object] = [None]
@@ -93,8 +143,11 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=args.init_method, rank=args.rank, world_size=world,
                                 timeout=timedelta(seconds=args.parallel.distributed_timeout_s))
         serve_worker(args.rank, args.parallel, args.model_config, args.cache_config)
+    except ValueError as e:  # a user error: rank 0 finds and says it too
+        logger.error("model-parallel worker rank %d: %s", args.rank, e)
+        sys.exit(1)
     except Exception:  # noqa: BLE001 - logged, then the exit code tells rank 0
-        logger.exception("tensor-parallel worker rank %d failed", args.rank)
+        logger.exception("model-parallel worker rank %d failed", args.rank)
         sys.exit(1)
     dist.destroy_process_group()
 
