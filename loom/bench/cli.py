@@ -129,11 +129,12 @@ def _add_analyze_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this JSON file")
     par = p.add_argument_group("parallel layout (issue 14: roofline of a rank's shard plus communication)")
     # dests unlike the engine's: loom.cli treats a namespace with tensor_parallel_size under torchrun as a worker's
-    par.add_argument("--tensor-parallel-size", dest="tp_size", type=int, default=1,
+    par.add_argument("--tensor-parallel-size", "-tp", dest="tp_size", type=int, default=1,
                      help="N, ranks splitting every layer; > 1 adds the predicted step time (default: %(default)s)")
-    par.add_argument("--pipeline-parallel-size", dest="pp_size", type=int, default=1,
+    par.add_argument("--pipeline-parallel-size", "-pp", dest="pp_size", type=int, default=1,
                      help="M, stages of consecutive layers; > 1 adds the predicted step time (default: %(default)s)")
-    par.add_argument("--pipeline-micro-batches", dest="pp_micro_batches", type=int, default=None,
+    par.add_argument("--pipeline-microbatches", "--pipeline-micro-batches", dest="pp_micro_batches", type=int,
+                     default=None,
                      help="m, decode micro-batches in flight over the stages (default: min(M, --batch))")
     par.add_argument("--interconnect", default="loopback",
                      help="link between ranks: nvlink, pcie, 25gbe, 100gbe, or loopback (this machine's gloo, "

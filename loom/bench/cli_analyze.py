@@ -79,10 +79,13 @@ def check_parallel_args(ns: argparse.Namespace) -> None:
             naming the flag.
     """
     for dest, flag in (("tp_size", "--tensor-parallel-size"), ("pp_size", "--pipeline-parallel-size"),
-                       ("pp_micro_batches", "--pipeline-micro-batches")):
+                       ("pp_micro_batches", "--pipeline-microbatches")):
         v = getattr(ns, dest)
         if v is not None and v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
+    if ns.link_profile is not None and ns.interconnect != "loopback":
+        raise ValueError(f"--link-profile is a loopback measurement: it has no effect with --interconnect "
+                         f"{ns.interconnect}")
     interconnect(ns.interconnect, ns.link_bandwidth_gbs, ns.link_latency_us, ns.link_profile)
 
 

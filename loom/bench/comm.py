@@ -375,6 +375,8 @@ def predict(roof: Roofline, batch: int, context: int, prompt_len: int, tensor_pa
     if batch < 1 or prompt_len < 1 or context < 0:
         raise ValueError(f"batch and prompt_len must be >= 1 and context >= 0, got {batch}, {prompt_len}, {context}")
     m = min(m, batch)
+    if m_stages > roof.arch.num_layers:  # as the engine refuses it (loom/distributed/pipeline_parallel.py)
+        raise ValueError(f"--pipeline-parallel-size {m_stages} exceeds the model's {roof.arch.num_layers} layers")
     shard = shard_arch(roof.arch, n)
     shard_roof = Roofline(shard, roof.machine, roof.weight_bytes_per_param, roof.kv_bytes_per_element)
     stage = math.ceil(roof.arch.num_layers / m_stages) / roof.arch.num_layers

@@ -230,3 +230,15 @@ def test_gloo_all_reduce_on_loopback_is_the_models_order_of_magnitude() -> None:
     assert value == 2.0 ** 25  # 25 sums of two ranks' tensors
     predicted = all_reduce_time(576 * 16 * 4, 2, LOOPBACK_DEFAULT)
     assert predicted / 10 < median_s < predicted * 50
+
+
+def test_analyze_refuses_more_stages_than_layers_and_a_profile_for_another_link(capsys) -> None:
+    from loom.cli import main
+
+    base = ["analyze", "--bandwidth-gbs", "28", "--gflops", "363"]
+    with pytest.raises(SystemExit) as stages:
+        main([*base, "-pp", "31", "--interconnect", "nvlink"])
+    assert stages.value.code == 2 and "31 exceeds the model's 30 layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as profile:
+        main([*base, "-tp", "2", "--interconnect", "nvlink", "--link-profile", "missing.json"])
+    assert profile.value.code == 2 and "no effect with --interconnect nvlink" in capsys.readouterr().err
