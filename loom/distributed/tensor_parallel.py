@@ -69,6 +69,29 @@ class TensorParallel:
         return out
 
 
+# Methods whose weights split over tensor-parallel ranks: dense ones, and those quantized at load from a dense or
+# GGUF-packed tensor (rows split freely; a row-parallel split must fall on the packed groups' boundaries)
+TENSOR_PARALLEL_METHODS = ("none", "gguf", "w8a16", "w4a16")
+
+
+def check_tensor_parallel(arch: Any, quantization: str, size: int) -> None:
+    """Refuse what tensor parallelism over `size` ranks cannot split yet: heads that do not split (head_shard), a
+    quantization method outside TENSOR_PARALLEL_METHODS, QK-norm over the whole projection (it needs every head's
+    sum of squares). `arch` is a loom.model.arch.ModelArchConfig.
+
+    Raises:
+        ValueError: naming the option.
+    """
+    for rank in range(size):
+        head_shard(arch.num_heads, arch.num_kv_heads, TensorParallel(rank, size))
+    if quantization not in TENSOR_PARALLEL_METHODS:
+        raise ValueError(f"tensor parallelism with quantization {quantization!r} is not supported yet; supported: "
+                         f"{', '.join(TENSOR_PARALLEL_METHODS)}")
+    if arch.qk_norm == "projection":
+        raise ValueError("tensor parallelism: QK-norm over the whole projection (OLMo 2, OLMoE) needs every "
+                         "head's sum of squares, which is not split yet; run it with tensor_parallel_size 1")
+
+
 def partition(n: int, size: int, rank: int) -> tuple[int, int]:
     """[start, stop) of rank's share of n items split into `size` contiguous parts, the first n % size one larger."""
     base, extra = divmod(n, size)

@@ -33,7 +33,8 @@ from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from loom.executor.base import ExecutorDiedError
 from loom.executor.step_message import StepEncoder
-from loom.executor.worker import LOAD_TIMEOUT, WorkerArgs, agree_on_options, check_layout, model_parallel_groups
+from loom.executor.worker import (LOAD_TIMEOUT, WorkerArgs, agree_on_options, block_counts, check_layout,
+                                  model_parallel_groups)
 from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class MultiprocExecutor:
             init_method = "env://"
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-        check_layout(model_config, parallel)  # before any process starts
+        num_layers = check_layout(model_config, parallel)  # before any process starts
         try:
             for rank in range(1, self.size if init_method != "env://" else 1):
                 # a fresh interpreter (`python -m loom.executor.worker`), not multiprocessing: a user's script
@@ -100,7 +101,7 @@ class MultiprocExecutor:
             self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             loaded = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)  # waits for the slowest rank's loading
             agree_on_options((model_config, cache_config, parallel), loaded)
-            tp, pp = model_parallel_groups(0, parallel, model_config)
+            tp, pp = model_parallel_groups(0, parallel, num_layers)
             self.driver = ModelRunner(model_config, cache_config, device, tp=tp, pp=pp)
             self._check_same_blocks(loaded)
         except Exception as e:
@@ -140,11 +141,9 @@ class MultiprocExecutor:
 
     def _check_same_blocks(self, group: Any) -> None:
         """Every rank must size its KV cache alike (the scheduler's block ids index every rank's cache)."""
-        mine = torch.tensor([self.driver.num_blocks, self.driver.num_host_blocks], dtype=torch.int64)
-        parts = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(parts, mine, group=group)
-        if any(not torch.equal(p, mine) for p in parts):
-            raise RuntimeError(f"ranks disagree on KV blocks (blocks, host blocks): {[p.tolist() for p in parts]}")
+        counts = block_counts(self.driver, self.size, group)
+        if any(c != counts[0] for c in counts):
+            raise RuntimeError(f"ranks disagree on KV blocks (blocks, host blocks): {counts}")
 
     def _dead_workers(self) -> str:
         return ", ".join(f"rank {i + 1} (pid {p.pid}, exit code {p.returncode})"
@@ -180,7 +179,7 @@ class MultiprocExecutor:
         if self._dead:
             return
         self._dead = True
-        if tell_workers and getattr(self, "_encoder", None) is not None:
+        if tell_workers and self._encoder is not None:
             try:  # a clean stop: the workers leave their loop (torchrun's ranks exit with it)
                 dist.broadcast_object_list([None], src=0, group=self._control)
             except Exception:  # noqa: BLE001 - a worker already gone; terminated below

@@ -17,6 +17,7 @@ from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.distributed.pipeline_parallel import PipelineParallel, build_groups
 from loom.distributed.tensor_parallel import TensorParallel
 from loom.executor.step_message import StepDecoder
+from loom.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -32,46 +33,45 @@ def threads_per_rank(num_threads: int | None, size: int) -> int:
 
 
 def model_parallel_groups(rank: int, parallel: ParallelConfig,
-                          model_config: ModelConfig) -> tuple[TensorParallel | None, PipelineParallel | None]:
+                          num_layers: int) -> tuple[TensorParallel | None, PipelineParallel | None]:
     """This rank's tensor-parallel group and pipeline stage (every rank calls it, in the same order).
 
     Raises:
-        ValueError: more stages than the model has layers.
+        ValueError: more stages than the model's `num_layers`.
     """
-    from loom.model.loader import read_arch
-
-    num_layers = read_arch(model_config.model).num_layers if parallel.pipeline_parallel_size > 1 else 0
     return build_groups(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, num_layers,
                         parallel.pipeline_microbatches, parallel.enable_expert_parallel)
 
 
-def check_layout(model_config: ModelConfig, parallel: ParallelConfig) -> None:
-    """Refuse a layout the model cannot take before any process starts: more stages than layers, heads that do not
-    split over the tensor-parallel ranks, a quantization method or an architecture that does not split yet.
+def check_layout(model_config: ModelConfig, parallel: ParallelConfig) -> int:
+    """Refuse a layout the model cannot take before any process starts: more stages than layers, or what tensor
+    parallelism cannot split (check_tensor_parallel). Returns the model's layer count.
 
     Raises:
         ValueError: naming the option.
     """
     from loom.distributed.pipeline_parallel import stage_layers
-    from loom.distributed.tensor_parallel import head_shard
+    from loom.distributed.tensor_parallel import check_tensor_parallel
     from loom.model.loader import read_arch
-    from loom.model.loader.model_loader import TENSOR_PARALLEL_METHODS, default_quantization
+    from loom.model.loader.model_loader import default_quantization
 
     arch = read_arch(model_config.model)
     stage_layers(arch.num_layers, parallel.pipeline_parallel_size, 0)
-    tp = parallel.tensor_parallel_size
-    if tp > 1:
-        for rank in range(tp):
-            head_shard(arch.num_heads, arch.num_kv_heads, TensorParallel(rank, tp))
-        method = model_config.quantization or default_quantization(model_config.model)
-        if method not in TENSOR_PARALLEL_METHODS:
-            raise ValueError(f"tensor parallelism with quantization {method!r} is not supported yet; supported: "
-                             f"{', '.join(TENSOR_PARALLEL_METHODS)}")
-        if arch.qk_norm == "projection":
-            raise ValueError("tensor parallelism: QK-norm over the whole projection (OLMo 2, OLMoE) needs every "
-                             "head's sum of squares, which is not split yet; run it with tensor_parallel_size 1")
+    if parallel.tensor_parallel_size > 1:
+        check_tensor_parallel(arch, model_config.quantization or default_quantization(model_config.model),
+                              parallel.tensor_parallel_size)
     if parallel.enable_expert_parallel and not arch.num_experts:
         logger.warning("enable_expert_parallel: %s has no experts (a dense model): no effect", arch.architecture)
+    return arch.num_layers
+
+
+def block_counts(runner: ModelRunner, size: int, group: object) -> list[list[int]]:
+    """Every rank's (KV blocks, host blocks), gathered on every rank (they must agree: the scheduler's block ids
+    index every rank's cache)."""
+    mine = torch.tensor([runner.num_blocks, runner.num_host_blocks], dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine, group=group)
+    return [p.tolist() for p in parts]
 
 
 def agree_on_options(options: tuple[object, ...], group: object) -> None:
@@ -96,16 +96,12 @@ def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig,
     Raises:
         whatever loading or a step raises (the caller exits; rank 0's collectives then fail).
     """
-    from loom.worker.model_runner import ModelRunner
-
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     loaded = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)
     agree_on_options((model_config, cache_config, parallel), loaded)
-    tp, pp = model_parallel_groups(rank, parallel, model_config)
+    tp, pp = model_parallel_groups(rank, parallel, check_layout(model_config, parallel))
     runner = ModelRunner(model_config, cache_config, torch.device("cpu"), tp=tp, pp=pp)
-    mine = torch.tensor([runner.num_blocks, runner.num_host_blocks], dtype=torch.int64)
-    # rank 0 checks that the ranks agree
-    dist.all_gather([torch.empty_like(mine) for _ in range(parallel.world_size)], mine, group=loaded)
+    block_counts(runner, parallel.world_size, loaded)  # rank 0 checks that the ranks agree
     decoder = StepDecoder()
     while True:
         box: list[object] = [None]

@@ -78,10 +78,7 @@ class LlamaAttention(nn.Module):
     ) -> None:
         """tp: this rank computes the heads of head_shard (q/k/v column-parallel by heads, o_proj row-parallel)."""
         super().__init__()
-        heads = head_shard(arch.num_heads, arch.num_kv_heads, tp)
-        if tp is not None and arch.qk_norm == "projection":
-            raise ValueError("tensor parallelism: QK-norm over the whole projection (OLMo 2, OLMoE) needs every "
-                             "head's sum of squares, which is not split yet; run it with tensor_parallel_size 1")
+        heads = head_shard(arch.num_heads, arch.num_kv_heads, tp)  # (load_model refuses what does not split)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, arch.head_dim
         d = arch.head_dim
         q_size, kv_size = heads.num_heads * d, heads.num_kv_heads * d
@@ -194,10 +191,10 @@ class SparseMoeBlock(nn.Module):
         num_experts = arch.num_experts
         self.expert_start, self.expert_stop = (0, num_experts) if self.ep is None else \
             partition(num_experts, self.ep.size, self.ep.rank)
-        # rank holding each expert (expert parallel)
-        self.expert_owner = torch.tensor([next(r for r in range(self.ep.size) if
-                                               e < partition(num_experts, self.ep.size, r)[1])
-                                          for e in range(num_experts)]) if self.ep is not None else None
+        # rank holding each expert (expert parallel): each rank's contiguous range, expanded
+        self.expert_owner = None if self.ep is None else torch.repeat_interleave(
+            torch.arange(self.ep.size),
+            torch.tensor([b - a for a, b in (partition(num_experts, self.ep.size, r) for r in range(self.ep.size))]))
         # tokens routed to each expert since start-up, summed over the steps (load-balance metrics)
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64)
         self.top_k = arch.num_experts_per_tok

@@ -35,12 +35,21 @@ logger = logging.getLogger(__name__)
 
 def fp8_quantization_config() -> dict[str, Any]:
     """The quantization_config `loom quantize --method fp8` writes (module docstring)."""
+    return compressed_tensors_quantization_config("float", None)
+
+
+def compressed_tensors_quantization_config(weight_type: str, input_activations: dict[str, Any] | None) -> dict[str, Any]:
+    """The compressed-tensors quantization_config `loom quantize` writes: one group over every Linear but the LM head,
+    8-bit weights of `weight_type` ("float": FP8 e4m3, "int": INT8) with one scale per output channel, and
+    `input_activations` (None: weights only)."""
     return {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "quant_method": "compressed-tensors", "format": f"{weight_type}-quantized",
+        "quantization_status": "compressed",
         "config_groups": {"group_0": {
             "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-            "input_activations": None, "output_activations": None}},
+            "weights": {"num_bits": 8, "type": weight_type, "strategy": "channel", "symmetric": True,
+                        "dynamic": False},
+            "input_activations": input_activations, "output_activations": None}},
         "ignore": ["lm_head"], "kv_cache_scheme": None,
     }
 

@@ -181,14 +181,9 @@ def int8_quantization_config(activations: str) -> dict[str, Any]:
     per token ("dynamic") or per tensor with calibrated input_scale tensors ("static")."""
     acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token" if activations == "dynamic"
             else "tensor", "dynamic": activations == "dynamic"}
-    return {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
-            "input_activations": acts, "output_activations": None}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None,
-    }
+    from loom.quant.fp8_checkpoint import compressed_tensors_quantization_config
+
+    return compressed_tensors_quantization_config("int", acts)
 
 
 def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,

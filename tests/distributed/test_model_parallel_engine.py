@@ -56,31 +56,15 @@ def _no_leak(llm: LLM) -> None:
     assert stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0
 
 
-@pytest.mark.parametrize("name", list(TINY))
-def test_tp2_equals_tp1_batched_with_prefix_hits_chunks_and_preemption(name: str, tiny_dirs: dict[str, str],
-                                                                       hf_tokenizer) -> None:
+@pytest.mark.parametrize(("name", "tp", "pp"), [*((name, 2, 1) for name in TINY),
+                                                 ("llama_uneven_heads_bias", 1, 2), ("llama_uneven_heads_bias", 2, 2)])
+def test_model_parallel_equals_one_process_batched_with_prefix_hits_chunks_and_preemption(
+        name: str, tp: int, pp: int, tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """TP=2 on each tiny model; two pipeline stages (two micro-batches per step); TP=2 x PP=2: four processes."""
     prompts = [hf_tokenizer.encode(t) for t in TEXTS]
     common = dict(model=tiny_dirs[name], dtype="float32", num_threads=1, block_size=4)
     want = _run(LLM(**common, num_kv_blocks=512), prompts)
     # small steps (chunked prefill) and few blocks (preemption), twice over the same prompts (prefix hits)
-    tp = LLM(**common, tensor_parallel_size=2, num_kv_blocks=24, max_num_batched_tokens=8)
-    try:
-        for _ in range(2):
-            _assert_close(want, _run(tp, prompts))
-        stats = tp.engine.get_stats()
-        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-        _no_leak(tp)
-    finally:
-        tp.engine.shutdown()
-
-
-@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
-def test_pipeline_stages_equal_one_process_batched_with_prefix_hits_chunks_and_preemption(
-        tp: int, pp: int, tiny_dirs: dict[str, str], hf_tokenizer) -> None:
-    """Two stages (two micro-batches per step), and TP=2 x PP=2: four processes."""
-    prompts = [hf_tokenizer.encode(t) for t in TEXTS]
-    common = dict(model=tiny_dirs["llama_uneven_heads_bias"], dtype="float32", num_threads=1, block_size=4)
-    want = _run(LLM(**common, num_kv_blocks=512), prompts)
     llm = LLM(**common, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_kv_blocks=24,
               max_num_batched_tokens=8)
     try:

@@ -11,7 +11,7 @@ import torch
 
 from loom.attention.backend import default_attention_backend, get_attention_backend
 from loom.distributed.pipeline_parallel import PipelineParallel
-from loom.distributed.tensor_parallel import TensorParallel
+from loom.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
 from loom.model.arch import ModelArchConfig
 from loom.model.loader.default import default_model_path
 from loom.model.loader.gguf import (
@@ -31,11 +31,6 @@ from loom.quant.awq_method import awq_quant_config, awq_quantization_config
 from loom.quant.fp8_checkpoint import compressed_tensors_config, fp8_quant_config
 from loom.quant.int8_checkpoint import int8_quant_config, iter_int8_weights
 from loom.quant.gptq_method import read_gptq_checkpoint
-
-
-# Methods whose weights split over tensor-parallel ranks: dense ones, and those quantized at load from a dense or
-# GGUF-packed tensor (rows split freely; a row-parallel split must fall on the packed groups' boundaries)
-TENSOR_PARALLEL_METHODS = ("none", "gguf", "w8a16", "w4a16")
 
 
 @dataclass(slots=True)
@@ -192,9 +187,8 @@ def load_model(
     model_cls = get_model_class(arch.architecture)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),
                                     float32_kernels=quant_config.float32_kernels)
-    if tp is not None and quant_config.name not in TENSOR_PARALLEL_METHODS:
-        raise ValueError(f"tensor parallelism with quantization {quant_config.name!r} is not supported yet; "
-                         f"supported: {', '.join(TENSOR_PARALLEL_METHODS)}")
+    if tp is not None:
+        check_tensor_parallel(arch, quant_config.name, tp.size)
     net = model_cls(arch, backend, dtype, device, quant_config, tp=tp, pp=pp)
     net.load_weights(weights)
     net.eval()
