@@ -30,8 +30,9 @@ as vLLM does by default.
 from __future__ import annotations
 
 import copy
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -189,8 +190,34 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def deterministic(self) -> bool:
+        """The same prompt gets the same output on every run: greedy, or sampled from the request's own seed."""
+        return self.temperature == 0.0 or self.seed is not None
+
+    def cache_key(self) -> str:
+        """Canonical JSON of every field (a result cache's key part; equal keys, equal parameters).
+
+        Floats are written as floats (temperature 0 and 0.0 agree), logit_bias as [token id, bias] pairs sorted
+        by id, stop and stop_token_ids in their order, structured_output as StructuredOutputParams.key() (a
+        schema's property order kept: it orders the output). A field added later is included by construction.
+        """
+        return json.dumps({f.name: _canonical(f.type, getattr(self, f.name)) for f in fields(self)},
+                          separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+def _canonical(annotation: object, value: object) -> object:
+    """A JSON-ready, order-canonical form of one SamplingParams field (see SamplingParams.cache_key)."""
+    if isinstance(value, StructuredOutputParams):
+        return value.key()
+    if isinstance(value, dict):
+        return sorted([int(k), float(v)] for k, v in value.items())
+    if isinstance(value, int) and not isinstance(value, bool) and str(annotation).startswith("float"):
+        return float(value)
+    return value
 
 
 def _int(name: str, value: object) -> None:

@@ -123,6 +123,11 @@ class AsyncLLMEngine:
         return str(self.engine.model_name)
 
     @property
+    def model_identity(self) -> Any:
+        """The engine's ModelIdentity (loom/engine/model_identity.py; hashed on first use)."""
+        return self.engine.model_identity
+
+    @property
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
 

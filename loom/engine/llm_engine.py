@@ -18,6 +18,7 @@ from loom.config import EngineArgs
 from loom.core.scheduler import Scheduler
 from loom.core.sched_output import EngineCoreOutput, SchedulerOutput
 from loom.engine.beam_search import BeamSearchManager, BeamSearchParams
+from loom.engine.model_identity import ModelIdentity, tokenizer_sha256, weights_sha256
 from loom.engine.output_processor import OutputProcessor
 from loom.outputs import RequestOutput
 from loom.sample.structured import StructuredOutputManager
@@ -163,6 +164,17 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- requests -------------------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def model_identity(self) -> ModelIdentity:
+        """What this engine serves, down to the weight bytes (loom/engine/model_identity.py): hashed on first use
+        (a 100 MB file: ~0.3 s, then remembered on disk while the file is unchanged)."""
+        return ModelIdentity(
+            name=self.model_name, weights_sha256=weights_sha256(self.runner.model_path),
+            quantization=str(getattr(self.runner.model.quant_config, "name", "none")),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.runner.kv_cache_dtype).removeprefix("torch."),
+            tokenizer_sha256=tokenizer_sha256(self.tokenizer))
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:

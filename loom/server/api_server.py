@@ -138,8 +138,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             return error_response(503, "The engine is not running.", code="engine_not_running")
         return JSONResponse({"status": "ok"})
 
+    # loom_model_identity: the weights, quantization, dtypes and tokenizer as hashes (loom/engine/model_identity.py),
+    # so a router or a client's cache can tell two versions of one name apart
     model_card = {"id": ctx.model_name, "object": "model", "created": created, "owned_by": "loom",
-                  "root": ctx.model_name, "max_model_len": engine.max_model_len}
+                  "root": ctx.model_name, "max_model_len": engine.max_model_len,
+                  "loom_model_identity": engine.model_identity.card()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

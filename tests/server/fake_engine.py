@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from loom.engine.async_engine import QueueFullError
+from loom.engine.model_identity import ModelIdentity
 from loom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from loom.sampling_params import SamplingParams
 
@@ -93,6 +94,7 @@ class FakeEngine:
         self.prompt_char_limit = prompt_char_limit  # LLMEngine.max_prompt_chars's stand-in; None: no bound
         self.tokenizer = FakeTokenizer(vocab_size, large_text_delay_s, fim)
         self.model_name = "fake-model"
+        self.model_identity = ModelIdentity("fake-model", "0" * 64, "none", "float32", "float32", "0" * 64)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.num_kv_blocks = num_kv_blocks
