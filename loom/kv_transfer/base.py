@@ -162,7 +162,7 @@ class KVPayload:
 
     layout: KVLayout  # the producer's layout (checked equal to the consumer's on arrival)
     num_blocks: int  # blocks in `data`, position order from the transfer's first block
-    data: bytes  # num_blocks * layout.block_bytes bytes
+    data: bytes | bytearray  # num_blocks * layout.block_bytes bytes
 
 
 @dataclass(slots=True)
@@ -178,7 +178,7 @@ class KVBlockSource(Protocol):
 
     layout: KVLayout  # the producer's block layout
 
-    def read_pinned(self, transfer_id: str, num_blocks: int) -> bytes:
+    def read_pinned(self, transfer_id: str, num_blocks: int) -> bytes | bytearray:
         """The first num_blocks pinned blocks of a transfer as KVPayload bytes, then release them.
 
         Raises:
