@@ -38,6 +38,8 @@ class ReplicaState:
     num_running: int = 0  # requests holding KV blocks (from the replica's /load)
     num_waiting: int = 0  # requests queued at the replica (from /load)
     kv_cache_usage: float = 0.0  # fraction of its KV blocks in use, 0..1 (from /load)
+    prefix_cache_queries: int = 0  # cumulative prompt tokens the replica looked up in its prefix cache (/load)
+    prefix_cache_hits: int = 0  # cumulative prompt tokens it found there (/load)
     in_flight: int = 0  # requests this router has sent there and not seen finish
     failures: int = 0  # consecutive failed health checks or connections
 
@@ -47,13 +49,22 @@ class ReplicaState:
         return max(self.in_flight, self.num_running + self.num_waiting)
 
 
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """A policy's choice and why (the reason is a metric label)."""
+
+    replica: ReplicaState  # where the request goes
+    reason: str  # e.g. "round_robin", "least_load", "prefix_match", "balance", "smallest_tree"
+    matched_chars: int = 0  # cache aware: characters of the prompt the replica probably has cached
+
+
 class RoutingPolicy(Protocol):
     """Ranks the replicas that can serve a request; the router sends it to the first."""
 
     name: str
 
-    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaState]) -> ReplicaState:
-        """The replica to send `request` to; `candidates` is non-empty and all can serve it."""
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaState]) -> RouteDecision:
+        """Where to send `request`; `candidates` is non-empty and every one can serve it."""
         ...
 
     def on_routed(self, request: RouteRequest, replica: ReplicaState) -> None:
@@ -130,5 +141,6 @@ def make_model_selector(name: str, options: dict[str, Any] | None = None) -> Mod
     return MODEL_SELECTORS[name](dict(options or {}))
 
 
-__all__ = ["MODEL_SELECTORS", "POLICIES", "ModelSelector", "PolicyOptions", "ReplicaState", "RouteRequest",
-           "RoutingPolicy", "make_model_selector", "make_policy", "register_model_selector", "register_policy"]
+__all__ = ["MODEL_SELECTORS", "POLICIES", "ModelSelector", "PolicyOptions", "ReplicaState", "RouteDecision",
+           "RouteRequest", "RoutingPolicy", "make_model_selector", "make_policy", "register_model_selector",
+           "register_policy"]
