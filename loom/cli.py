@@ -12,6 +12,7 @@ import sys
 from loom.bench.cli import register as register_bench
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
 from loom.quant.cli import register_quantize
+from loom.router.cli import register as register_router
 from loom.server.cli import register as register_serve
 
 
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     register_serve(sub)
+    register_router(sub)
     register_bench(sub)
     register_quantize(sub)
     return parser

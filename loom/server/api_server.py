@@ -17,6 +17,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from loom import __version__ as loom_version
 from loom.engine.async_engine import AsyncLLMEngine
+from loom.router.result_cache import ResultCache
 from loom.server.metrics import ServerMetrics
 from loom.server.security import SecurityConfig, install_security
 from loom.server.protocol import (
@@ -25,6 +26,7 @@ from loom.server.protocol import (
 from loom.server.serving_chat import chat_prompt_ids, create_chat_completion, tool_dicts
 from loom.server.serving_common import RETRY_AFTER_S, ServingContext, check_model
 from loom.server.serving_completion import create_completion
+from loom.server.serving_result_cache import ResultCacheCollector
 from loom.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, get_tool_call_parser
 
 logger = logging.getLogger(__name__)
@@ -106,20 +108,24 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
               disconnect_poll_s: float = 0.05, security: SecurityConfig | None = None,
-              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> FastAPI:
+              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, result_cache: ResultCache | None = None) -> FastAPI:
     """Build the OpenAI-compatible app over a started AsyncLLMEngine.
 
     The app has its own Prometheus registry (app.state.metrics). It does not start or stop the
     engine: the caller owns its lifecycle (see loom.server.cli). `security`: API key, CORS, trusted
     hosts and the body limit (loom/server/security.py); None = its defaults (no key, no CORS, any host,
     32 MiB bodies). `tool_call_parser`: the format of tool calls (loom/server/tool_parsers.py).
+    `result_cache`: whole responses of deterministic requests (loom/server/serving_result_cache.py); None = off.
 
     Raises:
         ValueError: an unknown tool_call_parser.
     """
     ctx = ServingContext(engine, served_model_name or engine.model_name, disconnect_poll_s,
-                         get_tool_call_parser(tool_call_parser))
+                         get_tool_call_parser(tool_call_parser), result_cache,
+                         engine.model_identity.digest if result_cache is not None else "")
     metrics = ServerMetrics(ctx.model_name)
+    if result_cache is not None:
+        metrics.registry.register(ResultCacheCollector(result_cache, ctx.model_name))
     engine.add_listener(metrics)
     app = FastAPI(title="loom", description="OpenAI-compatible LLM server")
     app.state.ctx = ctx
@@ -137,6 +143,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
         if not engine.is_running:
             return error_response(503, "The engine is not running.", code="engine_not_running")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:  # what a router balances on (loom router's least-load and cache-aware)
+        stats = engine.get_stats()
+        return {"num_requests_running": getattr(stats, "num_running", 0),
+                "num_requests_waiting": getattr(stats, "num_waiting", 0),
+                "kv_cache_usage": getattr(stats, "kv_cache_usage", 0.0),
+                "prefix_cache_queries": getattr(stats, "prefix_cache_queries", 0),
+                "prefix_cache_hits": getattr(stats, "prefix_cache_hits", 0)}
 
     # loom_model_identity: the weights, quantization, dtypes and tokenizer as hashes (loom/engine/model_identity.py),
     # so a router or a client's cache can tell two versions of one name apart

@@ -1,0 +1,5 @@
+import sys
+
+from loom.router.cli import main
+
+sys.exit(main())

@@ -1,0 +1,463 @@
+"""`loom router`: an OpenAI-compatible front over replicas of `loom serve`.
+
+Per request: parse the body, pick the model (the one named, or a model selector's choice for the routing
+alias), filter the replicas that can serve it (healthy, not draining, serving that model), let the policy
+pick one, and forward the request, streaming the answer through as it comes.
+
+Failover: a replica that fails before the client has seen a token (connection refused or reset, a 503, a
+stream cut before its first token) is marked and the request is sent to another replica, up to
+`max_attempts` replicas; a stream cut after tokens were forwarded ends with an SSE error event naming the
+replica, then `data: [DONE]`, never a hang (an upstream that stops answering is cut after
+`upstream_timeout_s`). A client that disconnects closes the upstream request, which aborts it at the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from loom.router.metrics import RouterMetrics
+from loom.router.policy import (
+    ModelSelector, PolicyOptions, ReplicaState, RouteRequest, RoutingPolicy, make_model_selector, make_policy,
+)
+from loom.router.replica import ReplicaSet
+from loom.server.security import SecurityConfig, install_security
+
+logger = logging.getLogger(__name__)
+
+_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# response headers passed back to the client as the replica sent them
+_PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-loom-result-cache")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How the router routes and how long it waits. Bad values raise ValueError naming the field."""
+
+    policy: str = "cache_aware"  # a registered RoutingPolicy (round_robin, least_load, cache_aware)
+    policy_options: PolicyOptions = field(default_factory=PolicyOptions)
+    model_selector: str | None = None  # a registered ModelSelector for `routing_alias`; None: no alias
+    model_selector_options: dict[str, Any] = field(default_factory=dict)
+    routing_alias: str = "auto"  # the model name that asks the model selector to choose
+    health_interval_s: float = 1.0  # seconds between health checks of every replica
+    health_timeout_s: float = 2.0  # seconds a health check may take
+    connect_timeout_s: float = 5.0  # seconds to open a connection to a replica
+    upstream_timeout_s: float = 600.0  # seconds a replica may stay silent mid-response before it is cut
+    max_attempts: int = 3  # replicas one request may be tried on (failover)
+    max_failures: int = 2  # failed checks or connections in a row before a replica is unhealthy
+
+    def __post_init__(self) -> None:
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "upstream_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
+        if not self.routing_alias:
+            raise ValueError("routing_alias must not be empty")
+
+
+class _ReplicaFailed(Exception):
+    """The replica failed before the client saw a token: the request may go to another one."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause  # metric label: "connect", "read", "status_503", "stream_cut"
+
+
+def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
+    return {"error": {"message": message, "type": kind.get(status, "internal_server_error"), "param": param,
+                      "code": code}}
+
+
+def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(error_body(message, status, code, param), status_code=status, headers=headers)
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt as one text, for prefix matching: a completion's prompt (strings joined; token-id prompts give
+    their ids as text), or the chat messages' roles and text contents in order."""
+    if "messages" in body and isinstance(body["messages"], list):
+        parts: list[str] = []
+        for m in body["messages"]:
+            if not isinstance(m, dict):
+                continue
+            parts.append(str(m.get("role", "")))
+            content = m.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        return "\n".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(p if isinstance(p, str) else json.dumps(p) for p in prompt)
+    return ""
+
+
+def tenant_of(headers: Any, body: dict[str, Any]) -> str:
+    """Who asks, as a short hash of the bearer token and the cache_salt ("" when neither is given)."""
+    auth = headers.get("authorization", "")
+    salt = body.get("cache_salt")
+    if not auth and not salt:
+        return ""
+    return hashlib.sha256(f"{auth}\x00{salt}".encode()).hexdigest()[:16]
+
+
+def _has_token(event: bytes) -> bool:
+    """Whether one SSE event carries output (text, a tool call, a finish reason, an error, or [DONE]), as opposed
+    to a chat stream's opening role-only chunk: once such an event is forwarded, the request cannot move."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return True
+        if not isinstance(payload, dict) or "error" in payload or not payload.get("choices"):
+            return True
+        for choice in payload["choices"]:
+            delta = choice.get("delta") or {}
+            if (choice.get("text") or choice.get("finish_reason") or delta.get("content")
+                    or delta.get("tool_calls") or delta.get("reasoning_content") or choice.get("logprobs")):
+                return True
+    return False
+
+
+class Router:
+    """The router's state: the replica set, the policy, the HTTP client and the health-check task."""
+
+    def __init__(self, replicas: ReplicaSet, config: RouterConfig) -> None:
+        self.replicas = replicas
+        self.config = config
+        self.policy: RoutingPolicy = make_policy(config.policy, config.policy_options)
+        self.selector: ModelSelector | None = (make_model_selector(config.model_selector,
+                                                                   config.model_selector_options)
+                                               if config.model_selector else None)
+        self.metrics = RouterMetrics()
+        self.client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.created = int(time.time())
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        """Open the client, run a first health check of every replica, then keep checking in the background."""
+        timeout = httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
+                                                                              max_keepalive_connections=256))
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop(), name="loom-router-health")
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def check_health(self) -> None:
+        assert self.client is not None
+        await self.replicas.check_all(self.client, self.config.health_timeout_s)
+        self.metrics.observe_replicas(list(self.replicas))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad check
+                logger.exception("health check round failed")
+
+    # -- fleet administration --
+    def add_replica(self, url: str) -> ReplicaState:
+        return self.replicas.add(url)
+
+    def remove_replica(self, url: str) -> ReplicaState:
+        state = self.replicas.remove(url)
+        self.policy.on_removed(state.url)
+        self.metrics.forget(state.url)
+        return state
+
+    def drain(self, url: str, draining: bool = True) -> ReplicaState:
+        """Stop (or resume) routing new requests to a replica. Raises ValueError for an unknown URL."""
+        state = self.replicas.get(url)
+        if state is None:
+            raise ValueError(f"replica {url} is not in the fleet")
+        state.draining = draining
+        self.metrics.observe_replicas(list(self.replicas))
+        return state
+
+    # -- routing --
+    def resolve_model(self, request: RouteRequest) -> str | None:
+        """The model to serve `request` with; the model selector decides for the routing alias.
+        Raises LookupError with a client-facing message when no replica serves the model."""
+        if request.model == self.config.routing_alias and self.selector is not None:
+            models = self.replicas.models()
+            if not models:
+                raise LookupError("no healthy replica")
+            return self.selector.select(request, models)
+        known = self.replicas.known_models()
+        if not known:
+            raise LookupError("no replica has answered a health check yet")
+        if request.model is not None and request.model not in known:
+            raise KeyError(request.model)
+        return request.model
+
+    async def forward(self, request: RouteRequest, raw_headers: dict[str, str]) -> Response:
+        """Route and forward one request, with failover before its first token."""
+        assert self.client is not None
+        try:
+            model = self.resolve_model(request)
+        except KeyError:
+            return _error(404, f"The model '{request.model}' does not exist: the fleet serves "
+                               f"{sorted(self.replicas.known_models())}.", "model_not_found", "model")
+        except LookupError as e:
+            return _error(503, f"No replica can serve this request: {e}.", "no_replica")
+        body = dict(request.body)
+        if model is not None:
+            body["model"] = model
+        payload = json.dumps(body).encode()
+        stream = body.get("stream") is True
+        tried: set[str] = set()
+        last_error = "no healthy replica serves it"
+        for _ in range(self.config.max_attempts):
+            candidates = self.replicas.eligible(model, tried)
+            if not candidates:
+                break
+            decision = self.policy.choose(request, candidates)
+            replica = decision.replica
+            tried.add(replica.url)
+            self.metrics.record_decision(self.policy.name, decision.reason, len(request.text),
+                                         decision.matched_chars)
+            self.policy.on_routed(request, replica)
+            try:
+                return await self._send(replica, request.path, payload, raw_headers, stream)
+            except _ReplicaFailed as e:
+                last_error = f"replica {replica.url} failed ({e.cause})"
+                self.metrics.retries.labels(e.cause).inc()
+                logger.warning("%s before the first token; trying another replica", last_error)
+        return _error(503, f"No replica could serve this request: {last_error}.", "no_replica")
+
+    async def _send(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
+                    stream: bool) -> Response:
+        """Send to one replica. Raises _ReplicaFailed when nothing has reached the client yet."""
+        assert self.client is not None
+        start = time.monotonic()
+        replica.in_flight += 1
+        released = False
+
+        def release(status: int) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                replica.in_flight -= 1
+                self.metrics.requests.labels(replica.url, str(status)).inc()
+                self.metrics.latency.labels(replica.url).observe(time.monotonic() - start)
+
+        try:
+            req = self.client.build_request("POST", replica.url + path, content=payload, headers=headers)
+            upstream = await self.client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            release(0)
+            self.replicas.mark_failed(replica)
+            raise _ReplicaFailed("connect") from e
+        if upstream.status_code == 503:  # its engine is not running or its queue is full: another may serve
+            await upstream.aclose()
+            release(503)
+            raise _ReplicaFailed("status_503")
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
+        out_headers["x-loom-replica"] = replica.url
+        is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        if not (stream and is_sse):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                release(0)
+                self.replicas.mark_failed(replica)
+                raise _ReplicaFailed("read") from e
+            finally:
+                await upstream.aclose()
+            self.metrics.ttfb.labels(replica.url).observe(time.monotonic() - start)
+            release(upstream.status_code)
+            return Response(content, status_code=upstream.status_code, headers=out_headers)
+
+        # a stream: hold events back until one carries a token, so a failure before it can still move
+        events = _sse_events(upstream)
+        held: list[bytes] = []
+        try:
+            async for event in events:
+                held.append(event)
+                if _has_token(event):
+                    break
+            else:
+                raise httpx.RemoteProtocolError("the stream ended before its first token")
+        except httpx.HTTPError as e:
+            await upstream.aclose()
+            release(0)
+            self.replicas.mark_failed(replica)
+            raise _ReplicaFailed("stream_cut") from e
+        self.metrics.ttfb.labels(replica.url).observe(time.monotonic() - start)
+
+        async def rest() -> AsyncIterator[bytes]:
+            status = upstream.status_code
+            try:
+                for event in held:
+                    yield event
+                async for event in events:
+                    yield event
+            except httpx.HTTPError as e:
+                status = 0
+                self.metrics.failed_streams.inc()
+                self.replicas.mark_failed(replica)
+                message = (f"replica {replica.url} failed after the stream had started "
+                           f"({type(e).__name__}); the response is incomplete")
+                logger.warning(message)
+                yield b"data: " + json.dumps(error_body(message, 503, "replica_failed")).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                await upstream.aclose()  # a client that left: closes the replica's request, which aborts it
+                release(status)
+
+        return StreamingResponse(rest(), status_code=upstream.status_code, headers=out_headers)
+
+
+async def _sse_events(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """The SSE events of a response, each with its terminating blank line, as bytes."""
+    buffer = b""
+    async for chunk in upstream.aiter_raw():
+        buffer += chunk
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            yield buffer[:end + 2]
+            buffer = buffer[end + 2:]
+    if buffer.strip():
+        raise httpx.RemoteProtocolError("the stream ended inside an event")
+
+
+def _forwarded_headers(request: Request) -> dict[str, str]:
+    keep = ("authorization", "content-type", "accept", "x-request-id", "cache-control")
+    headers = {k: v for k, v in request.headers.items() if k.lower() in keep or k.lower().startswith("x-loom-")}
+    headers["content-type"] = "application/json"
+    return headers
+
+
+def build_router_app(router: Router, security: SecurityConfig | None = None) -> FastAPI:
+    """The router's FastAPI app. Its lifespan starts and stops `router` (health checks, HTTP client)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="loom router", description="OpenAI-compatible router over loom serve replicas",
+                  lifespan=lifespan)
+    app.state.router = router
+    install_security(app, security or SecurityConfig())
+
+    async def routed(raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, RecursionError) as e:
+            return _error(400, f"Malformed JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "The request body must be a JSON object.")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            return _error(400, f"model must be a string, got {model!r}", param="model")
+        request = RouteRequest(raw.url.path, model, prompt_text(body), body, tenant_of(raw.headers, body))
+        return await router.forward(request, _forwarded_headers(raw))
+
+    for path in _ROUTED_PATHS:
+        app.add_api_route(path, routed, methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not router.replicas.eligible(None):
+            return _error(503, "No healthy replica.", "no_replica")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        ids = router.replicas.models()
+        if router.selector is not None and ids:
+            ids = [router.config.routing_alias, *ids]
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": router.created,
+                                            "owned_by": "loom"} for m in ids]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router.metrics.observe_replicas(list(router.replicas))
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/router/replicas")
+    async def list_replicas() -> dict[str, Any]:
+        return {"policy": router.policy.name,
+                "replicas": [{"url": r.url, "models": list(r.models), "identity": r.identity,
+                              "healthy": r.healthy, "draining": r.draining, "in_flight": r.in_flight,
+                              "num_requests_running": r.num_running, "num_requests_waiting": r.num_waiting,
+                              "kv_cache_usage": r.kv_cache_usage} for r in router.replicas]}
+
+    async def _url_of(raw: Request) -> str:
+        try:
+            body = json.loads(await raw.body())
+        except ValueError as e:
+            raise ValueError(f"Malformed JSON: {e}") from e
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            raise ValueError("url: give the replica's base URL as {\"url\": \"http://host:port\"}")
+        return str(body["url"])
+
+    async def admin(raw: Request, action: str) -> Response:
+        try:
+            url = await _url_of(raw)
+            if action == "add":
+                state = router.add_replica(url)
+                assert router.client is not None
+                await router.replicas.check(router.client, state, router.config.health_timeout_s)
+            elif action == "remove":
+                state = router.remove_replica(url)
+            else:
+                state = router.drain(url, action == "drain")
+        except ValueError as e:
+            return _error(400, str(e), param="url")
+        return JSONResponse({"url": state.url, "healthy": state.healthy, "draining": state.draining,
+                             "in_flight": state.in_flight})
+
+    def admin_route(action: str) -> Any:
+        async def handler(raw: Request) -> Response:
+            return await admin(raw, action)
+        return handler
+
+    for action in ("add", "remove", "drain", "undrain"):
+        app.add_api_route(f"/router/{action}", admin_route(action), methods=["POST"])
+
+    return app
+
+
+__all__ = ["Router", "RouterConfig", "build_router_app", "prompt_text", "tenant_of"]

@@ -1,0 +1,163 @@
+"""The router end to end over fake-engine replicas: forwarding (plain and streamed), model and replica
+filtering, draining, admin routes, metrics, and failover when a replica dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from loom.router.replica import check_replica_url
+from tests.router.conftest import live_router, replica_processes
+from tests.server.conftest import LiveServer, make_fake_front, serve
+
+BODY = {"model": "fake-model", "prompt": "hello router", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def two_replicas() -> Iterator[list[LiveServer]]:
+    front_a, _ = make_fake_front(step_delay_s=0.002)
+    front_b, _ = make_fake_front(step_delay_s=0.002)
+    with serve(front_a) as a, serve(front_b) as b:
+        yield [a, b]
+
+
+def _strip(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def _sse_payloads(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def test_a_request_through_the_router_equals_one_sent_to_a_replica(two_replicas: list[LiveServer]) -> None:
+    with live_router([r.base_url for r in two_replicas], policy="round_robin") as (url, _):
+        direct = httpx.post(two_replicas[0].base_url + "/v1/completions", json=BODY, timeout=30)
+        seen = set()
+        for _ in range(2):
+            routed = httpx.post(url + "/v1/completions", json=BODY, timeout=30)
+            assert routed.status_code == 200
+            assert _strip(routed.json()) == _strip(direct.json())
+            seen.add(routed.headers["x-loom-replica"])
+        assert seen == {r.base_url for r in two_replicas}  # round robin used both
+        chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                "temperature": 0, "stream": True}
+        direct_chunks = _sse_payloads(httpx.post(two_replicas[1].base_url + "/v1/chat/completions", json=chat,
+                                                 timeout=30).text)
+        routed = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30)
+        assert routed.headers["content-type"].startswith("text/event-stream")
+        routed_chunks = _sse_payloads(routed.text)
+        assert routed_chunks[-1] == "[DONE]" and len(routed_chunks) == len(direct_chunks)
+        for a, b in zip(routed_chunks[:-1], direct_chunks[:-1]):
+            assert _strip(json.loads(a)) == _strip(json.loads(b))
+
+
+def test_models_health_load_and_errors(two_replicas: list[LiveServer]) -> None:
+    load = httpx.get(two_replicas[0].base_url + "/load", timeout=10).json()
+    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage"} <= set(load)
+    with live_router([r.base_url for r in two_replicas]) as (url, _):
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["fake-model"]
+        assert httpx.get(url + "/health").status_code == 200
+        missing = httpx.post(url + "/v1/completions", json={**BODY, "model": "no-such-model"}, timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+        bad = httpx.post(url + "/v1/completions", content=b"{not json", timeout=10)
+        assert bad.status_code == 400 and "Malformed JSON" in bad.json()["error"]["message"]
+        # a replica's own 400 passes through unchanged, and is not retried elsewhere
+        invalid = httpx.post(url + "/v1/completions", json={**BODY, "temperature": -1}, timeout=10)
+        assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "temperature"
+        metrics = httpx.get(url + "/metrics").text
+        assert 'loom_router:requests_total{replica=' in metrics and "loom_router:routing_decisions_total" in metrics
+    with live_router(["http://127.0.0.1:9"]) as (url, _):  # nothing listens on port 9
+        assert httpx.get(url + "/health").status_code == 503
+        down = httpx.post(url + "/v1/completions", json=BODY, timeout=10)
+        assert down.status_code == 503 and down.json()["error"]["code"] == "no_replica"
+    with pytest.raises(ValueError, match="replica"):
+        check_replica_url("ftp://x")
+
+
+def test_draining_and_admin_routes(two_replicas: list[LiveServer]) -> None:
+    a, b = (r.base_url for r in two_replicas)
+    with live_router([a], policy="round_robin") as (url, router):
+        added = httpx.post(url + "/router/add", json={"url": b}, timeout=10)
+        assert added.status_code == 200 and added.json()["healthy"]
+        assert httpx.post(url + "/router/add", json={"url": b}, timeout=10).status_code == 400
+        assert httpx.post(url + "/router/drain", json={"url": a}, timeout=10).json()["draining"]
+        replicas = {httpx.post(url + "/v1/completions", json=BODY, timeout=30).headers["x-loom-replica"]
+                    for _ in range(4)}
+        assert replicas == {b}  # a drained replica gets no new requests
+        httpx.post(url + "/router/undrain", json={"url": a}, timeout=10)
+        httpx.post(url + "/router/remove", json={"url": b}, timeout=10)
+        listed = httpx.get(url + "/router/replicas").json()["replicas"]
+        assert [r["url"] for r in listed] == [a] and not listed[0]["draining"]
+        assert httpx.post(url + "/router/remove", json={"url": b}, timeout=10).status_code == 400
+        assert httpx.post(url + "/router/drain", json={}, timeout=10).json()["error"]["param"] == "url"
+
+
+def test_failover_while_the_router_runs(two_replicas: list[LiveServer]) -> None:
+    good = two_replicas[0].base_url
+    front_closed, _ = make_fake_front(step_delay_s=0.002)
+    front_stopped, _ = make_fake_front(step_delay_s=0.002)
+    closed_ctx = serve(front_closed)
+    closed = closed_ctx.__enter__()
+    with serve(front_stopped) as stopped:
+        urls = [good, closed.base_url, stopped.base_url]
+        with live_router(urls, policy="round_robin", health_interval_s=60) as (url, router):
+            assert all(r.healthy for r in router.replicas)  # no check after the first one
+            closed_ctx.__exit__(None, None, None)  # its port refuses connections from now on
+            front_stopped.shutdown()  # its engine stops: its /v1 routes answer 503
+            for _ in range(6):
+                r = httpx.post(url + "/v1/completions", json=BODY, timeout=30)
+                assert r.status_code == 200 and r.headers["x-loom-replica"] == good
+            metrics = httpx.get(url + "/metrics").text
+            assert 'loom_router:retries_total{cause="connect"}' in metrics
+            assert 'loom_router:retries_total{cause="status_503"}' in metrics
+
+
+def test_killing_a_replica_mid_run_loses_no_request_that_had_not_started_streaming() -> None:
+    with replica_processes(2, step_delay_s=0.02) as procs:
+        urls = [u for u, _ in procs]
+        victim_url, victim = procs[1]
+        with live_router(urls, policy="round_robin", health_interval_s=0.2) as (url, _):
+
+            async def one(client: httpx.AsyncClient, i: int) -> tuple[bool, bool, str]:
+                """(started streaming, completed, replica) of one streamed request."""
+                body = {"model": "fake-model", "prompt": f"request {i}", "max_tokens": 40, "temperature": 0,
+                        "stream": True}
+                started = completed = False
+                replica = ""
+                async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200, await resp.aread()
+                    replica = resp.headers["x-loom-replica"]
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            break
+                        payload = json.loads(data)
+                        if "error" in payload:
+                            assert payload["error"]["code"] == "replica_failed"
+                            continue
+                        started = True
+                        if payload["choices"][0].get("finish_reason") == "length":
+                            completed = True
+                return started, completed, replica
+
+            async def run() -> list[tuple[bool, bool, str]]:
+                async with httpx.AsyncClient(timeout=60) as client:
+                    tasks = [asyncio.create_task(one(client, i)) for i in range(8)]
+                    await asyncio.sleep(0.3)  # some are streaming from the victim now
+                    os.killpg(victim.pid, signal.SIGKILL)
+                    tasks += [asyncio.create_task(one(client, 100 + i)) for i in range(8)]  # sent after the kill
+                    return await asyncio.gather(*tasks)
+
+            results = asyncio.run(run())
+        cut = [r for r in results if not r[1]]
+        assert all(r[2] == victim_url for r in cut)  # only the victim's streams can be cut ...
+        assert all(r[0] for r in cut)  # ... and only those that had started streaming
+        assert sum(r[1] for r in results[8:]) == 8  # every request sent after the kill completed elsewhere
