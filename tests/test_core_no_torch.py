@@ -1,4 +1,5 @@
-"""loom.core is bookkeeping only: importing any of its modules must not import torch."""
+"""loom.core is bookkeeping only and loom.router a small front process: importing any of their modules must not
+import torch."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ from pathlib import Path
 
 _SCRIPT = """
 import importlib, pkgutil, sys
-import loom.core
-names = sorted(m.name for m in pkgutil.walk_packages(loom.core.__path__, "loom.core."))
+names = []
+for package, expected in (("loom.core", {"scheduler", "kv_cache_manager", "block_pool"}),
+                          ("loom.router", {"result_cache"})):
+    found = sorted(m.name for m in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."))
+    assert {f"{package}.{e}" for e in expected} <= set(found), found
+    names += [n for n in found if not n.endswith(".__main__")]  # a __main__ runs a program when imported
 for name in names:
     importlib.import_module(name)
-assert {"loom.core.scheduler", "loom.core.kv_cache_manager", "loom.core.block_pool"} <= set(names), names
 bad = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print(len(names), "modules;", "torch imported" if bad else "no torch")
 sys.exit(1 if bad else 0)
 """
 
 
-def test_core_modules_do_not_import_torch() -> None:
+def test_core_and_router_modules_do_not_import_torch() -> None:
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT], cwd=repo, capture_output=True, text=True, timeout=60

@@ -15,6 +15,7 @@ import uvicorn
 
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
 from loom.engine.async_engine import AsyncLLMEngine
+from loom.router.result_cache import ResultCache
 from loom.server.header_timeout import DEFAULT_TIMEOUT_HEADER_S, http_protocol
 from loom.server.security import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, SecurityConfig
 from loom.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS, get_tool_call_parser
@@ -48,6 +49,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-header", type=float, default=DEFAULT_TIMEOUT_HEADER_S, metavar="SECONDS",
                    help="seconds a client has to send a request's line and headers, from the connection's opening "
                    "or the request's first byte; then 408 and the connection is closed (default: %(default)s)")
+    p.add_argument("--result-cache-size", type=int, default=0, metavar="N",
+                   help="keep the whole responses of up to N deterministic requests (temperature 0 or a seed) and "
+                   "answer the same request again from them; 0 = off (default: %(default)s; docs/serving.md)")
+    p.add_argument("--result-cache-ttl", type=float, default=600.0, metavar="SECONDS",
+                   help="seconds a result cache entry lives (default: %(default)s)")
+    p.add_argument("--result-cache-max-bytes", type=int, default=256 << 20, metavar="BYTES",
+                   help="most bytes the result cache holds (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -113,6 +121,23 @@ def security_config(ns: argparse.Namespace, environ: Mapping[str, str]) -> Secur
                           max_request_bytes=ns.max_request_bytes)
 
 
+def result_cache_of(ns: argparse.Namespace) -> ResultCache | None:
+    """The server's result cache from `loom serve` options; None when --result-cache-size is 0.
+
+    Raises:
+        ValueError: a negative size, a TTL <= 0 or a byte bound < 1 (naming the option).
+    """
+    if ns.result_cache_size < 0:
+        raise ValueError(f"result_cache_size must be >= 0 (0 = off), got {ns.result_cache_size}")
+    if not ns.result_cache_ttl > 0:
+        raise ValueError(f"result_cache_ttl must be > 0 seconds, got {ns.result_cache_ttl}")
+    if ns.result_cache_max_bytes < 1:
+        raise ValueError(f"result_cache_max_bytes must be >= 1, got {ns.result_cache_max_bytes}")
+    if ns.result_cache_size == 0:
+        return None
+    return ResultCache(ns.result_cache_size, ns.result_cache_max_bytes, ns.result_cache_ttl)
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     """Start the engine, serve until a signal, then free everything. Returns the exit code.
 
@@ -123,6 +148,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     security = security_config(ns, os.environ)
+    result_cache = result_cache_of(ns)
     get_tool_call_parser(ns.tool_call_parser)  # an unknown name fails here, before the model loads
     http = http_protocol(ns.timeout_header)
     args = engine_args_from_namespace(ns)
@@ -131,7 +157,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_engine_args(args)
     try:
         app = build_app(engine, served_model_name=ns.served_model_name, security=security,
-                        tool_call_parser=ns.tool_call_parser)
+                        tool_call_parser=ns.tool_call_parser, result_cache=result_cache)
         inner = engine.engine
         kv_tokens = inner.kv_capacity_tokens  # of every layer (a hybrid cache holds long requests better)
         if security.api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
@@ -153,4 +179,4 @@ def run_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "run_serve", "security_config"]
+__all__ = ["register", "run_serve", "security_config", "result_cache_of"]

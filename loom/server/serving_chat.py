@@ -26,6 +26,7 @@ from loom.server.tool_calls import (
     openai_call, read_calls, template_takes_tools, tool_call_grammar,
 )
 from loom.server.tool_parsers import ToolCallParser
+from loom.server.serving_result_cache import look_up
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
     check_beam_width, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
@@ -197,10 +198,14 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     arrival = time.monotonic()
     # templating (and tokenizing) a long conversation is CPU work: off the event loop, as is rendering below
     prompt_ids, params, num_top, tools = await asyncio.to_thread(_validate, ctx, body)
-    streams = await submit_all(ctx, "chatcmpl", [prompt_ids], params, arrival, body.cache_salt)
     response_id = f"chatcmpl-{body.request_id}" if body.request_id else new_request_id("chatcmpl")
+    cached = look_up(ctx.result_cache, ctx.model_identity, raw, body, [prompt_ids], params)
+    if cached.found is not None:
+        return cached.hit_response(response_id, now_unix())
+    streams = await submit_all(ctx, "chatcmpl", [prompt_ids], params, arrival, body.cache_salt)
     if body.stream:
-        return EngineStreamingResponse(_stream(ctx, body, streams[0], response_id, num_top, tools), streams)
+        return cached.finish_stream(EngineStreamingResponse(
+            cached.record(_stream(ctx, body, streams[0], response_id, num_top, tools)), streams))
     try:
         gone, finals = await until_disconnected(raw, collect(streams), ctx.disconnect_poll_s)
     finally:
@@ -208,7 +213,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if gone:
         return Response(status_code=499)
     raise_if_failed(finals)
-    return await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top, body.prompt_logprobs, tools)
+    return cached.finish(await asyncio.to_thread(_render, ctx, finals[0], response_id, num_top,
+                                                 body.prompt_logprobs, tools))
 
 
 def _message(ctx: ServingContext, c: CompletionOutput, tools: _Tools | None) -> tuple[dict[str, Any], str | None]:

@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from loom.outputs import PositionLogprobs, RequestOutput
+from loom.router.result_cache import ResultCache
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
 from loom.server.protocol import RequestError, param_of, structured_output_of
 from loom.server.tool_parsers import HermesParser, ToolCallParser
@@ -33,6 +34,8 @@ class ServingContext:
     model_name: str  # served model name (the `model` field of requests and responses)
     disconnect_poll_s: float  # how often a non-streaming handler checks for a gone client, seconds
     tool_parser: ToolCallParser = field(default_factory=HermesParser)  # the tool-call format (--tool-call-parser)
+    result_cache: ResultCache | None = None  # whole responses of deterministic requests (--result-cache-size)
+    model_identity: str = ""  # ModelIdentity.digest of the served model (the result cache's key part)
 
 
 def check_model(ctx: ServingContext, model: str | None) -> None:

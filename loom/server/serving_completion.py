@@ -22,6 +22,7 @@ from loom.server.protocol import (
     to_beam_search_params,
     to_sampling_params,
 )
+from loom.server.serving_result_cache import look_up
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_prompt_logprobs, check_room,
     check_beam_width, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done,
@@ -149,10 +150,15 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     """Serve one /v1/completions request. Raises RequestError for client errors (400/404/503)."""
     arrival = time.monotonic()
     prompts, params = await asyncio.to_thread(_validate, ctx, body)  # CPU work: off the event loop
-    streams = await submit_all(ctx, "cmpl", [p.engine_prompt for p in prompts], params, arrival, body.cache_salt)
     response_id = f"cmpl-{body.request_id}" if body.request_id else new_request_id("cmpl")
+    cached = look_up(ctx.result_cache, ctx.model_identity, raw, body,
+                     [list(p.engine_prompt) for p in prompts], params)  # every prompt is token ids by now
+    if cached.found is not None:
+        return cached.hit_response(response_id, now_unix())
+    streams = await submit_all(ctx, "cmpl", [p.engine_prompt for p in prompts], params, arrival, body.cache_salt)
     if body.stream:
-        return EngineStreamingResponse(_stream(ctx, body, prompts, streams, response_id), streams)
+        return cached.finish_stream(EngineStreamingResponse(
+            cached.record(_stream(ctx, body, prompts, streams, response_id)), streams))
     try:
         gone, finals = await until_disconnected(raw, collect(streams), ctx.disconnect_poll_s)
     finally:
@@ -164,7 +170,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
     used = _usage(finals)  # every candidate's tokens were generated, the best_of ones too
     if _ranks(body):
         finals = [_best(out, body.n) for out in finals]
-    return await asyncio.to_thread(_render, ctx, body, finals, prompts, response_id, used)
+    return cached.finish(await asyncio.to_thread(_render, ctx, body, finals, prompts, response_id, used))
 
 
 def _ranks(body: CompletionRequest) -> bool:
