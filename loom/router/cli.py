@@ -23,6 +23,7 @@ from loom.server.security import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, Securit
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_OPTIONS = PolicyOptions()
 BUILTIN_POLICIES = ("round_robin", "least_load", "cache_aware")
 
 
@@ -50,12 +51,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="ports of the local replicas: PORT, PORT+1, ... (default: --port + 1 onwards)")
     p.add_argument("--policy", default="cache_aware", metavar="NAME",
                    help="replica policy: " + ", ".join(BUILTIN_POLICIES) + " (default: %(default)s)")
-    p.add_argument("--cache-threshold", type=float, default=PolicyOptions.cache_threshold,
+    p.add_argument("--cache-threshold", type=float, default=_DEFAULT_OPTIONS.cache_threshold,
                    help="cache_aware: route by prefix when it covers at least this fraction of the prompt "
                    "(default: %(default)s)")
-    p.add_argument("--balance-abs-threshold", type=int, default=PolicyOptions.balance_abs_threshold,
+    p.add_argument("--balance-abs-threshold", type=int, default=_DEFAULT_OPTIONS.balance_abs_threshold,
                    help="cache_aware: least load instead when max - min load exceeds this (default: %(default)s)")
-    p.add_argument("--balance-rel-threshold", type=float, default=PolicyOptions.balance_rel_threshold,
+    p.add_argument("--balance-rel-threshold", type=float, default=_DEFAULT_OPTIONS.balance_rel_threshold,
                    help="... and max load exceeds this x min load (default: %(default)s)")
     p.add_argument("--model-selector", default=None, metavar="NAME",
                    help="choose the model for requests naming --routing-alias (e.g. difficulty; default: none)")
