@@ -210,29 +210,44 @@ class Router:
         return state
 
     # -- routing --
-    def resolve_model(self, request: RouteRequest) -> str | None:
-        """The model to serve `request` with; the model selector decides for the routing alias.
-        Raises LookupError with a client-facing message when no replica serves the model."""
+    def resolve_model(self, request: RouteRequest) -> tuple[str | None, str]:
+        """(model, version) to serve `request` with. The model selector decides for the routing alias;
+        `name@version` pins the replicas whose model identity digest starts with `version` (>= 8 hex digits:
+        during a rolling upgrade a client can stay on one version).
+
+        Raises:
+            KeyError: no replica has reported this model (HTTP 404).
+            LookupError: no replica can serve it now (HTTP 503), with the reason.
+            ValueError: a malformed version (HTTP 400).
+        """
         if request.model == self.config.routing_alias and self.selector is not None:
             models = self.replicas.models()
             if not models:
                 raise LookupError("no healthy replica")
-            return self.selector.select(request, models)
+            return self.selector.select(request, models), ""
         known = self.replicas.known_models()
         if not known:
             raise LookupError("no replica has answered a health check yet")
-        if request.model is not None and request.model not in known:
-            raise KeyError(request.model)
-        return request.model
+        model, version = request.model, ""
+        if model is not None and model not in known and "@" in model:
+            model, _, version = model.rpartition("@")
+            if len(version) < 8 or any(c not in "0123456789abcdef" for c in version):
+                raise ValueError(f"model: the version after '@' must be >= 8 lowercase hex digits of a model "
+                                 f"identity digest (GET /router/replicas lists them), got {version!r}")
+        if model is not None and model not in known:
+            raise KeyError(model)
+        return model, version
 
     async def forward(self, request: RouteRequest, raw_headers: dict[str, str]) -> Response:
         """Route and forward one request, with failover before its first token."""
         assert self.client is not None
         try:
-            model = self.resolve_model(request)
-        except KeyError:
-            return _error(404, f"The model '{request.model}' does not exist: the fleet serves "
+            model, version = self.resolve_model(request)
+        except KeyError as e:
+            return _error(404, f"The model '{e.args[0]}' does not exist: the fleet serves "
                                f"{sorted(self.replicas.known_models())}.", "model_not_found", "model")
+        except ValueError as e:
+            return _error(400, str(e), param="model")
         except LookupError as e:
             return _error(503, f"No replica can serve this request: {e}.", "no_replica")
         body = dict(request.body)
@@ -241,9 +256,9 @@ class Router:
         payload = json.dumps(body).encode()
         stream = body.get("stream") is True
         tried: set[str] = set()
-        last_error = "no healthy replica serves it"
+        last_error = f"no healthy replica serves {model or 'it'}" + (f" at version {version}" if version else "")
         for _ in range(self.config.max_attempts):
-            candidates = self.replicas.eligible(model, tried)
+            candidates = self.replicas.eligible(model, tried, version)
             if not candidates:
                 break
             decision = self.policy.choose(request, candidates)

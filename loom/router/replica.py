@@ -73,10 +73,13 @@ class ReplicaSet:
         """Model ids any replica has reported, healthy or not."""
         return {m for r in self._replicas.values() for m in r.models}
 
-    def eligible(self, model: str | None, exclude: set[str] = frozenset()) -> list[ReplicaState]:  # type: ignore[assignment]
-        """Healthy, not draining replicas serving `model` (any model when None), minus the URLs in `exclude`."""
+    def eligible(self, model: str | None, exclude: frozenset[str] | set[str] = frozenset(),
+                 version: str = "") -> list[ReplicaState]:
+        """Healthy, not draining replicas serving `model` (any model when None) whose model identity digest
+        starts with `version` ("" = any version), minus the URLs in `exclude`."""
         return [r for r in self._replicas.values()
-                if r.healthy and not r.draining and r.url not in exclude and (model is None or model in r.models)]
+                if r.healthy and not r.draining and r.url not in exclude and (model is None or model in r.models)
+                and r.identity.startswith(version)]
 
     def mark_failed(self, replica: ReplicaState) -> None:
         """A connection to the replica failed: count it, and stop routing there after `max_failures`."""

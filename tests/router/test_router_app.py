@@ -161,3 +161,28 @@ def test_killing_a_replica_mid_run_loses_no_request_that_had_not_started_streami
         assert all(r[2] == victim_url for r in cut)  # only the victim's streams can be cut ...
         assert all(r[0] for r in cut)  # ... and only those that had started streaming
         assert sum(r[1] for r in results[8:]) == 8  # every request sent after the kill completed elsewhere
+
+
+def test_a_rolling_upgrade_pins_versions_and_drains_the_old_one() -> None:
+    from loom.engine.model_identity import ModelIdentity
+
+    old_front, old_fake = make_fake_front(step_delay_s=0.002)
+    new_front, new_fake = make_fake_front(step_delay_s=0.002)
+    new_fake.model_identity = ModelIdentity("fake-model", "1" * 64, "none", "float32", "float32", "0" * 64)
+    with serve(old_front) as old, serve(new_front) as new:
+        with live_router([old.base_url], policy="round_robin") as (url, router):
+            old_version = router.replicas.get(old.base_url).identity
+            new_version = new_fake.model_identity.digest
+            assert old_version == old_fake.model_identity.digest != new_version
+            httpx.post(url + "/router/add", json={"url": new.base_url}, timeout=10)
+            pinned = {httpx.post(url + "/v1/completions", json={**BODY, "model": f"fake-model@{new_version[:12]}"},
+                                 timeout=30).headers["x-loom-replica"] for _ in range(3)}
+            assert pinned == {new.base_url}
+            httpx.post(url + "/router/drain", json={"url": old.base_url}, timeout=10)
+            assert {httpx.post(url + "/v1/completions", json=BODY, timeout=30).headers["x-loom-replica"]
+                    for _ in range(3)} == {new.base_url}
+            gone = httpx.post(url + "/v1/completions", json={**BODY, "model": f"fake-model@{old_version[:12]}"},
+                              timeout=30)
+            assert gone.status_code == 503 and old_version[:12] in gone.json()["error"]["message"]
+            bad = httpx.post(url + "/v1/completions", json={**BODY, "model": "fake-model@xyz"}, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
