@@ -7,6 +7,7 @@ import math
 import logging
 from dataclasses import dataclass
 
+from loom.kv_transfer.base import KVTransferConfig
 from loom.spec.proposer import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,13 @@ class EngineArgs:
     pipeline_microbatches: int = 2  # pipeline parallel: most micro-batches a step is cut into
     enable_expert_parallel: bool = False  # MoE: experts spread whole over the tensor-parallel ranks (all-to-all)
     distributed_timeout_s: float = 300.0  # tensor parallel: a collective stuck longer than this fails the engine
+    # prefill/decode disaggregation (loom/kv_transfer, docs/disaggregation.md): producer | consumer | both; None = off
+    kv_transfer_role: str | None = None
+    kv_connector: str = "tcp"  # the KV connector (loom.kv_transfer.base.KV_CONNECTORS)
+    kv_transfer_host: str = "127.0.0.1"  # producer: address its KV server listens on and advertises
+    kv_transfer_port: int = 0  # producer: KV server port; 0 = any free port
+    kv_transfer_timeout_s: float = 120.0  # producer: seconds unread prompt blocks stay pinned
+    kv_transfer_pull_timeout_s: float = 10.0  # consumer: seconds a pull may take before computing the prompt
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
@@ -183,6 +191,9 @@ class EngineArgs:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         parallel = self.parallel_config()
+        if self.kv_transfer_config() is not None and parallel.world_size > 1:
+            raise ValueError("kv_transfer_role with tensor_parallel_size / pipeline_parallel_size > 1 is not "
+                             "supported yet (the blocks live on every rank)")
         if parallel.world_size > 1 and self._method() == "draft_model":
             raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 with a draft model is not supported "
                              "yet (the draft would run unsplit on rank 0); use speculative_method ngram or suffix")
@@ -190,6 +201,15 @@ class EngineArgs:
             raise ValueError("speculative_tree_width > 1 with tensor_parallel_size / pipeline_parallel_size > 1 is "
                              "not supported yet (rank 0 alone knows which branch won, the other ranks' caches would "
                              "miss its rows)")
+
+    def kv_transfer_config(self) -> KVTransferConfig | None:
+        """This replica's part in prefill/decode disaggregation, or None when off. Raises ValueError naming the
+        option."""
+        if self.kv_transfer_role is None:
+            return None
+        return KVTransferConfig(role=self.kv_transfer_role, connector=self.kv_connector, host=self.kv_transfer_host,
+                                port=self.kv_transfer_port, timeout_s=self.kv_transfer_timeout_s,
+                                pull_timeout_s=self.kv_transfer_pull_timeout_s)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -52,3 +53,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # a prefill replica's final output (disaggregation): where a decode replica pulls this prompt's K/V
+    # (loom.kv_transfer.base.KVTransferParams.to_dict); None otherwise
+    kv_transfer_params: dict[str, Any] | None = None

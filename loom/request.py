@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom.sampling_params import SamplingParams
 
@@ -65,6 +66,11 @@ class Request:
     beam_group: str | None = None
     num_seats: int = 1
     hold: bool = False
+    # prefill/decode disaggregation (loom/kv_transfer): on a prefill replica, the handle under which the prompt's
+    # blocks stay pinned when the request ends (None = freed as usual); on a decode replica, the prompt K/V pulled
+    # from the prefill replica (a loom.kv_transfer.base.RemoteKV), loaded at admission instead of computed
+    kv_transfer_id: str | None = None
+    remote_kv: Any = None
 
     @property
     def num_tokens_with_spec(self) -> int:

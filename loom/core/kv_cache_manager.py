@@ -357,9 +357,24 @@ class KVCacheManager:
             self.host.release_swapped(request.request_id)
 
     def _free_device_blocks(self, request: Request) -> None:
+        self.free_holder(request.request_id)
+
+    def free_holder(self, holder: str) -> None:
+        """Release every block held under `holder` (a request id, or a pinned transfer's key), tail first."""
+        blocks = self.req_to_blocks.pop(holder, [])
+        self._num_cached_blocks.pop(holder, None)
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
+
+    def pin(self, request: Request, holder: str) -> list[KVBlock | None]:
+        """Move a finished request's blocks to `holder` (a key no request uses), so they stay allocated after the
+        request is gone, until `free_holder(holder)`; returns them in position order. Its host-tier blocks are freed."""
+        assert holder not in self.req_to_blocks, f"{holder} already holds blocks"
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
+        self.req_to_blocks[holder] = blocks
+        if self.host is not None:
+            self.host.release_swapped(request.request_id)
+        return blocks
 
     def preempt(self, request: Request, swap: bool) -> bool:
         """Release a preempted request's device blocks; with `swap`, first park its computed blocks in the

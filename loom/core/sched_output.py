@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom.sampling_params import SamplingParams
 
@@ -32,6 +33,25 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class KVBlockLoad:
+    """Pulled KV blocks (prefill/decode disaggregation) to write into a request's blocks before the forward."""
+
+    payload: Any  # loom.kv_transfer.base.KVPayload: the producer's blocks as host bytes (opaque here)
+    src_indices: list[int]  # payload blocks to load, position order
+    dst_block_ids: list[int]  # the request's blocks they go to, same order
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedKV:
+    """A finished request's prompt blocks kept for a decode replica to pull."""
+
+    transfer_id: str  # the handle to pull them with
+    block_ids: list[int]  # position order
+    num_tokens: int  # prompt tokens whose K/V they hold
+    prompt_digest: str  # digest of those tokens (loom.kv_transfer.base.prompt_digest)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # in batch order
     total_num_scheduled_tokens: int
@@ -44,6 +64,8 @@ class SchedulerOutput:
     # Copy-on-write copies of shared partial blocks (beam search), run after the host-tier copies:
     # (source block id, destination block id), whole blocks
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # pulled KV blocks to write after the copies above, before the forward (disaggregated decode)
+    kv_loads: list[KVBlockLoad] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -79,3 +101,4 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_pinned: PinnedKV | None = None  # the request ended with its prompt blocks pinned for a decode replica

@@ -17,20 +17,25 @@ alone. Plain Python, no torch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
 from loom.config import CacheConfig, SchedulerConfig
-from loom.core.kv_cache_manager import HybridKVCacheManager, KVCacheManager
+from loom.core.kv_cache_manager import ComputedPrefix, HybridKVCacheManager, KVCacheManager
+from loom.core.kv_pinning import PinnedKVTable, PinnedTransfer
 from loom.core.offload import OffloadCounters
 from loom.core.sched_output import (
     EngineCoreOutput,
+    KVBlockLoad,
     ModelRunnerOutput,
+    PinnedKV,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
 from loom.core.stop import check_stop
+from loom.kv_transfer.base import prompt_digest
 from loom.request import Request, RequestStatus
 from loom.spec.proposer import DraftGrammar, DraftRequest, Proposer
 
@@ -95,6 +100,7 @@ class Scheduler:
         spec_tree_width: int = 1,
         draft_grammar: DraftGrammar | None = None,
         kv_group_windows: list[int | None] | None = None,
+        kv_transfer_timeout_s: float = 120.0,
     ) -> None:
         """Args:
         num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
@@ -109,6 +115,8 @@ class Scheduler:
         kv_group_windows: each KV cache group's sliding window (loom/core/kv_groups.py), two or more groups: a
             hybrid KV cache (HybridKVCacheManager; sliding_window and num_host_blocks must then be unset);
             None = one group.
+        kv_transfer_timeout_s: seconds a finished request's blocks stay pinned for a decode replica to pull
+            (requests with kv_transfer_id; prefill/decode disaggregation) before they are freed unread.
         """
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -147,6 +155,11 @@ class Scheduler:
         # acceptances and, when j < d, one rejection; their ratio estimates the per-token acceptance a
         # that sets the request's k (see _draft_limit)
         self._spec_accept: dict[str, tuple[float, float]] = {}
+        # disaggregation: prompt blocks of finished requests kept for a decode replica (read from the KV transfer
+        # server's threads), and this step's pulled blocks to load
+        self.pinned_kv = PinnedKVTable(kv_transfer_timeout_s)
+        self._kv_loads: list[KVBlockLoad] = []
+        self.num_kv_blocks_loaded = 0  # pulled blocks written instead of computed, cumulative
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -205,6 +218,7 @@ class Scheduler:
         Returns:
             SchedulerOutput: running requests first (admission order), then newly admitted ones.
         """
+        self.release_pinned_kv(time.monotonic())
         budget = self.scheduler_config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -235,8 +249,10 @@ class Scheduler:
             blocks_to_offload=copies.blocks_to_offload,
             blocks_to_restore=copies.blocks_to_restore,
             blocks_to_copy=self.kv_cache_manager.take_block_copies(),
+            kv_loads=self._kv_loads,
         )
         self._finished_req_ids = []
+        self._kv_loads = []
         return out
 
     def _fit_branches(self, request: Request, branches: list[list[int]],
@@ -319,30 +335,58 @@ class Scheduler:
                 continue
             if self.num_seats_used + request.num_seats > self.scheduler_config.max_num_seqs:
                 break
-            prefix = manager.find_computed_prefix(request)
+            prefix, num_loaded = self._with_remote_kv(request, manager.find_computed_prefix(request))
             num_hit = prefix.num_tokens
-            num_new = min(request.num_tokens - num_hit, budget)
-            allocated = manager.allocate_slots(request, num_new, prefix.blocks, num_hit, prefix.restore_slots)
+            num_new = min(request.num_tokens - num_hit - num_loaded, budget)
+            allocated = manager.allocate_slots(request, num_loaded + num_new, prefix.blocks, num_hit,
+                                               prefix.restore_slots)
             while allocated is None and (victim := self._pop_held()) is not None:
                 self._preempt(victim)  # idle while its group waits; held beams filling the pool would stall it
                 held.append(self.waiting.popleft())  # the victim, queued in front of the head: keep the head first
                 preempted.append(victim.request_id)
-                prefix = manager.find_computed_prefix(request)  # the victim's blocks may have been hits
+                # the victim's blocks may have been hits
+                prefix, num_loaded = self._with_remote_kv(request, manager.find_computed_prefix(request))
                 num_hit = prefix.num_tokens
-                num_new = min(request.num_tokens - num_hit, budget)
-                allocated = manager.allocate_slots(request, num_new, prefix.blocks, num_hit, prefix.restore_slots)
+                num_new = min(request.num_tokens - num_hit - num_loaded, budget)
+                allocated = manager.allocate_slots(request, num_loaded + num_new, prefix.blocks, num_hit,
+                                                   prefix.restore_slots)
             if allocated is None:
                 break  # FIFO: nothing overtakes the head of the queue
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
                 request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
             request.num_computed_tokens = num_hit
+            if num_loaded:
+                self._load_remote_kv(request, num_hit, num_loaded)
+            request.remote_kv = None  # loaded or not needed: a later preemption recomputes
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._schedule_one(request, num_new, is_new=True))
             budget -= num_new
         self.waiting.extendleft(reversed(held))
         return budget
+
+    def _with_remote_kv(self, request: Request, prefix: ComputedPrefix) -> tuple[ComputedPrefix, int]:
+        """A disaggregated decode request's prefix: (what the cache serves, tokens to load from its pulled blocks).
+        The pulled blocks cover a whole number of blocks after the device hits when they reach further than the
+        cache (host-tier hits are then dropped: the pulled copy replaces them); (prefix, 0) otherwise."""
+        remote = request.remote_kv
+        if remote is None or remote.num_tokens <= prefix.num_tokens:
+            return prefix, 0
+        device_hit = len(prefix.blocks) * self.cache_config.block_size
+        return ComputedPrefix(prefix.blocks, [], device_hit), remote.num_tokens - device_hit
+
+    def _load_remote_kv(self, request: Request, num_hit: int, num_loaded: int) -> None:
+        """Record the copies of the pulled blocks after the hits into the request's new blocks (run by the runner
+        before this step's forward) and count them computed."""
+        bs = self.cache_config.block_size
+        first, count = num_hit // bs, num_loaded // bs
+        table = self.kv_cache_manager.get_block_ids(request.request_id)
+        self._kv_loads.append(KVBlockLoad(payload=request.remote_kv.payload,
+                                          src_indices=list(range(first, first + count)),
+                                          dst_block_ids=table[first : first + count]))
+        request.num_computed_tokens = num_hit + num_loaded
+        self.num_kv_blocks_loaded += count
 
     def _propose_all(self, budget: int) -> dict[str, list[list[int]]]:
         """request_id -> candidate draft runs (branch 0 first; one branch unless tree candidates are on and the
@@ -553,8 +597,13 @@ class Scheduler:
         if logprobs is not None:
             logprobs = logprobs[: len(new_token_ids)]
         prompt_logprobs = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
+        kv_pinned = None
         if status is not None:
-            self._finish(request, status)
+            kv_pinned = self._pin_for_transfer(request) if request.kv_transfer_id is not None else None
+            if kv_pinned is None:
+                self._finish(request, status)
+            else:
+                self._forget(request, status)
         if not new_token_ids and not prompt_logprobs and status is None:
             return None
         return EngineCoreOutput(
@@ -565,6 +614,7 @@ class Scheduler:
             finish_reason=request.finish_reason.value if request.finish_reason is not None else None,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
+            kv_pinned=kv_pinned,
         )
 
     def _new_prompt_logprobs(self, request_id: str, entries: list[TokenLogprobs] | None) -> list[TokenLogprobs]:
@@ -597,12 +647,47 @@ class Scheduler:
                 self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.kv_cache_manager.free(request)
+        self._forget(request, status)
+
+    def _pin_for_transfer(self, request: Request) -> PinnedKV | None:
+        """Keep a finished prefill-only request's prompt blocks for a decode replica (under its kv_transfer_id,
+        until read, released or kv_transfer_timeout_s); None when they cannot be kept (a hybrid KV cache, or blocks
+        the sliding window released): then they are freed as usual and the decode replica computes the prompt."""
+        manager = self.kv_cache_manager
+        if isinstance(manager, HybridKVCacheManager):
+            return None
+        num_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        num_blocks = _cdiv(num_tokens, self.cache_config.block_size)
+        blocks = manager.req_to_blocks.get(request.request_id, [])[:num_blocks]
+        if num_tokens < 1 or len(blocks) < num_blocks or any(b is None for b in blocks):
+            return None
+        transfer_id = request.kv_transfer_id
+        assert transfer_id is not None
+        holder = f"kv-transfer:{transfer_id}"
+        manager.pin(request, holder)
+        pinned = PinnedKV(transfer_id=transfer_id, block_ids=[b.block_id for b in blocks if b is not None],
+                          num_tokens=num_tokens, prompt_digest=prompt_digest(request.prompt_token_ids[:num_tokens]))
+        self.pinned_kv.pin(PinnedTransfer(transfer_id=transfer_id, owner=holder, block_ids=pinned.block_ids,
+                                          num_tokens=num_tokens, prompt_digest=pinned.prompt_digest,
+                                          deadline=time.monotonic() + self.pinned_kv.timeout_s))
+        return pinned
+
+    def release_pinned_kv(self, now: float) -> int:
+        """Free the pinned transfers that were read, released, or expired by `now` (time.monotonic() seconds);
+        returns how many. Called at every schedule() and by the engine's idle loop."""
+        released = self.pinned_kv.take_released(now)
+        for transfer in released:
+            self.kv_cache_manager.free_holder(transfer.owner)
+        return len(released)
+
+    def _forget(self, request: Request, status: RequestStatus) -> None:
+        """Take an ended request out of every queue and table (its blocks are freed or pinned by the caller)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._prompt_logprobs_sent.pop(request.request_id, None)
         self._prompt_logprobs_seen.pop(request.request_id, None)
@@ -679,7 +764,9 @@ class Scheduler:
         assert set(running_ids) | set(waiting_ids) == set(self.requests)
         assert self.num_seats_used <= self.scheduler_config.max_num_seqs
         holders = set(self.kv_cache_manager.req_to_blocks)
-        assert holders <= set(running_ids), f"waiting requests hold blocks: {holders - set(running_ids)}"
+        pinned = self.pinned_kv.owners()
+        assert pinned <= holders, f"pinned transfers without blocks: {pinned - holders}"
+        assert holders <= set(running_ids) | pinned, f"waiting requests hold blocks: {holders - set(running_ids)}"
         bs = self.cache_config.block_size
         for r in self.running:
             assert r.status == RequestStatus.RUNNING

@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from loom.sampling_params import SamplingParams
 from loom.spec.proposer import ProposerContext, make_proposer
 from loom.executor import Executor, ExecutorDiedError, make_executor
 from loom.executor.worker import threads_per_rank
+from loom.kv_transfer.base import PARAM as KV_TRANSFER_PARAM, KVTransferRequest, RemoteKV, parse_kv_transfer_request
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,12 @@ class EngineStats:
     # mixture of experts: cumulative (token, expert) routings per expert, summed over the MoE layers rank 0 runs
     # (all of them, or its pipeline stage's); () for a dense model
     moe_expert_tokens: tuple[int, ...] = ()
+    # prefill/decode disaggregation (loom/kv_transfer): transfers pinned now (producer), and cumulative counts
+    kv_transfer_pinned: int = 0  # finished requests whose prompt blocks wait for a decode replica
+    kv_transfer_expired: int = 0  # pinned transfers freed unread by the timeout
+    kv_transfer_pulls: int = 0  # successful pulls (consumer)
+    kv_transfer_pull_failures: int = 0  # pulls that fell back to computing the prompt locally
+    kv_transfer_blocks_loaded: int = 0  # pulled blocks written instead of computed
 
 
 class LLMEngine:
@@ -106,7 +114,9 @@ class LLMEngine:
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
             spec_tree_width=spec.tree_width if spec is not None else 1,
             draft_grammar=self.structured,
+            kv_transfer_timeout_s=args.kv_transfer_timeout_s,
         )
+        self.kv_transfer = self._make_kv_transfer(args)
         if spec is not None:
             options = {
                 "ngram": f"prompt lookup n = {spec.prompt_lookup_min}..{spec.prompt_lookup_max}",
@@ -159,9 +169,71 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
+    def _make_kv_transfer(self, args: EngineArgs) -> Any:
+        """The KV transfer agent of a disaggregated replica (loom/kv_transfer/agent.py), or None.
+
+        Raises:
+            ValueError: kv_transfer_role with a model whose KV cache has several groups (Gemma's hybrid cache).
+        """
+        config = args.kv_transfer_config()
+        if config is None:
+            return None
+        if len(self.runner.kv_groups) > 1:
+            raise ValueError("kv_transfer_role: the hybrid sliding-window KV cache (Gemma 2 / 3) cannot be "
+                             "transferred yet; switch it off with --no-hybrid-kv-cache")
+        from loom.kv_transfer.agent import KVTransferAgent
+        from loom.kv_transfer.tensors import kv_layout
+
+        path = Path(self.runner.model_path)
+        size = path.stat().st_size if path.is_file() else 0
+        identity = f"{path.name} ({size} bytes, {self.runner.dtype}, {args.quantization or 'default'})"
+        layout = kv_layout(self.runner.kv_caches, self.block_size, self.runner.arch.head_dim, identity)
+        return KVTransferAgent(config, layout, self.scheduler.pinned_kv, self.runner.kv_caches)
+
     def shutdown(self) -> None:
-        """Stop the executor's workers (tensor parallel); the engine cannot step afterwards. Idempotent."""
+        """Stop the executor's workers (tensor parallel) and the KV transfer server; the engine cannot step
+        afterwards. Idempotent."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.executor.shutdown()
+
+    def on_idle(self) -> None:
+        """Housekeeping while no request runs (the async front calls it every idle poll): free pinned KV blocks
+        that were pulled, released or expired."""
+        self.scheduler.release_pinned_kv(time.monotonic())
+
+    def parse_kv_transfer(self, data: Any) -> KVTransferRequest | None:
+        """Validate a request's kv_transfer_params against this replica's role.
+
+        Raises:
+            ValueError: naming kv_transfer_params: malformed, or a role this replica does not play.
+        """
+        config = self.kv_transfer.config if self.kv_transfer is not None else None
+        # the role first: a replica that plays neither need not judge the fields
+        if isinstance(data, KVTransferRequest):
+            decode, prefill = data.do_remote_decode, not data.do_remote_decode
+        else:
+            decode = isinstance(data, dict) and data.get("do_remote_decode") is True
+            prefill = isinstance(data, dict) and data.get("do_remote_prefill") is True
+        if decode and (config is None or not config.is_producer):
+            raise ValueError(f"{KV_TRANSFER_PARAM}: do_remote_decode needs a prefill replica "
+                             "(loom serve --kv-transfer-role producer or both)")
+        if prefill and (config is None or not config.is_consumer):
+            raise ValueError(f"{KV_TRANSFER_PARAM}: do_remote_prefill needs a decode replica "
+                             "(loom serve --kv-transfer-role consumer or both)")
+        return data if isinstance(data, KVTransferRequest) else parse_kv_transfer_request(data)
+
+    def pull_remote_kv(self, transfer: KVTransferRequest | None, prompt_token_ids: list[int],
+                       params: SamplingParams | BeamSearchParams) -> RemoteKV | None:
+        """Pull a decode request's prompt K/V from its prefill replica (any thread; the async front runs it in a
+        worker thread). None when there is nothing to pull, the request must compute its prompt anyway
+        (prompt_logprobs), or the pull failed (logged and counted: the prompt is then computed here)."""
+        if transfer is None or transfer.remote is None or self.kv_transfer is None:
+            return None
+        if not isinstance(params, SamplingParams) or params.prompt_logprobs is not None:
+            self.kv_transfer.connector.release(transfer.remote, self.kv_transfer.config.pull_timeout_s)
+            return None
+        return self.kv_transfer.pull(transfer.remote, prompt_token_ids)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -262,6 +334,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        kv_transfer_params: Any = None,
+        remote_kv: RemoteKV | None = None,
     ) -> None:
         """Queue a request (n > 1 becomes n engine requests, merged back into one RequestOutput). With
         BeamSearchParams it is a beam search (loom/engine/beam_search.py): one RequestOutput, when it ends,
@@ -270,12 +344,21 @@ class LLMEngine:
         `prompt_token_ids`: `tokenize(prompt)` of a text prompt, when the caller already ran it (the async
         front tokenizes off the engine thread, so a huge prompt does not stall every other request).
 
+        `kv_transfer_params` (prefill/decode disaggregation, docs/disaggregation.md): {"do_remote_decode": true}
+        on a prefill replica computes the prompt and at most one token (max_tokens is capped at 1), keeps the
+        prompt's blocks pinned and puts where to pull them in the final RequestOutput's kv_transfer_params;
+        {"do_remote_prefill": true, ...those fields} on a decode replica loads the pulled blocks instead of
+        computing them (`remote_kv`, pulled by the caller with pull_remote_kv; pulled here when None).
+
         Raises:
             ValueError: the request can never run (names the parameter); nothing is kept.
             QueueFullError: the waiting queue is full.
         """
         if request_id in self._children or request_id in self.beam_search:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        transfer = self.parse_kv_transfer(kv_transfer_params)
+        if transfer is not None and (isinstance(params, BeamSearchParams) or params.n != 1):
+            raise ValueError(f"{KV_TRANSFER_PARAM} needs a single sample (n = 1, no beam search)")
         if isinstance(params, BeamSearchParams):
             self._add_beam_search(request_id, prompt, params, arrival_time, cache_salt, prompt_token_ids)
             return
@@ -298,6 +381,12 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}"
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        kv_transfer_id = None
+        if transfer is not None and transfer.do_remote_decode:
+            max_tokens = min(max_tokens, 1)  # the prefill's part: the decode replica generates the output
+            kv_transfer_id = f"{request_id}-{uuid.uuid4().hex[:16]}"
+        elif transfer is not None and remote_kv is None:
+            remote_kv = self.pull_remote_kv(transfer, prompt_token_ids, params)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         added: list[str] = []
         try:
@@ -319,6 +408,8 @@ class LLMEngine:
                         max_tokens=max_tokens,
                         cache_salt=cache_salt,
                         group_id=request_id,
+                        kv_transfer_id=kv_transfer_id,
+                        remote_kv=remote_kv,
                     )
                 )
                 added.append(child_id)
@@ -389,7 +480,12 @@ class LLMEngine:
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         core_outputs, beam_outputs = self.beam_search.process(core_outputs)
+        pinned = {o.request_id: o.kv_pinned for o in core_outputs if o.kv_pinned is not None}
         processed = self.output_processor.process_outputs(core_outputs)
+        if pinned and self.kv_transfer is not None:  # n = 1: the engine request id is the user-facing one
+            for out in processed.request_outputs:
+                if out.request_id in pinned:
+                    out.kv_transfer_params = self.kv_transfer.response_params(pinned[out.request_id])
         if processed.reqs_to_abort:  # stop strings matched on text
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         for out in processed.request_outputs:
@@ -426,6 +522,11 @@ class LLMEngine:
             spec_num_branch_wins=s.spec_stats.num_branch_wins,
             moe_expert_tokens=tuple(sum(b.expert_tokens for b in self._moe_blocks).tolist())
             if self._moe_blocks else (),
+            kv_transfer_pinned=len(s.pinned_kv),
+            kv_transfer_expired=s.pinned_kv.num_expired_total,
+            kv_transfer_pulls=self.kv_transfer.num_pulls if self.kv_transfer is not None else 0,
+            kv_transfer_pull_failures=self.kv_transfer.num_pull_failures if self.kv_transfer is not None else 0,
+            kv_transfer_blocks_loaded=s.num_kv_blocks_loaded,
         )
 
 

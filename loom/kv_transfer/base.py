@@ -219,6 +219,38 @@ class KVConnector(Protocol):
 KV_CONNECTORS: Mapping[str, str] = MappingProxyType({"tcp": "loom.kv_transfer.tcp:TCPConnector"})
 
 
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """`loom serve --kv-transfer-role ...`: this replica's part in prefill/decode disaggregation."""
+
+    role: str  # producer (prefills, serves blocks) | consumer (pulls them, decodes) | both
+    connector: str = "tcp"  # registry name (loom.kv_transfer.base.KV_CONNECTORS)
+    host: str = "127.0.0.1"  # producer: the address its KV server listens on and advertises
+    port: int = 0  # producer: its KV server port; 0 = any free port
+    timeout_s: float = 120.0  # producer: seconds a finished request's unread blocks stay pinned
+    pull_timeout_s: float = 10.0  # consumer: seconds one pull may take before the prompt is computed locally
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_TRANSFER_ROLES:
+            raise ValueError(f"kv_transfer_role must be one of {KV_TRANSFER_ROLES}, got {self.role!r}")
+        if self.connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {sorted(KV_CONNECTORS)}, got {self.connector!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"kv_transfer_port must be in [0, 65535], got {self.port}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.timeout_s}")
+        if not self.pull_timeout_s > 0:
+            raise ValueError(f"kv_transfer_pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("consumer", "both")
+
+
 def make_kv_connector(name: str, host: str, port: int) -> KVConnector:
     """The connector registered under `name`.
 
@@ -233,5 +265,5 @@ def make_kv_connector(name: str, host: str, port: int) -> KVConnector:
 
 
 __all__ = ["KVBlockSource", "KVConnector", "KVLayout", "KVLayoutMismatchError", "KVPayload", "KVTransferError",
-           "KVTransferParams", "KVTransferRequest", "KV_CONNECTORS", "KV_TRANSFER_ROLES", "PARAM", "RemoteKV",
+           "KVTransferConfig", "KVTransferParams", "KVTransferRequest", "KV_CONNECTORS", "KV_TRANSFER_ROLES", "PARAM", "RemoteKV",
            "make_kv_connector", "parse_kv_transfer_request", "prompt_digest"]

@@ -22,6 +22,7 @@ from loom.sample.structured import StructuredOutputManager
 from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
 from loom.spec.verify import accept_sampled
 from loom.attention.kv_quant import resolve_kv_cache_dtype
+from loom.kv_transfer.tensors import write_blocks
 from loom.worker.kv_cache import (
     allocate_kv_caches,
     copy_kv_slots,
@@ -186,6 +187,8 @@ class ModelRunner:
         self.step_collectives_done = False
         self._copy_host_blocks(scheduler_output)
         self._copy_blocks(scheduler_output.blocks_to_copy)
+        for load in scheduler_output.kv_loads:  # pulled prompt blocks (disaggregated decode)
+            write_blocks(self.kv_caches, load.payload, load.src_indices, load.dst_block_ids)
         self._copy_branch_context(scheduler_output.scheduled)
         output = ModelRunnerOutput(sampled_token_ids={})
         if scheduler_output.is_empty:
