@@ -6,8 +6,11 @@ import asyncio
 import re
 
 import httpx
+import pytest
 
 from loom.router.result_cache import ResultCache
+
+pytestmark = pytest.mark.slow
 
 _ID_CREATED = re.compile(rb'"id": ?"(chatcmpl|cmpl)-[0-9a-f]{32}"|"created": ?\d+')
 
