@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,10 @@ from loom.router.policy import (
     ModelSelector, PolicyOptions, ReplicaState, RouteRequest, RoutingPolicy, make_model_selector, make_policy,
 )
 from loom.router.replica import ReplicaSet
+from loom.router.result_cache import (
+    CachedResponse, ResultCache, body_is_complete, body_is_deterministic, events_are_complete, parse_cache_control,
+    request_key, tenant_of,
+)
 from loom.server.security import SecurityConfig, install_security
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,7 @@ logger = logging.getLogger(__name__)
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # response headers passed back to the client as the replica sent them
 _PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-loom-result-cache")
+ROUTER_CACHE_HEADER = "x-loom-router-result-cache"  # the router's own result cache: hit | miss | bypass
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,9 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0  # seconds a replica may stay silent mid-response before it is cut
     max_attempts: int = 3  # replicas one request may be tried on (failover)
     max_failures: int = 2  # failed checks or connections in a row before a replica is unhealthy
+    result_cache_size: int = 0  # whole responses kept by the router's result cache (0: no cache)
+    result_cache_ttl_s: float = 600.0  # an entry's lifetime, seconds
+    result_cache_max_bytes: int = 256 << 20  # bytes the router's result cache may hold
 
     def __post_init__(self) -> None:
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "upstream_timeout_s"):
@@ -69,6 +77,10 @@ class RouterConfig:
             raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
         if not self.routing_alias:
             raise ValueError("routing_alias must not be empty")
+        if self.result_cache_size < 0:
+            raise ValueError(f"result_cache_size must be >= 0, got {self.result_cache_size}")
+        if self.result_cache_size:
+            ResultCache(self.result_cache_size, self.result_cache_max_bytes, self.result_cache_ttl_s)  # its checks
 
 
 class _ReplicaFailed(Exception):
@@ -113,15 +125,6 @@ def prompt_text(body: dict[str, Any]) -> str:
     return ""
 
 
-def tenant_of(headers: Any, body: dict[str, Any]) -> str:
-    """Who asks, as a short hash of the bearer token and the cache_salt ("" when neither is given)."""
-    auth = headers.get("authorization", "")
-    salt = body.get("cache_salt")
-    if not auth and not salt:
-        return ""
-    return hashlib.sha256(f"{auth}\x00{salt}".encode()).hexdigest()[:16]
-
-
 def _has_token(event: bytes) -> bool:
     """Whether one SSE event carries output (text, a tool call, a finish reason, an error, or [DONE]), as opposed
     to a chat stream's opening role-only chunk: once such an event is forwarded, the request cannot move."""
@@ -155,7 +158,10 @@ class Router:
         self.selector: ModelSelector | None = (make_model_selector(config.model_selector,
                                                                    config.model_selector_options)
                                                if config.model_selector else None)
-        self.metrics = RouterMetrics()
+        self.cache: ResultCache | None = (ResultCache(config.result_cache_size, config.result_cache_max_bytes,
+                                                      config.result_cache_ttl_s)
+                                          if config.result_cache_size else None)
+        self.metrics = RouterMetrics(self.cache)
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
         self.created = int(time.time())
@@ -255,6 +261,11 @@ class Router:
             body["model"] = model
         payload = json.dumps(body).encode()
         stream = body.get("stream") is True
+        control = parse_cache_control(raw_headers.get("cache-control"))
+        cacheable = (self.cache is not None and body_is_deterministic(body) and not body.get("kv_transfer_params")
+                     and (control.lookup or control.store))
+        if self.cache is not None and not cacheable:
+            self.cache.note_bypass()
         tried: set[str] = set()
         last_error = f"no healthy replica serves {model or 'it'}" + (f" at version {version}" if version else "")
         for _ in range(self.config.max_attempts):
@@ -263,12 +274,27 @@ class Router:
                 break
             decision = self.policy.choose(request, candidates)
             replica = decision.replica
+            key = None
+            if cacheable and replica.identity:  # the key holds the identity of the model that would answer
+                assert self.cache is not None
+                try:
+                    key = request_key(model_identity=replica.identity, route=request.path, body=body,
+                                      tenant=request.tenant)
+                except ValueError:
+                    key = None
+                found = self.cache.get(key) if key is not None and control.lookup else None
+                if found is not None:
+                    return _replay(found, request.path)
             tried.add(replica.url)
             self.metrics.record_decision(self.policy.name, decision.reason, len(request.text),
                                          decision.matched_chars)
             self.policy.on_routed(request, replica)
             try:
-                return await self._send(replica, request.path, payload, raw_headers, stream)
+                response = await self._send(replica, request.path, payload, raw_headers, stream,
+                                            key if control.store else None)
+                if self.cache is not None:
+                    response.headers[ROUTER_CACHE_HEADER] = "miss" if key is not None and control.lookup else "bypass"
+                return response
             except _ReplicaFailed as e:
                 last_error = f"replica {replica.url} failed ({e.cause})"
                 self.metrics.retries.labels(e.cause).inc()
@@ -276,8 +302,9 @@ class Router:
         return _error(503, f"No replica could serve this request: {last_error}.", "no_replica")
 
     async def _send(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
-                    stream: bool) -> Response:
-        """Send to one replica. Raises _ReplicaFailed when nothing has reached the client yet."""
+                    stream: bool, store_key: str | None) -> Response:
+        """Send to one replica; store its whole, successful answer under `store_key` (None: do not store).
+        Raises _ReplicaFailed when nothing has reached the client yet."""
         assert self.client is not None
         start = time.monotonic()
         replica.in_flight += 1
@@ -316,6 +343,10 @@ class Router:
                 await upstream.aclose()
             self.metrics.ttfb.labels(replica.url).observe(time.monotonic() - start)
             release(upstream.status_code)
+            if store_key is not None and upstream.status_code == 200 and body_is_complete(content):
+                assert self.cache is not None
+                self.cache.put(store_key, CachedResponse.of_body(content, upstream.headers.get(
+                    "content-type", "application/json")))
             return Response(content, status_code=upstream.status_code, headers=out_headers)
 
         # a stream: hold events back until one carries a token, so a failure before it can still move
@@ -337,11 +368,19 @@ class Router:
 
         async def rest() -> AsyncIterator[bytes]:
             status = upstream.status_code
+            kept: list[bytes] | None = [] if store_key is not None and status == 200 else None
             try:
                 for event in held:
+                    if kept is not None:
+                        kept.append(event)
                     yield event
                 async for event in events:
+                    if kept is not None:
+                        kept.append(event)
                     yield event
+                if kept is not None and events_are_complete(kept):  # a client that left never gets here
+                    assert self.cache is not None and store_key is not None
+                    self.cache.put(store_key, CachedResponse.of_events(kept))
             except httpx.HTTPError as e:
                 status = 0
                 self.metrics.failed_streams.inc()
@@ -356,6 +395,23 @@ class Router:
                 release(status)
 
         return StreamingResponse(rest(), status_code=upstream.status_code, headers=out_headers)
+
+
+def _replay(found: CachedResponse, path: str) -> Response:
+    """A result-cache hit: the stored bytes with a fresh id and created (a stream replays as its events)."""
+    prefix = "chatcmpl" if path.endswith("/chat/completions") else "cmpl"
+    response_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+    headers = {ROUTER_CACHE_HEADER: "hit"}
+    if not found.streamed:
+        return Response(found.render_body(response_id, created), media_type=found.media_type, headers=headers)
+    events = found.render_events(response_id, created)
+
+    async def replay() -> AsyncIterator[bytes]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(replay(), media_type=found.media_type,
+                             headers={**headers, "Cache-Control": "no-cache"})
 
 
 async def _sse_events(upstream: httpx.Response) -> AsyncIterator[bytes]:
@@ -406,7 +462,9 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             return _error(400, f"model must be a string, got {model!r}", param="model")
-        request = RouteRequest(raw.url.path, model, prompt_text(body), body, tenant_of(raw.headers, body))
+        salt = body.get("cache_salt")
+        request = RouteRequest(raw.url.path, model, prompt_text(body), body,
+                               tenant_of(raw.headers.get("authorization"), salt if isinstance(salt, str) else None))
         return await router.forward(request, _forwarded_headers(raw))
 
     for path in _ROUTED_PATHS:
@@ -475,4 +533,4 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
     return app
 
 
-__all__ = ["Router", "RouterConfig", "build_router_app", "prompt_text", "tenant_of"]
+__all__ = ["ROUTER_CACHE_HEADER", "Router", "RouterConfig", "build_router_app", "prompt_text"]

@@ -70,6 +70,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a replica may stay silent mid-response before the router cuts it "
                    "(default: %(default)s)")
+    p.add_argument("--result-cache-size", type=int, default=0, metavar="N",
+                   help="keep the whole responses of N deterministic requests at the router (greedy or seeded; "
+                   "keyed by model identity, tenant and the whole body; docs/fleet.md) (default: 0 = off)")
+    p.add_argument("--result-cache-ttl", type=float, default=600.0, metavar="SECONDS",
+                   help="lifetime of a result-cache entry (default: %(default)s)")
+    p.add_argument("--result-cache-max-bytes", type=int, default=256 << 20,
+                   help="bytes the result cache may hold (default: %(default)s)")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} when set, else no key); "
                    "the header is passed on to the replicas")
@@ -100,7 +107,9 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(policy=ns.policy, policy_options=options, model_selector=ns.model_selector,
                         model_selector_options=_selector_options(ns.model_selector_option),
                         routing_alias=ns.routing_alias, health_interval_s=ns.health_interval,
-                        max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout)
+                        max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout,
+                        result_cache_size=ns.result_cache_size, result_cache_ttl_s=ns.result_cache_ttl,
+                        result_cache_max_bytes=ns.result_cache_max_bytes)
 
 
 def _port_is_free(host: str, port: int) -> bool:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from loom.router.policy import ReplicaState
+from loom.router.result_cache import ResultCache
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0)
@@ -14,8 +19,10 @@ class RouterMetrics:
     """Per-replica requests and latency, routing decisions, retries, the cache-aware hit-rate estimate and the
     replicas' own state (health, load, prefix-cache hit rate as they report it on /load)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: ResultCache | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        if cache is not None:
+            r.register(_ResultCacheCollector(cache))
         self.requests = Counter("loom_router:requests", "Requests answered, by replica and HTTP status.",
                                 ["replica", "status"], registry=r)
         self.latency = Histogram("loom_router:request_latency_seconds",
@@ -77,6 +84,23 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ResultCacheCollector(Collector):
+    """The router's result cache as `loom_router:result_cache_*`, read at scrape time."""
+
+    def __init__(self, cache: ResultCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Any]:
+        s = self._cache.stats()
+        for name, value in (("hits", s.hits), ("misses", s.misses), ("bypasses", s.bypasses), ("stores", s.stores),
+                            ("evictions", s.evictions), ("expirations", s.expirations)):
+            yield CounterMetricFamily(f"loom_router:result_cache_{name}", f"Result cache {name} at the router.",
+                                      value=value)
+        for name, value in (("entries", s.entries), ("bytes", s.bytes)):
+            yield GaugeMetricFamily(f"loom_router:result_cache_{name}", f"Result cache {name} held by the router.",
+                                    value=value)
 
 
 __all__ = ["RouterMetrics"]
