@@ -62,6 +62,8 @@ class _Add:
     cache_salt: str | None
     stream: _Stream
     done: concurrent.futures.Future[None]  # resolved by the engine thread: None, or add_request's error
+    kv_transfer: Any = None  # the validated kv_transfer_params (loom.kv_transfer.base.KVTransferRequest) or None
+    remote_kv: Any = None  # a decode request's pulled prompt K/V (RemoteKV), or None: compute the prompt
 
 
 @dataclass(slots=True)
@@ -214,6 +216,7 @@ class AsyncLLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> "RequestStream":
         """Submit one request; returns once the engine accepted it, with the stream of its outputs.
 
@@ -221,16 +224,26 @@ class AsyncLLMEngine:
         with it: closing an unfinished stream aborts the request and frees its KV blocks.
         Raises ValueError (bad prompt or parameters, duplicate request_id), QueueFullError (waiting
         queue full), EngineDeadError (engine stopped). Nothing stays in the engine when it raises.
+        `kv_transfer_params`: prefill/decode disaggregation (LLMEngine.add_request); a decode request's blocks are
+        pulled here, in a worker thread, so the engine thread never waits on the network.
         """
         self._check_running()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         # Tokenize here, in a worker thread (the tokenizer releases the GIL): a 20 MB prompt took ~20 s on the
         # engine thread and stalled every running request meanwhile.
         token_ids = await asyncio.to_thread(self.engine.tokenize, prompt) if isinstance(prompt, str) else None
+        transfer, remote_kv = None, None
+        if kv_transfer_params:
+            transfer = self.engine.parse_kv_transfer(kv_transfer_params)
+            if transfer is not None and transfer.remote is not None:
+                ids = list(token_ids if token_ids is not None else prompt)
+                remote_kv = await asyncio.to_thread(self.engine.pull_remote_kv, transfer, ids, params)
+                transfer = type(transfer)(False, None)  # pulled (or failed): the engine thread must not pull
         self._check_running()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, token_ids, params, arrival, cache_salt, stream, done))
+        self._commands.put(_Add(request_id, prompt, token_ids, params, arrival, cache_salt, stream, done, transfer,
+                                remote_kv))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -245,6 +258,7 @@ class AsyncLLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its RequestOutputs until the one with finished=True.
 
@@ -252,7 +266,7 @@ class AsyncLLMEngine:
         `contextlib.aclosing` so that happens promptly. Raises what `add_request` raises, before
         the first output.
         """
-        stream = await self.add_request(request_id, prompt, params, arrival_time, cache_salt)
+        stream = await self.add_request(request_id, prompt, params, arrival_time, cache_salt, kv_transfer_params)
         try:
             async for out in stream:
                 yield out
@@ -278,6 +292,9 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     self._step(state)
                 else:
+                    on_idle = getattr(self.engine, "on_idle", None)  # e.g. free pulled or expired pinned KV blocks
+                    if on_idle is not None:
+                        on_idle()
                     self._publish(state, [])
         except BaseException:  # pragma: no cover - a bug in the loop itself; fail everyone loudly
             logger.exception("engine loop crashed")
@@ -326,8 +343,10 @@ class AsyncLLMEngine:
             cmd.done.set_exception(ValueError(f"request_id {cmd.request_id!r} is already in flight"))
             return
         try:
+            transfer = {} if cmd.kv_transfer is None else {"kv_transfer_params": cmd.kv_transfer,
+                                                           "remote_kv": cmd.remote_kv}
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                    cache_salt=cmd.cache_salt, prompt_token_ids=cmd.prompt_token_ids)
+                                    cache_salt=cmd.cache_salt, prompt_token_ids=cmd.prompt_token_ids, **transfer)
         except Exception as e:  # noqa: BLE001 - ValueError / QueueFullError / bugs: that request only
             cmd.done.set_exception(e)
             return

@@ -127,6 +127,9 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # separates prefix-cache entries between tenants
+    # prefill/decode disaggregation (docs/disaggregation.md): {"do_remote_decode": true} on a prefill replica,
+    # {"do_remote_prefill": true, ...what the prefill returned} on a decode replica
+    kv_transfer_params: dict[str, Any] | None = None
     # structured output (at most one of these; structured_output_of): OpenAI's response_format, vLLM's extras
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: dict[str, Any] | None = None  # {"json" | "json_object" | "regex" | "choice" | "grammar": ...}

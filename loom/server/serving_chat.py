@@ -29,7 +29,7 @@ from loom.server.tool_parsers import ToolCallParser
 from loom.server.serving_result_cache import look_up
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
-    check_beam_width, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    check_beam_width, check_kv_transfer, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
 
@@ -184,6 +184,7 @@ def _validate(ctx: ServingContext, body: ChatCompletionRequest) -> tuple[list[in
         params.skip_special_tokens = False  # the marker that begins calls (Mistral's [TOOL_CALLS]) must stay
     prompt_ids = chat_prompt_ids(ctx, body.messages, body, tools.tools)
     check_room(ctx, len(prompt_ids), max_tokens, name, prompt_name="messages")
+    check_kv_transfer(body)
     return prompt_ids, params, num_top, tools
 
 
@@ -202,7 +203,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     cached = look_up(ctx.result_cache, ctx.model_identity, raw, body, [prompt_ids], params)
     if cached.found is not None:
         return cached.hit_response(response_id, now_unix())
-    streams = await submit_all(ctx, "chatcmpl", [prompt_ids], params, arrival, body.cache_salt)
+    streams = await submit_all(ctx, "chatcmpl", [prompt_ids], params, arrival, body.cache_salt,
+                               body.kv_transfer_params)
     if body.stream:
         return cached.finish_stream(EngineStreamingResponse(
             cached.record(_stream(ctx, body, streams[0], response_id, num_top, tools)), streams))
@@ -245,6 +247,7 @@ def _render(ctx: ServingContext, out: RequestOutput, response_id: str, num_top: 
         "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
         **({} if num_prompt_top is None else {"prompt_logprobs": prompt_logprobs_body(
             ctx.engine.tokenizer, out.prompt_token_ids, out.prompt_logprobs, num_prompt_top)}),
+        **({"kv_transfer_params": out.kv_transfer_params} if out.kv_transfer_params else {}),
     })
 
 

@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from loom.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from loom.kv_transfer.base import parse_kv_transfer_request
 from loom.outputs import PositionLogprobs, RequestOutput
 from loom.router.result_cache import ResultCache
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -99,9 +100,21 @@ def now_unix() -> int:
     return int(time.time())
 
 
+def check_kv_transfer(body: Any, num_prompts: int = 1) -> None:
+    """Validate kv_transfer_params at the edge (disaggregation): its shape and one prompt. Raises RequestError."""
+    if not body.kv_transfer_params:
+        return
+    try:
+        parse_kv_transfer_request(body.kv_transfer_params)
+    except ValueError as e:
+        raise RequestError(str(e), "kv_transfer_params") from e
+    if num_prompts != 1:
+        raise RequestError("kv_transfer_params needs a single prompt", "kv_transfer_params")
+
+
 async def submit_all(ctx: ServingContext, prefix: str, prompts: Sequence[str | list[int]],
                      params: SamplingParams, arrival_time: float,
-                     cache_salt: str | None) -> list[RequestStream]:
+                     cache_salt: str | None, kv_transfer_params: dict[str, Any] | None = None) -> list[RequestStream]:
     """Add one engine request per prompt. All or nothing: on error, those added are aborted.
 
     Raises RequestError: 400 for bad prompts, 503 when the waiting queue is full or the engine is down.
@@ -109,8 +122,9 @@ async def submit_all(ctx: ServingContext, prefix: str, prompts: Sequence[str | l
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
+            transfer = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else {}
             streams.append(await ctx.engine.add_request(new_request_id(prefix), prompt, params,
-                                                        arrival_time=arrival_time, cache_salt=cache_salt))
+                                                        arrival_time=arrival_time, cache_salt=cache_salt, **transfer))
     except BaseException as e:
         for s in streams:
             s.close()

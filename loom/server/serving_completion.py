@@ -25,7 +25,7 @@ from loom.server.protocol import (
 from loom.server.serving_result_cache import look_up
 from loom.server.serving_common import (
     SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_prompt_logprobs, check_room,
-    check_beam_width, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done,
+    check_beam_width, check_kv_transfer, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done,
     completion_logprobs, merge, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
 )
 
@@ -131,7 +131,9 @@ def _validate(ctx: ServingContext, body: CompletionRequest) -> tuple[list[_Promp
         params.n = body.best_of
         params.logprobs = num_logprobs if num_logprobs is not None else 0
     check_structured_output(ctx, body, params)
-    return _prompts(ctx, body), params
+    prompts = _prompts(ctx, body)
+    check_kv_transfer(body, len(prompts))
+    return prompts, params
 
 
 def _choice_logprobs(ctx: ServingContext, body: CompletionRequest, out: RequestOutput, c: CompletionOutput,
@@ -155,7 +157,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: R
                      [list(p.engine_prompt) for p in prompts], params)  # every prompt is token ids by now
     if cached.found is not None:
         return cached.hit_response(response_id, now_unix())
-    streams = await submit_all(ctx, "cmpl", [p.engine_prompt for p in prompts], params, arrival, body.cache_salt)
+    streams = await submit_all(ctx, "cmpl", [p.engine_prompt for p in prompts], params, arrival, body.cache_salt,
+                               body.kv_transfer_params)
     if body.stream:
         return cached.finish_stream(EngineStreamingResponse(
             cached.record(_stream(ctx, body, prompts, streams, response_id)), streams))
@@ -204,6 +207,7 @@ def _render(ctx: ServingContext, body: CompletionRequest, finals: Sequence[Reque
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": now_unix(), "model": ctx.model_name,
         "choices": choices, "usage": used,
+        **({"kv_transfer_params": finals[0].kv_transfer_params} if finals and finals[0].kv_transfer_params else {}),
     })
 
 

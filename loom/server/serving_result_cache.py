@@ -112,6 +112,9 @@ def look_up(cache: ResultCache | None, model_identity: str, raw: Request, body: 
     deterministic, or its Cache-Control says no-cache / no-store (no-cache still stores the fresh answer)."""
     if cache is None:
         return CacheLookup(None, None, False, False, None)
+    if getattr(body, "kv_transfer_params", None):  # a disaggregation step: a prefill's answer names blocks freed
+        cache.note_bypass()  # once pulled, so it is never replayed
+        return CacheLookup(cache, None, False, False, None)
     control = parse_cache_control(raw.headers.get("cache-control"))
     if not deterministic(params) or not (control.lookup or control.store):
         cache.note_bypass()
