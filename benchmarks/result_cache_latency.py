@@ -4,8 +4,11 @@ Two figures, same run:
 - `lookup`: what a router does per hit, without HTTP: request_key over the body + ResultCache.get + render.
 - `serve`: a whole hit through `loom serve`'s ASGI app on the bundled model, in process (httpx ASGITransport):
   body validation, chat templating / tokenizing, key, lookup, replay; chat and completion, streamed and not.
+- `router` (--router): a whole hit through a running `loom router --result-cache-size` over real HTTP on
+  loopback (one keep-alive connection, the client in this process), in front of one `loom serve` replica.
 
     .venv/bin/python benchmarks/result_cache_latency.py --requests 2000
+    .venv/bin/python benchmarks/result_cache_latency.py --requests 2000 --router
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import httpx
@@ -82,10 +90,62 @@ async def serve_bench(n: int) -> None:
         front.shutdown()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, deadline_s: float = 300.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def router_bench(n: int) -> None:
+    replica_port, router_port = _free_port(), _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "loom.cli", "--log-level", "WARNING", "serve", "--port",
+                               str(replica_port), "--max-model-len", "512"], start_new_session=True)]
+    try:
+        _wait(f"http://127.0.0.1:{replica_port}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "loom.router", "--log-level", "WARNING", "--port",
+                                       str(router_port), "--replica", f"http://127.0.0.1:{replica_port}",
+                                       "--result-cache-size", "64"], start_new_session=True))
+        url = f"http://127.0.0.1:{router_port}"
+        _wait(url)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            for name, (route, body) in BODIES.items():
+                body = {**body, "model": model}
+                assert c.post(route, json=body).headers["x-loom-router-result-cache"] == "miss"
+                samples = []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    r = c.post(route, json=body)
+                    r.read()
+                    samples.append(time.perf_counter() - t0)
+                    assert r.headers["x-loom-router-result-cache"] == "hit"
+                print(f"router {name}: {percentiles(samples)}")
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=2000, help="hits timed per case")
+    parser.add_argument("--router", action="store_true", help="time hits through a live loom router instead")
     ns = parser.parse_args()
+    if ns.router:
+        router_bench(ns.requests)
+        return
     lookup_bench(ns.requests)
     asyncio.run(serve_bench(ns.requests))
 
