@@ -230,7 +230,9 @@ class Router:
             models = self.replicas.models()
             if not models:
                 raise LookupError("no healthy replica")
-            return self.selector.select(request, models), ""
+            chosen = self.selector.select(request, models)
+            self.metrics.model_selections.labels(self.selector.name, chosen).inc()
+            return chosen, ""
         known = self.replicas.known_models()
         if not known:
             raise LookupError("no replica has answered a health check yet")

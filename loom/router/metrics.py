@@ -33,6 +33,9 @@ class RouterMetrics:
                               ["replica"], buckets=_LATENCY_BUCKETS, registry=r)
         self.decisions = Counter("loom_router:routing_decisions", "Routing decisions by policy and reason.",
                                  ["policy", "reason"], registry=r)
+        self.model_selections = Counter("loom_router:model_selections",
+                                        "Requests for the routing alias, by selector and chosen model.",
+                                        ["selector", "model"], registry=r)
         self.retries = Counter("loom_router:retries", "Requests sent again to another replica, by cause.",
                                ["cause"], registry=r)
         self.failed_streams = Counter("loom_router:streams_failed",

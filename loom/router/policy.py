@@ -132,10 +132,7 @@ def register_model_selector(name: str, factory: Callable[[dict[str, Any]], Model
 
 def make_model_selector(name: str, options: dict[str, Any] | None = None) -> ModelSelector:
     """The model selector called `name`. Raises ValueError (naming `model_selector`) for an unknown name."""
-    try:
-        import loom.router.difficulty  # noqa: F401  (registers the difficulty selectors)
-    except ImportError:
-        pass
+    import loom.router.difficulty  # noqa: F401  (registers the difficulty and length selectors)
     if name not in MODEL_SELECTORS:
         raise ValueError(f"model_selector must be one of {sorted(MODEL_SELECTORS)}, got {name!r}")
     return MODEL_SELECTORS[name](dict(options or {}))

@@ -186,3 +186,24 @@ def test_a_rolling_upgrade_pins_versions_and_drains_the_old_one() -> None:
             assert gone.status_code == 503 and old_version[:12] in gone.json()["error"]["message"]
             bad = httpx.post(url + "/v1/completions", json={**BODY, "model": "fake-model@xyz"}, timeout=30)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+
+
+def test_the_routing_alias_lets_the_model_selector_choose_the_model() -> None:
+    small_front, _ = make_fake_front(step_delay_s=0.002)
+    large_front, _ = make_fake_front(step_delay_s=0.002)
+    with serve(small_front, served_model_name="tiny-135M") as small, \
+            serve(large_front, served_model_name="big-1.5B") as large:
+        with live_router([small.base_url, large.base_url], model_selector="length",
+                         model_selector_options={"threshold": "40"}) as (url, _):
+            ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+            assert ids == ["auto", "big-1.5B", "tiny-135M"]
+            short = httpx.post(url + "/v1/completions", json={**BODY, "model": "auto", "prompt": "2+2="}, timeout=30)
+            long = httpx.post(url + "/v1/completions", json={**BODY, "model": "auto", "prompt": "x" * 100},
+                              timeout=30)
+            assert short.json()["model"] == "tiny-135M" and short.headers["x-loom-replica"] == small.base_url
+            assert long.json()["model"] == "big-1.5B" and long.headers["x-loom-replica"] == large.base_url
+            named = httpx.post(url + "/v1/completions", json={**BODY, "model": "big-1.5B", "prompt": "2+2="},
+                               timeout=30)
+            assert named.headers["x-loom-replica"] == large.base_url  # a named model is never re-chosen
+            assert 'loom_router:model_selections_total{model="tiny-135M",selector="length"} 1.0' in \
+                httpx.get(url + "/metrics").text
