@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from loom.router.disagg import prefill_then_decode
 from loom.router.metrics import RouterMetrics
 from loom.router.policy import (
     ModelSelector, PolicyOptions, ReplicaState, RouteRequest, RoutingPolicy, make_model_selector, make_policy,
@@ -151,10 +152,16 @@ def _has_token(event: bytes) -> bool:
 class Router:
     """The router's state: the replica set, the policy, the HTTP client and the health-check task."""
 
-    def __init__(self, replicas: ReplicaSet, config: RouterConfig) -> None:
+    def __init__(self, replicas: ReplicaSet, config: RouterConfig, prefill_replicas: ReplicaSet | None = None) -> None:
+        """`replicas` answer requests; with `prefill_replicas` (loom serve --kv-transfer-role producer), each
+        request is prefilled on one of those first and `replicas` (consumers) pull its KV blocks and decode
+        (prefill/decode disaggregation, docs/disaggregation.md)."""
         self.replicas = replicas
+        self.prefill_replicas = prefill_replicas if prefill_replicas is not None and len(prefill_replicas) else None
         self.config = config
         self.policy: RoutingPolicy = make_policy(config.policy, config.policy_options)
+        # prefill replicas have prefix caches of their own: the same policy, its own memory
+        self.prefill_policy: RoutingPolicy = make_policy(config.policy, config.policy_options)
         self.selector: ModelSelector | None = (make_model_selector(config.model_selector,
                                                                    config.model_selector_options)
                                                if config.model_selector else None)
@@ -186,7 +193,12 @@ class Router:
     async def check_health(self) -> None:
         assert self.client is not None
         await self.replicas.check_all(self.client, self.config.health_timeout_s)
-        self.metrics.observe_replicas(list(self.replicas))
+        if self.prefill_replicas is not None:
+            await self.prefill_replicas.check_all(self.client, self.config.health_timeout_s)
+        self.metrics.observe_replicas(self._all_replicas())
+
+    def _all_replicas(self) -> list[ReplicaState]:
+        return [*self.replicas, *(self.prefill_replicas or ())]
 
     async def _health_loop(self) -> None:
         while True:
@@ -291,9 +303,10 @@ class Router:
             self.metrics.record_decision(self.policy.name, decision.reason, len(request.text),
                                          decision.matched_chars)
             self.policy.on_routed(request, replica)
+            prefill = self._choose_prefill(request, model, version)
             try:
                 response = await self._send(replica, request.path, payload, raw_headers, stream,
-                                            key if control.store else None)
+                                            key if control.store else None, prefill, body)
                 if self.cache is not None:
                     response.headers[ROUTER_CACHE_HEADER] = "miss" if key is not None and control.lookup else "bypass"
                 return response
@@ -303,10 +316,36 @@ class Router:
                 logger.warning("%s before the first token; trying another replica", last_error)
         return _error(503, f"No replica could serve this request: {last_error}.", "no_replica")
 
+    def _choose_prefill(self, request: RouteRequest, model: str | None, version: str) -> ReplicaState | None:
+        """The prefill replica for a disaggregated request (None: not disaggregated, or none is healthy)."""
+        if self.prefill_replicas is None:
+            return None
+        candidates = self.prefill_replicas.eligible(model, version=version)
+        if not candidates:
+            return None  # the decode replica computes the prompt itself: slower, the same answer
+        decision = self.prefill_policy.choose(request, candidates)
+        self.prefill_policy.on_routed(request, decision.replica)
+        self.metrics.record_decision(f"prefill_{self.prefill_policy.name}", decision.reason, 0, 0)
+        return decision.replica
+
+    async def _open(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
+                    prefill: ReplicaState | None, body: dict[str, Any]) -> httpx.Response:
+        """The replica's response, opened as a stream; with `prefill`, after that replica prefilled it."""
+        assert self.client is not None
+        if prefill is None:
+            return await self.client.send(self.client.build_request("POST", replica.url + path, content=payload,
+                                                                    headers=headers), stream=True)
+        prefill.in_flight += 1
+        try:
+            return await prefill_then_decode(self.client, prefill.url, replica.url, path, body, headers)
+        finally:
+            prefill.in_flight -= 1
+
     async def _send(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
-                    stream: bool, store_key: str | None) -> Response:
-        """Send to one replica; store its whole, successful answer under `store_key` (None: do not store).
-        Raises _ReplicaFailed when nothing has reached the client yet."""
+                    stream: bool, store_key: str | None, prefill: ReplicaState | None = None,
+                    body: dict[str, Any] | None = None) -> Response:
+        """Send to one replica (after `prefill` when disaggregated); store its whole, successful answer under
+        `store_key` (None: do not store). Raises _ReplicaFailed when nothing has reached the client yet."""
         assert self.client is not None
         start = time.monotonic()
         replica.in_flight += 1
@@ -321,8 +360,7 @@ class Router:
                 self.metrics.latency.labels(replica.url).observe(time.monotonic() - start)
 
         try:
-            req = self.client.build_request("POST", replica.url + path, content=payload, headers=headers)
-            upstream = await self.client.send(req, stream=True)
+            upstream = await self._open(replica, path, payload, headers, prefill, body or {})
         except httpx.HTTPError as e:
             release(0)
             self.replicas.mark_failed(replica)
@@ -333,6 +371,8 @@ class Router:
             raise _ReplicaFailed("status_503")
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
         out_headers["x-loom-replica"] = replica.url
+        if prefill is not None:
+            out_headers["x-loom-prefill-replica"] = prefill.url
         is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if not (stream and is_sse):
             try:
@@ -488,16 +528,21 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        router.metrics.observe_replicas(list(router.replicas))
+        router.metrics.observe_replicas(router._all_replicas())
         return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/router/replicas")
     async def list_replicas() -> dict[str, Any]:
+        def card(r: ReplicaState, role: str) -> dict[str, Any]:
+            return {"url": r.url, "role": role, "models": list(r.models), "identity": r.identity,
+                    "healthy": r.healthy, "draining": r.draining, "in_flight": r.in_flight,
+                    "num_requests_running": r.num_running, "num_requests_waiting": r.num_waiting,
+                    "kv_cache_usage": r.kv_cache_usage}
+
+        role = "decode" if router.prefill_replicas is not None else "serve"
         return {"policy": router.policy.name,
-                "replicas": [{"url": r.url, "models": list(r.models), "identity": r.identity,
-                              "healthy": r.healthy, "draining": r.draining, "in_flight": r.in_flight,
-                              "num_requests_running": r.num_running, "num_requests_waiting": r.num_waiting,
-                              "kv_cache_usage": r.kv_cache_usage} for r in router.replicas]}
+                "replicas": [card(r, role) for r in router.replicas]
+                + [card(r, "prefill") for r in router.prefill_replicas or ()]}
 
     async def _url_of(raw: Request) -> str:
         try:

@@ -45,6 +45,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeatable)")
+    p.add_argument("--prefill-replica", action="append", default=[], metavar="URL",
+                   help="prefill/decode disaggregation: a `loom serve --kv-transfer-role producer` replica that "
+                   "prefills each request; the --replica ones (consumers) pull its KV and decode (repeatable; "
+                   "docs/disaggregation.md)")
     p.add_argument("--replicas", type=int, default=0, metavar="N",
                    help="start N local `loom serve` replicas with the arguments after -- (default: none)")
     p.add_argument("--replica-base-port", type=int, default=None, metavar="PORT",
@@ -176,6 +180,7 @@ def run_router(ns: argparse.Namespace) -> int:
     security = SecurityConfig(api_key=api_key, max_request_bytes=ns.max_request_bytes)
     urls = list(ns.replica)
     replicas = ReplicaSet(urls)  # checks the URLs before anything starts
+    prefill_replicas = ReplicaSet(list(ns.prefill_replica))
     if not _port_is_free(ns.host, ns.port):
         raise ValueError(f"port: {ns.host}:{ns.port} is taken")
     procs: list[subprocess.Popen[bytes]] = []
@@ -188,7 +193,7 @@ def run_router(ns: argparse.Namespace) -> int:
             wait_until_healthy(local, procs, timeout_s=600.0)
             for url in local:
                 replicas.add(url)
-        router = Router(replicas, config)
+        router = Router(replicas, config, prefill_replicas)
         app = build_router_app(router, security)
         logger.info("routing on http://%s:%d over %d replicas (policy %s)", ns.host, ns.port, len(replicas),
                     config.policy)

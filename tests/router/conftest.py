@@ -24,10 +24,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def live_router(urls: list[str], **config: Any) -> Iterator[tuple[str, Router]]:
-    """Run a router over `urls` under uvicorn in a thread (lifespan on: health checks run); yield its URL."""
+def live_router(urls: list[str], prefill_urls: list[str] | None = None,
+                **config: Any) -> Iterator[tuple[str, Router]]:
+    """Run a router over `urls` (and prefill replicas `prefill_urls`) under uvicorn in a thread (lifespan on:
+    health checks run); yield its URL and the Router."""
     config.setdefault("health_interval_s", 0.2)
-    router = Router(ReplicaSet(urls), RouterConfig(**config))
+    router = Router(ReplicaSet(urls), RouterConfig(**config), ReplicaSet(prefill_urls or []))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_router_app(router), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
