@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from loom.config import PREEMPTION_MODES, QUANTIZATION_METHODS, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES, EngineArgs
+from loom.kv_transfer.base import KV_CONNECTORS, KV_TRANSFER_ROLES
 from loom.spec.proposer import SPECULATIVE_METHODS
 
 
@@ -126,6 +127,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=defaults.distributed_timeout_s,
                    help="tensor / pipeline parallel: seconds a collective may wait for a rank before the engine "
                         "fails (a stuck worker) (default: %(default)s)")
+    return parser
+
+
+def add_kv_transfer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Prefill/decode disaggregation flags (`loom serve`; docs/disaggregation.md)."""
+    defaults = EngineArgs()
+    g = parser.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--kv-transfer-role", default=None, choices=KV_TRANSFER_ROLES,
+                   help="producer: prefill requests sent with kv_transfer_params {do_remote_decode: true} and serve "
+                        "their KV blocks; consumer: pull them for requests sent with {do_remote_prefill: true, ...}; "
+                        "both (default: off)")
+    g.add_argument("--kv-connector", default=defaults.kv_connector, choices=sorted(KV_CONNECTORS),
+                   help="how KV blocks travel (default: %(default)s)")
+    g.add_argument("--kv-transfer-host", default=defaults.kv_transfer_host,
+                   help="producer: address its KV server listens on and advertises (default: %(default)s)")
+    g.add_argument("--kv-transfer-port", type=int, default=defaults.kv_transfer_port,
+                   help="producer: KV server port; 0 = any free port (default: %(default)s)")
+    g.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout_s", type=float,
+                   default=defaults.kv_transfer_timeout_s,
+                   help="producer: seconds a prefilled request's blocks stay pinned unread (default: %(default)s)")
+    g.add_argument("--kv-transfer-pull-timeout", dest="kv_transfer_pull_timeout_s", type=float,
+                   default=defaults.kv_transfer_pull_timeout_s,
+                   help="consumer: seconds a pull may take before the prompt is computed locally "
+                        "(default: %(default)s)")
     return parser
 
 

@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 
-from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
+from loom.engine.arg_utils import add_engine_args, add_kv_transfer_args, engine_args_from_namespace
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.router.result_cache import ResultCache
 from loom.server.header_timeout import DEFAULT_TIMEOUT_HEADER_S, http_protocol
@@ -57,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--result-cache-max-bytes", type=int, default=256 << 20, metavar="BYTES",
                    help="most bytes the result cache holds (default: %(default)s)")
     add_engine_args(p)
+    add_kv_transfer_args(p)
     p.set_defaults(func=run_serve)
 
 
