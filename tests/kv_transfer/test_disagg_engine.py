@@ -167,3 +167,31 @@ def test_roles_and_fields_are_checked(engines, hf_tokenizer) -> None:
     with pytest.raises(ValueError, match="kv_transfer_role"):
         EngineArgs(kv_transfer_role="sideways").kv_transfer_config()
     assert not prefill.has_unfinished_requests() and not decode.has_unfinished_requests()
+
+
+def test_real_model_prefill_then_decode_equals_colocated(default_gguf: Path, hf_tokenizer) -> None:
+    """The bundled SmolLM2 (30 layers, 3 KV heads) in float32: P -> D greedy tokens equal one engine's."""
+    kw = dict(block_size=16, num_kv_blocks=64)
+    prefill = _engine(str(default_gguf), "producer", **kw)
+    # no prefix cache on the decode side, so its own reference run leaves no hits and every full block is pulled
+    decode = _engine(str(default_gguf), "consumer", enable_prefix_caching=False, **kw)
+    try:
+        prompts = [hf_tokenizer.encode("The capital of France is Paris. The capital of Spain is Madrid. The capital "
+                                       "of Germany is Berlin. The capital of Italy is"),
+                   hf_tokenizer.encode("def add(a, b):\n    \"\"\"Add two numbers and return the result.\"\"\"\n")]
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        for i, p in enumerate(prompts):  # the decode replica co-located (no transfer) is the reference
+            decode.add_request(f"ref{i}", p, params.clone())
+        finals = _run(decode)
+        want = [list(finals[f"ref{i}"].outputs[0].token_ids) for i in range(len(prompts))]
+        for i, p in enumerate(prompts):
+            prefill.add_request(f"p{i}", p, params.clone(), kv_transfer_params={"do_remote_decode": True})
+        outs = _run(prefill)
+        for i, p in enumerate(prompts):
+            decode.add_request(f"d{i}", p, params.clone(), kv_transfer_params=outs[f"p{i}"].kv_transfer_params)
+        finals = _run(decode)
+        assert [list(finals[f"d{i}"].outputs[0].token_ids) for i in range(len(prompts))] == want
+        assert decode.get_stats().kv_transfer_blocks_loaded == sum((len(p) - 1) // 16 for p in prompts) > 0
+        assert _all_free(prefill) and _all_free(decode)
+    finally:
+        prefill.shutdown()
