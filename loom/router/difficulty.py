@@ -7,9 +7,12 @@ torch-free, computed from the prompt text in the router process:
 
 - `length`: long prompts go to the large model (or to an instance configured for long contexts);
 - `difficulty`: a logistic regression on cheap text features (length, numbers and their magnitudes,
-  operators, question words, code tokens) estimating P(small model answers correctly), fitted on a labelled
+  operators, question words, code tokens) estimating P(the small model suffices), fitted on a labelled
   question set (loom/router/difficulty_set.py; benchmarks/difficulty_routing.py fits and measures it) and
-  shipped as loom/router/data/difficulty_weights.json; `threshold` is the cost/quality knob;
+  shipped as loom/router/data/difficulty_weights.json; `threshold` is the cost/quality knob. "Suffices" is
+  RouteLLM's binary label: the small model is right, or the large one is wrong too. A label of "the small model
+  is right" alone sends the hardest requests to the large model, which fails most of them as well; on the
+  measured set that router did worse than random at half the cost (benchmarks/NOTES.md);
 - `random`: a fixed fraction to the large model, the baseline any estimator must beat.
 
 The small model's own confidence on a short draft (mean logprob of its first tokens) is evaluated offline in
@@ -97,7 +100,8 @@ def text_features(text: str) -> list[float]:
 
 @dataclass(frozen=True, slots=True)
 class LogisticModel:
-    """P(small model correct | features) = sigmoid(bias + sum(weights * (x - mean) / scale))."""
+    """P(label = 1 | features) = sigmoid(bias + sum(weights * (x - mean) / scale)); the shipped label is "the small
+    model suffices" (meta["label"] says which)."""
 
     feature_names: tuple[str, ...]  # must equal FEATURE_NAMES when used on text_features
     mean: tuple[float, ...]  # per-feature mean on the train split
@@ -265,14 +269,14 @@ class LengthSelector:
 
 
 class DifficultySelector:
-    """Feature-based classifier: the large model when P(small model correct) < `threshold` (the cost/quality
-    knob: 0 sends nothing to the large model, 1 everything); prompts over `max_small_chars` go large too."""
+    """Feature-based classifier: the large model when P(small model suffices) < `threshold` (the cost/quality
+    knob: 0 sends nothing to the large model, 1 everything; its default is the weights' meta "default_threshold",
+    chosen when they were fitted); prompts over `max_small_chars` go large too."""
 
     name = "difficulty"
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.models = _options(options, ("threshold", "weights", "max_small_chars"))
-        self.threshold = _number(options.get("threshold", 0.5), "threshold", 0.0, 1.0)
         max_chars = options.get("max_small_chars")
         self.max_small_chars = None if max_chars is None else _number(max_chars, "max_small_chars", 0, None, True)
         weights = options.get("weights")
@@ -288,14 +292,17 @@ class DifficultySelector:
                 raise ValueError(f"weights: cannot read {weights!r}: {e}") from None
         else:
             raise ValueError(f"weights must be a path or a LogisticModel, got {type(weights).__name__}")
+        # the default knob is the one fitted with the weights (the cheapest train point at 90% of all-large accuracy)
+        default = self.classifier.meta.get("default_threshold", 0.5)
+        self.threshold = _number(options.get("threshold", default), "threshold", 0.0, 1.0)
 
-    def p_small_correct(self, text: str) -> float:
-        """The classifier's P(the small model answers `text` correctly)."""
+    def p_small_suffices(self, text: str) -> float:
+        """The classifier's P(the small model's answer to `text` is as good as the large model's)."""
         return self.classifier.probability(text_features(text))
 
     def score(self, text: str) -> float:
-        """The difficulty score, 1 - P(small correct): the request goes large when score > 1 - threshold."""
-        return 1.0 - self.p_small_correct(text)
+        """The difficulty score, 1 - P(small suffices): the request goes large when score > 1 - threshold."""
+        return 1.0 - self.p_small_suffices(text)
 
     def select(self, request: RouteRequest, models: Sequence[str]) -> str:
         """The model for `request` among `models` (non-empty)."""
@@ -305,7 +312,7 @@ class DifficultySelector:
         small, large = self.models.resolve(models)
         if self.max_small_chars is not None and len(request.text) > self.max_small_chars:
             return large
-        return large if self.p_small_correct(request.text) < self.threshold else small
+        return large if self.p_small_suffices(request.text) < self.threshold else small
 
 
 class RandomSelector:

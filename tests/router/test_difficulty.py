@@ -58,8 +58,13 @@ def test_shipped_weights_load_and_rank_hard_above_easy() -> None:
     again = LogisticModel.from_json(model.to_json())
     assert again.weights == model.weights
     selector = DifficultySelector({})
-    assert selector.score("What is 2 + 3? Answer with just the number.") < \
-        selector.score("What is 734 * 918? Answer with just the number.")
+    assert selector.threshold == model.meta["default_threshold"]
+    # label "small suffices": the small model knows France's capital; the large one helps on two-digit
+    # subtraction (the small one fails it) but not on three-digit products (both fail), so those stay small
+    easy = selector.p_small_suffices("What is the capital of France? Answer in one or two words.")
+    helped = selector.p_small_suffices("What is 84 - 37? Answer with just the number.")
+    hopeless = selector.p_small_suffices("What is 734 * 918? Answer with just the number.")
+    assert easy > helped < hopeless
     with pytest.raises(ValueError, match="weights"):
         LogisticModel.from_json('{"feature_names": ["a"], "mean": [0], "scale": [1], "weights": [0], "bias": 0}')
 
@@ -128,7 +133,8 @@ def test_thresholds_are_monotonic() -> None:
 
 def test_router_module_does_not_import_torch() -> None:
     script = ("import sys, loom.router.difficulty, loom.router.difficulty_set, loom.router.difficulty_curve\n"
-              "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'loom.model', 'loom.worker'))]\n"
+              "heavy = ('torch.', 'loom.model', 'loom.worker')\n"
+              "bad = [m for m in sys.modules if m == 'torch' or m.startswith(heavy)]\n"
               "sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=60)
