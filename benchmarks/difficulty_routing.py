@@ -116,9 +116,9 @@ def run(args: argparse.Namespace) -> None:
                   f"{seconds:.2f}s  (correct so far {done}/{len(rows)}, {time.perf_counter() - started:.0f}s)",
                   flush=True)
             TABLE.write_text(json.dumps(table, indent=1))
-    table["meta"][args.model] = {"model": MODELS[args.model], "max_tokens": args.max_tokens, "threads": 1,
-                                 "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                                 "command": " ".join(sys.argv), "machine": lscpu_flags()}
+    table["meta"][f"{args.model}:{args.split}"] = {
+        "model": MODELS[args.model], "max_tokens": args.max_tokens, "threads": 1, "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(), "command": " ".join(sys.argv), "machine": lscpu_flags()}
     FIGURES.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(json.dumps(table, indent=1))
 
