@@ -234,11 +234,15 @@ def _options(options: dict[str, Any], allowed: tuple[str, ...]) -> ModelPair:
 def _number(value: Any, name: str, low: float | None, high: float | None, integer: bool = False) -> Any:
     """`value` as a number in [low, high]; raises ValueError naming `name` otherwise."""
     try:
-        number = int(value) if integer else float(value)
+        number = float(value)  # options may arrive as strings (--model-selector-option KEY=VALUE)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if integer and number != value and not (isinstance(value, str) and value.strip().isdigit()):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, bool) or math.isnan(number):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if integer:
+        if not number.is_integer():
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        number = int(number)
     if (low is not None and number < low) or (high is not None and number > high):
         raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value!r}")
     return number

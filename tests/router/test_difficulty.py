@@ -83,10 +83,18 @@ def test_registry_makes_every_selector_and_refuses_unknown_names() -> None:
 @pytest.mark.parametrize("options, name", [({"threshold": 2.0}, "threshold"), ({"threshold": "x"}, "threshold"),
                                            ({"small": 3}, "small"), ({"thresold": 0.5}, "thresold"),
                                            ({"weights": "/no/such/file.json"}, "weights"),
-                                           ({"long_threshold": -1}, "long_threshold")])
+                                           ({"long_threshold": -1}, "long_threshold"),
+                                           ({"max_small_chars": "12.5"}, "max_small_chars"),
+                                           ({"threshold": True}, "threshold")])
 def test_bad_options_raise_value_error_naming_them(options: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         make_model_selector("difficulty", options)
+
+
+def test_options_may_be_strings_as_the_cli_passes_them() -> None:
+    selector = make_model_selector("difficulty", {"threshold": "1", "max_small_chars": "4000", "long_threshold": "9000"})
+    assert selector.threshold == 1.0 and selector.max_small_chars == 4000 and selector.models.long_threshold == 9000
+    assert selector.select(req("What is 2 + 2?"), MODELS) == LARGE
 
 
 def test_length_selector_threshold() -> None:
