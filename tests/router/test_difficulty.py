@@ -92,7 +92,8 @@ def test_bad_options_raise_value_error_naming_them(options: dict, name: str) -> 
 
 
 def test_options_may_be_strings_as_the_cli_passes_them() -> None:
-    selector = make_model_selector("difficulty", {"threshold": "1", "max_small_chars": "4000", "long_threshold": "9000"})
+    options = {"threshold": "1", "max_small_chars": "4000", "long_threshold": "9000"}
+    selector = make_model_selector("difficulty", options)
     assert selector.threshold == 1.0 and selector.max_small_chars == 4000 and selector.models.long_threshold == 9000
     assert selector.select(req("What is 2 + 2?"), MODELS) == LARGE
 
