@@ -83,6 +83,15 @@ class ServerMetrics:
                                    "layers.", ["model_name", "expert"], registry=r)
         self.moe_imbalance = Gauge("loom:moe_expert_load_imbalance", "Routings of the most-used expert over the mean "
                                    "(1 = balanced), since start-up.", labels, registry=r).labels(model_name)
+        # prefill/decode disaggregation (loom/kv_transfer; zero without --kv-transfer-role)
+        self.kv_transfer_pinned = Gauge("loom:kv_transfer_pinned", "Finished prefills whose KV blocks wait for a "
+                                        "decode replica to pull them.", labels, registry=r).labels(model_name)
+        self._kv_transfer = [Counter(f"loom:{name}", doc, labels, registry=r).labels(model_name) for name, doc in (
+            ("kv_transfer_expired", "Pinned transfers freed unread after --kv-transfer-timeout."),
+            ("kv_transfer_pulls", "Prompts whose KV blocks were pulled from a prefill replica."),
+            ("kv_transfer_pull_failures", "Pulls that failed (the prompt was computed here instead)."),
+            ("kv_transfer_blocks_loaded", "KV blocks pulled and written instead of computed."))]
+        self._last_kv_transfer = [0, 0, 0, 0]
         self._last_moe: list[int] = []
         self._last_spec = (0, 0, 0, 0, 0)
         self._last_spec_pos: list[int] = []
@@ -118,6 +127,11 @@ class ServerMetrics:
                                        self._last_restored)
         self._last_recomputed = _advance(self.kv_recomputed, getattr(stats, "num_blocks_recomputed", 0),
                                          self._last_recomputed)
+        self.kv_transfer_pinned.set(getattr(stats, "kv_transfer_pinned", 0))
+        for i, name in enumerate(("kv_transfer_expired", "kv_transfer_pulls", "kv_transfer_pull_failures",
+                                  "kv_transfer_blocks_loaded")):
+            self._last_kv_transfer[i] = _advance(self._kv_transfer[i], getattr(stats, name, 0),
+                                                 self._last_kv_transfer[i])
         self._last_spec = (
             _advance(self.spec_drafts, getattr(stats, "spec_num_drafts", 0), self._last_spec[0]),
             _advance(self.spec_draft_tokens, getattr(stats, "spec_num_draft_tokens", 0), self._last_spec[1]),

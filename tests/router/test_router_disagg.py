@@ -52,6 +52,9 @@ def test_disaggregated_through_the_router_equals_colocated(servers) -> None:
         assert roles == {p.base_url: "prefill", d.base_url: "decode"}
     stats = d.engine.get_stats()
     assert stats.kv_transfer_pulls >= 2 and stats.kv_transfer_pull_failures == 0
+    metrics = httpx.get(d.base_url + "/metrics", timeout=10).text
+    pulls = [line for line in metrics.splitlines() if line.startswith("loom:kv_transfer_pulls_total{")]
+    assert pulls and float(pulls[0].split()[-1]) >= 2  # exported, not only in EngineStats
     # a prefill replica that is gone: the decode replica computes the prompt, same answer
     with live_router([d.base_url], prefill_urls=["http://127.0.0.1:9"], health_interval_s=60) as (url, _):
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
