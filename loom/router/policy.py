@@ -23,7 +23,7 @@ class RouteRequest:
     model: str | None  # the body's "model" (None: the client named none)
     text: str  # the prompt as text (a completion's prompt, or the chat messages' contents joined in order)
     body: dict[str, Any]  # the parsed JSON body, as the client sent it
-    tenant: str = ""  # who asks: a hash of the bearer token and the cache_salt ("" for anonymous)
+    tenant: str = ""  # who asks: result_cache.tenant_of(Authorization header, cache_salt), a sha256 hex digest
 
 
 @dataclass(slots=True)
