@@ -1,106 +1,25 @@
-"""`loom router`: an OpenAI-compatible front over replicas of `loom serve`.
+"""`loom router`'s HTTP app: the OpenAI routes forwarded through a Router, health, models, metrics, admin.
 
-Per request: parse the body, pick the model (the one named, or a model selector's choice for the routing
-alias), filter the replicas that can serve it (healthy, not draining, serving that model), let the policy
-pick one, and forward the request, streaming the answer through as it comes.
-
-Failover: a replica that fails before the client has seen a token (connection refused or reset, a 503, a
-stream cut before its first token) is marked and the request is sent to another replica, up to
-`max_attempts` replicas; a stream cut after tokens were forwarded ends with an SSE error event naming the
-replica, then `data: [DONE]`, never a hang (an upstream that stops answering is cut after
-`upstream_timeout_s`). A client that disconnects closes the upstream request, which aborts it at the replica.
+The routing itself (model, replica, failover, result cache, disaggregation) is loom/router/router.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from loom.router.disagg import prefill_then_decode
-from loom.router.metrics import RouterMetrics
-from loom.router.policy import (
-    ModelSelector, PolicyOptions, ReplicaState, RouteRequest, RoutingPolicy, make_model_selector, make_policy,
-)
-from loom.router.replica import ReplicaSet
-from loom.router.result_cache import (
-    CachedResponse, ResultCache, body_is_complete, body_is_deterministic, events_are_complete, parse_cache_control,
-    request_key, tenant_of,
-)
+from loom.router.policy import ReplicaState, RouteRequest
+from loom.router.result_cache import tenant_of
+from loom.router.router import Router, error_response
 from loom.server.security import SecurityConfig, install_security
 
-logger = logging.getLogger(__name__)
-
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
-# response headers passed back to the client as the replica sent them
-_PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-loom-result-cache")
-ROUTER_CACHE_HEADER = "x-loom-router-result-cache"  # the router's own result cache: hit | miss | bypass
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """How the router routes and how long it waits. Bad values raise ValueError naming the field."""
-
-    policy: str = "cache_aware"  # a registered RoutingPolicy (round_robin, least_load, cache_aware)
-    policy_options: PolicyOptions = field(default_factory=PolicyOptions)
-    model_selector: str | None = None  # a registered ModelSelector for `routing_alias`; None: no alias
-    model_selector_options: dict[str, Any] = field(default_factory=dict)
-    routing_alias: str = "auto"  # the model name that asks the model selector to choose
-    health_interval_s: float = 1.0  # seconds between health checks of every replica
-    health_timeout_s: float = 2.0  # seconds a health check may take
-    connect_timeout_s: float = 5.0  # seconds to open a connection to a replica
-    upstream_timeout_s: float = 600.0  # seconds a replica may stay silent mid-response before it is cut
-    max_attempts: int = 3  # replicas one request may be tried on (failover)
-    max_failures: int = 2  # failed checks or connections in a row before a replica is unhealthy
-    result_cache_size: int = 0  # whole responses kept by the router's result cache (0: no cache)
-    result_cache_ttl_s: float = 600.0  # an entry's lifetime, seconds
-    result_cache_max_bytes: int = 256 << 20  # bytes the router's result cache may hold
-
-    def __post_init__(self) -> None:
-        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "upstream_timeout_s"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.max_failures < 1:
-            raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
-        if not self.routing_alias:
-            raise ValueError("routing_alias must not be empty")
-        if self.result_cache_size < 0:
-            raise ValueError(f"result_cache_size must be >= 0, got {self.result_cache_size}")
-        if self.result_cache_size:
-            ResultCache(self.result_cache_size, self.result_cache_max_bytes, self.result_cache_ttl_s)  # its checks
-
-
-class _ReplicaFailed(Exception):
-    """The replica failed before the client saw a token: the request may go to another one."""
-
-    def __init__(self, cause: str) -> None:
-        super().__init__(cause)
-        self.cause = cause  # metric label: "connect", "read", "status_503", "stream_cut"
-
-
-def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
-    return {"error": {"message": message, "type": kind.get(status, "internal_server_error"), "param": param,
-                      "code": code}}
-
-
-def _error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse(error_body(message, status, code, param), status_code=status, headers=headers)
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -124,351 +43,6 @@ def prompt_text(body: dict[str, Any]) -> str:
     if isinstance(prompt, list):
         return "\n".join(p if isinstance(p, str) else json.dumps(p) for p in prompt)
     return ""
-
-
-def _has_token(event: bytes) -> bool:
-    """Whether one SSE event carries output (text, a tool call, a finish reason, an error, or [DONE]), as opposed
-    to a chat stream's opening role-only chunk: once such an event is forwarded, the request cannot move."""
-    for line in event.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return True
-        try:
-            payload = json.loads(data)
-        except ValueError:
-            return True
-        if not isinstance(payload, dict) or "error" in payload or not payload.get("choices"):
-            return True
-        for choice in payload["choices"]:
-            delta = choice.get("delta") or {}
-            if (choice.get("text") or choice.get("finish_reason") or delta.get("content")
-                    or delta.get("tool_calls") or delta.get("reasoning_content") or choice.get("logprobs")):
-                return True
-    return False
-
-
-class Router:
-    """The router's state: the replica set, the policy, the HTTP client and the health-check task."""
-
-    def __init__(self, replicas: ReplicaSet, config: RouterConfig, prefill_replicas: ReplicaSet | None = None) -> None:
-        """`replicas` answer requests; with `prefill_replicas` (loom serve --kv-transfer-role producer), each
-        request is prefilled on one of those first and `replicas` (consumers) pull its KV blocks and decode
-        (prefill/decode disaggregation, docs/disaggregation.md)."""
-        self.replicas = replicas
-        self.prefill_replicas = prefill_replicas if prefill_replicas is not None and len(prefill_replicas) else None
-        self.config = config
-        self.policy: RoutingPolicy = make_policy(config.policy, config.policy_options)
-        # prefill replicas have prefix caches of their own: the same policy, its own memory
-        self.prefill_policy: RoutingPolicy = make_policy(config.policy, config.policy_options)
-        self.selector: ModelSelector | None = (make_model_selector(config.model_selector,
-                                                                   config.model_selector_options)
-                                               if config.model_selector else None)
-        self.cache: ResultCache | None = (ResultCache(config.result_cache_size, config.result_cache_max_bytes,
-                                                      config.result_cache_ttl_s)
-                                          if config.result_cache_size else None)
-        self.metrics = RouterMetrics(self.cache)
-        self.client: httpx.AsyncClient | None = None
-        self._health_task: asyncio.Task[None] | None = None
-        self.created = int(time.time())
-
-    # -- lifecycle --
-    async def start(self) -> None:
-        """Open the client, run a first health check of every replica, then keep checking in the background."""
-        timeout = httpx.Timeout(self.config.upstream_timeout_s, connect=self.config.connect_timeout_s)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1024,
-                                                                              max_keepalive_connections=256))
-        await self.check_health()
-        self._health_task = asyncio.create_task(self._health_loop(), name="loom-router-health")
-
-    async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-        if self.client is not None:
-            await self.client.aclose()
-
-    async def check_health(self) -> None:
-        assert self.client is not None
-        await self.replicas.check_all(self.client, self.config.health_timeout_s)
-        if self.prefill_replicas is not None:
-            await self.prefill_replicas.check_all(self.client, self.config.health_timeout_s)
-        self.metrics.observe_replicas(self._all_replicas())
-
-    def _all_replicas(self) -> list[ReplicaState]:
-        return [*self.replicas, *(self.prefill_replicas or ())]
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            try:
-                await self.check_health()
-            except Exception:  # noqa: BLE001 - the loop must outlive any one bad check
-                logger.exception("health check round failed")
-
-    # -- fleet administration --
-    def add_replica(self, url: str) -> ReplicaState:
-        return self.replicas.add(url)
-
-    def remove_replica(self, url: str) -> ReplicaState:
-        state = self.replicas.remove(url)
-        self.policy.on_removed(state.url)
-        self.metrics.forget(state.url)
-        return state
-
-    def drain(self, url: str, draining: bool = True) -> ReplicaState:
-        """Stop (or resume) routing new requests to a replica. Raises ValueError for an unknown URL."""
-        state = self.replicas.get(url)
-        if state is None:
-            raise ValueError(f"replica {url} is not in the fleet")
-        state.draining = draining
-        self.metrics.observe_replicas(list(self.replicas))
-        return state
-
-    # -- routing --
-    def resolve_model(self, request: RouteRequest) -> tuple[str | None, str]:
-        """(model, version) to serve `request` with. The model selector decides for the routing alias;
-        `name@version` pins the replicas whose model identity digest starts with `version` (>= 8 hex digits:
-        during a rolling upgrade a client can stay on one version).
-
-        Raises:
-            KeyError: no replica has reported this model (HTTP 404).
-            LookupError: no replica can serve it now (HTTP 503), with the reason.
-            ValueError: a malformed version (HTTP 400).
-        """
-        if request.model == self.config.routing_alias and self.selector is not None:
-            models = self.replicas.models()
-            if not models:
-                raise LookupError("no healthy replica")
-            chosen = self.selector.select(request, models)
-            self.metrics.model_selections.labels(self.selector.name, chosen).inc()
-            return chosen, ""
-        known = self.replicas.known_models()
-        if not known:
-            raise LookupError("no replica has answered a health check yet")
-        model, version = request.model, ""
-        if model is not None and model not in known and "@" in model:
-            model, _, version = model.rpartition("@")
-            if len(version) < 8 or any(c not in "0123456789abcdef" for c in version):
-                raise ValueError(f"model: the version after '@' must be >= 8 lowercase hex digits of a model "
-                                 f"identity digest (GET /router/replicas lists them), got {version!r}")
-        if model is not None and model not in known:
-            raise KeyError(model)
-        return model, version
-
-    async def forward(self, request: RouteRequest, raw_headers: dict[str, str]) -> Response:
-        """Route and forward one request, with failover before its first token."""
-        assert self.client is not None
-        try:
-            model, version = self.resolve_model(request)
-        except KeyError as e:
-            return _error(404, f"The model '{e.args[0]}' does not exist: the fleet serves "
-                               f"{sorted(self.replicas.known_models())}.", "model_not_found", "model")
-        except ValueError as e:
-            return _error(400, str(e), param="model")
-        except LookupError as e:
-            return _error(503, f"No replica can serve this request: {e}.", "no_replica")
-        body = dict(request.body)
-        if model is not None:
-            body["model"] = model
-        payload = json.dumps(body).encode()
-        stream = body.get("stream") is True
-        control = parse_cache_control(raw_headers.get("cache-control"))
-        cacheable = (self.cache is not None and body_is_deterministic(body) and not body.get("kv_transfer_params")
-                     and (control.lookup or control.store))
-        if self.cache is not None and not cacheable:
-            self.cache.note_bypass()
-        tried: set[str] = set()
-        last_error = f"no healthy replica serves {model or 'it'}" + (f" at version {version}" if version else "")
-        for _ in range(self.config.max_attempts):
-            candidates = self.replicas.eligible(model, tried, version)
-            if not candidates:
-                break
-            decision = self.policy.choose(request, candidates)
-            replica = decision.replica
-            key = None
-            if cacheable and replica.identity:  # the key holds the identity of the model that would answer
-                assert self.cache is not None
-                try:
-                    key = request_key(model_identity=replica.identity, route=request.path, body=body,
-                                      tenant=request.tenant)
-                except ValueError:
-                    key = None
-                found = self.cache.get(key) if key is not None and control.lookup else None
-                if found is not None:
-                    return _replay(found, request.path)
-            tried.add(replica.url)
-            self.metrics.record_decision(self.policy.name, decision.reason, len(request.text),
-                                         decision.matched_chars)
-            self.policy.on_routed(request, replica)
-            prefill = self._choose_prefill(request, model, version)
-            try:
-                response = await self._send(replica, request.path, payload, raw_headers, stream,
-                                            key if control.store else None, prefill, body)
-                if self.cache is not None:
-                    response.headers[ROUTER_CACHE_HEADER] = "miss" if key is not None and control.lookup else "bypass"
-                return response
-            except _ReplicaFailed as e:
-                last_error = f"replica {replica.url} failed ({e.cause})"
-                self.metrics.retries.labels(e.cause).inc()
-                logger.warning("%s before the first token; trying another replica", last_error)
-        return _error(503, f"No replica could serve this request: {last_error}.", "no_replica")
-
-    def _choose_prefill(self, request: RouteRequest, model: str | None, version: str) -> ReplicaState | None:
-        """The prefill replica for a disaggregated request (None: not disaggregated, or none is healthy)."""
-        if self.prefill_replicas is None:
-            return None
-        candidates = self.prefill_replicas.eligible(model, version=version)
-        if not candidates:
-            return None  # the decode replica computes the prompt itself: slower, the same answer
-        decision = self.prefill_policy.choose(request, candidates)
-        self.prefill_policy.on_routed(request, decision.replica)
-        self.metrics.record_decision(f"prefill_{self.prefill_policy.name}", decision.reason, 0, 0)
-        return decision.replica
-
-    async def _open(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
-                    prefill: ReplicaState | None, body: dict[str, Any]) -> httpx.Response:
-        """The replica's response, opened as a stream; with `prefill`, after that replica prefilled it."""
-        assert self.client is not None
-        if prefill is None:
-            return await self.client.send(self.client.build_request("POST", replica.url + path, content=payload,
-                                                                    headers=headers), stream=True)
-        prefill.in_flight += 1
-        try:
-            return await prefill_then_decode(self.client, prefill.url, replica.url, path, body, headers)
-        finally:
-            prefill.in_flight -= 1
-
-    async def _send(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
-                    stream: bool, store_key: str | None, prefill: ReplicaState | None = None,
-                    body: dict[str, Any] | None = None) -> Response:
-        """Send to one replica (after `prefill` when disaggregated); store its whole, successful answer under
-        `store_key` (None: do not store). Raises _ReplicaFailed when nothing has reached the client yet."""
-        assert self.client is not None
-        start = time.monotonic()
-        replica.in_flight += 1
-        released = False
-
-        def release(status: int) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                replica.in_flight -= 1
-                self.metrics.requests.labels(replica.url, str(status)).inc()
-                self.metrics.latency.labels(replica.url).observe(time.monotonic() - start)
-
-        try:
-            upstream = await self._open(replica, path, payload, headers, prefill, body or {})
-        except httpx.HTTPError as e:
-            release(0)
-            self.replicas.mark_failed(replica)
-            raise _ReplicaFailed("connect") from e
-        if upstream.status_code == 503:  # its engine is not running or its queue is full: another may serve
-            await upstream.aclose()
-            release(503)
-            raise _ReplicaFailed("status_503")
-        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
-        out_headers["x-loom-replica"] = replica.url
-        if prefill is not None:
-            out_headers["x-loom-prefill-replica"] = prefill.url
-        is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        if not (stream and is_sse):
-            try:
-                content = await upstream.aread()
-            except httpx.HTTPError as e:
-                release(0)
-                self.replicas.mark_failed(replica)
-                raise _ReplicaFailed("read") from e
-            finally:
-                await upstream.aclose()
-            self.metrics.ttfb.labels(replica.url).observe(time.monotonic() - start)
-            release(upstream.status_code)
-            if store_key is not None and upstream.status_code == 200 and body_is_complete(content):
-                assert self.cache is not None
-                self.cache.put(store_key, CachedResponse.of_body(content, upstream.headers.get(
-                    "content-type", "application/json")))
-            return Response(content, status_code=upstream.status_code, headers=out_headers)
-
-        # a stream: hold events back until one carries a token, so a failure before it can still move
-        events = _sse_events(upstream)
-        held: list[bytes] = []
-        try:
-            async for event in events:
-                held.append(event)
-                if _has_token(event):
-                    break
-            else:
-                raise httpx.RemoteProtocolError("the stream ended before its first token")
-        except httpx.HTTPError as e:
-            await upstream.aclose()
-            release(0)
-            self.replicas.mark_failed(replica)
-            raise _ReplicaFailed("stream_cut") from e
-        self.metrics.ttfb.labels(replica.url).observe(time.monotonic() - start)
-
-        async def rest() -> AsyncIterator[bytes]:
-            status = upstream.status_code
-            kept: list[bytes] | None = [] if store_key is not None and status == 200 else None
-            try:
-                for event in held:
-                    if kept is not None:
-                        kept.append(event)
-                    yield event
-                async for event in events:
-                    if kept is not None:
-                        kept.append(event)
-                    yield event
-                if kept is not None and events_are_complete(kept):  # a client that left never gets here
-                    assert self.cache is not None and store_key is not None
-                    self.cache.put(store_key, CachedResponse.of_events(kept))
-            except httpx.HTTPError as e:
-                status = 0
-                self.metrics.failed_streams.inc()
-                self.replicas.mark_failed(replica)
-                message = (f"replica {replica.url} failed after the stream had started "
-                           f"({type(e).__name__}); the response is incomplete")
-                logger.warning(message)
-                yield b"data: " + json.dumps(error_body(message, 503, "replica_failed")).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-            finally:
-                await upstream.aclose()  # a client that left: closes the replica's request, which aborts it
-                release(status)
-
-        return StreamingResponse(rest(), status_code=upstream.status_code, headers=out_headers)
-
-
-def _replay(found: CachedResponse, path: str) -> Response:
-    """A result-cache hit: the stored bytes with a fresh id and created (a stream replays as its events)."""
-    prefix = "chatcmpl" if path.endswith("/chat/completions") else "cmpl"
-    response_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-    headers = {ROUTER_CACHE_HEADER: "hit"}
-    if not found.streamed:
-        return Response(found.render_body(response_id, created), media_type=found.media_type, headers=headers)
-    events = found.render_events(response_id, created)
-
-    async def replay() -> AsyncIterator[bytes]:
-        for event in events:
-            yield event
-
-    return StreamingResponse(replay(), media_type=found.media_type,
-                             headers={**headers, "Cache-Control": "no-cache"})
-
-
-async def _sse_events(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """The SSE events of a response, each with its terminating blank line, as bytes."""
-    buffer = b""
-    async for chunk in upstream.aiter_raw():
-        buffer += chunk
-        while True:
-            end = buffer.find(b"\n\n")
-            if end < 0:
-                break
-            yield buffer[:end + 2]
-            buffer = buffer[end + 2:]
-    if buffer.strip():
-        raise httpx.RemoteProtocolError("the stream ended inside an event")
 
 
 def _forwarded_headers(request: Request) -> dict[str, str]:
@@ -498,12 +72,12 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
         try:
             body = json.loads(await raw.body())
         except (ValueError, RecursionError) as e:
-            return _error(400, f"Malformed JSON: {e}")
+            return error_response(400, f"Malformed JSON: {e}")
         if not isinstance(body, dict):
-            return _error(400, "The request body must be a JSON object.")
+            return error_response(400, "The request body must be a JSON object.")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            return _error(400, f"model must be a string, got {model!r}", param="model")
+            return error_response(400, f"model must be a string, got {model!r}", param="model")
         salt = body.get("cache_salt")
         request = RouteRequest(raw.url.path, model, prompt_text(body), body,
                                tenant_of(raw.headers.get("authorization"), salt if isinstance(salt, str) else None))
@@ -515,7 +89,7 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
     @app.get("/health")
     async def health() -> Response:
         if not router.replicas.eligible(None):
-            return _error(503, "No healthy replica.", "no_replica")
+            return error_response(503, "No healthy replica.", "no_replica")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -565,7 +139,7 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
             else:
                 state = router.drain(url, action == "drain")
         except ValueError as e:
-            return _error(400, str(e), param="url")
+            return error_response(400, str(e), param="url")
         return JSONResponse({"url": state.url, "healthy": state.healthy, "draining": state.draining,
                              "in_flight": state.in_flight})
 
@@ -580,4 +154,4 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
     return app
 
 
-__all__ = ["ROUTER_CACHE_HEADER", "Router", "RouterConfig", "build_router_app", "prompt_text"]
+__all__ = ["build_router_app", "prompt_text"]

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from loom.router.app import Router, RouterConfig, build_router_app
+from loom.router.app import build_router_app
+from loom.router.router import Router, RouterConfig
 from loom.router.policy import POLICIES, PolicyOptions
 from loom.router.replica import ReplicaSet
 from loom.server.header_timeout import http_protocol

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from loom.router.app import Router, RouterConfig, build_router_app
+from loom.router.app import build_router_app
+from loom.router.router import Router, RouterConfig
 from loom.router.replica import ReplicaSet
 from tests.server.conftest import free_port
 

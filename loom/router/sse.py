@@ -1,0 +1,76 @@
+"""Server-sent events as the router passes them on: splitting a replica's stream into events, telling a
+stream's first output event from its opening role chunk, and replaying a stored stream."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from loom.router.result_cache import CachedResponse
+
+ROUTER_CACHE_HEADER = "x-loom-router-result-cache"  # the router's own result cache: hit | miss | bypass
+
+
+async def sse_events(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """The SSE events of a response, each with its terminating blank line, as bytes."""
+    buffer = b""
+    async for chunk in upstream.aiter_raw():
+        buffer += chunk
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            yield buffer[:end + 2]
+            buffer = buffer[end + 2:]
+    if buffer.strip():
+        raise httpx.RemoteProtocolError("the stream ended inside an event")
+
+
+
+def has_output(event: bytes) -> bool:
+    """Whether one SSE event carries output (text, a tool call, a finish reason, an error, or [DONE]), as opposed
+    to a chat stream's opening role-only chunk: once such an event is forwarded, the request cannot move."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return True
+        if not isinstance(payload, dict) or "error" in payload or not payload.get("choices"):
+            return True
+        for choice in payload["choices"]:
+            delta = choice.get("delta") or {}
+            if (choice.get("text") or choice.get("finish_reason") or delta.get("content")
+                    or delta.get("tool_calls") or delta.get("reasoning_content") or choice.get("logprobs")):
+                return True
+    return False
+
+
+
+def replay_response(found: CachedResponse, path: str) -> Response:
+    """A result-cache hit: the stored bytes with a fresh id and created (a stream replays as its events)."""
+    prefix = "chatcmpl" if path.endswith("/chat/completions") else "cmpl"
+    response_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+    headers = {ROUTER_CACHE_HEADER: "hit"}
+    if not found.streamed:
+        return Response(found.render_body(response_id, created), media_type=found.media_type, headers=headers)
+    events = found.render_events(response_id, created)
+
+    async def replay() -> AsyncIterator[bytes]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(replay(), media_type=found.media_type,
+                             headers={**headers, "Cache-Control": "no-cache"})
+
+
+__all__ = ["ROUTER_CACHE_HEADER", "has_output", "replay_response", "sse_events"]
