@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -68,6 +69,12 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
     app.state.router = router
     install_security(app, security or SecurityConfig())
 
+    async def on_http(_: Request, exc: Exception) -> Response:  # unknown routes and methods: OpenAI's error shape
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail))
+
+    app.add_exception_handler(StarletteHTTPException, on_http)
+
     async def routed(raw: Request) -> Response:
         try:
             body = json.loads(await raw.body())
@@ -81,7 +88,7 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
         salt = body.get("cache_salt")
         request = RouteRequest(raw.url.path, model, prompt_text(body), body,
                                tenant_of(raw.headers.get("authorization"), salt if isinstance(salt, str) else None))
-        return await router.forward(request, _forwarded_headers(raw))
+        return await router.forward(request, _forwarded_headers(raw), raw.is_disconnected)
 
     for path in _ROUTED_PATHS:
         app.add_api_route(path, routed, methods=["POST"])
@@ -92,13 +99,26 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
             return error_response(503, "No healthy replica.", "no_replica")
         return JSONResponse({"status": "ok"})
 
+    def model_ids() -> list[str]:
+        ids = router.replicas.models()
+        alias = router.config.routing_alias
+        if router.selector is not None and ids and alias not in ids:
+            ids = [alias, *ids]
+        return ids
+
+    def model_card(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": router.created, "owned_by": "loom"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        ids = router.replicas.models()
-        if router.selector is not None and ids:
-            ids = [router.config.routing_alias, *ids]
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": router.created,
-                                            "owned_by": "loom"} for m in ids]}
+        return {"object": "list", "data": [model_card(m) for m in model_ids()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:  # the openai client's models.retrieve
+        if model_id not in model_ids():
+            return error_response(404, f"The model '{model_id}' does not exist: the fleet serves {model_ids()}.",
+                                  "model_not_found", "model")
+        return JSONResponse(model_card(model_id))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import httpx
 import uvicorn
@@ -87,7 +89,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "the header is passed on to the replicas")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted, bytes (default: %(default)s)")
-    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: %(default)s)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER,
                    help="after --: the arguments of each local `loom serve` (with --replicas)")
     p.set_defaults(func=run_router)
@@ -107,24 +111,46 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
     """RouterConfig from the parsed flags. Raises ValueError naming the bad option."""
     if ns.policy not in BUILTIN_POLICIES and ns.policy not in POLICIES:
         raise ValueError(f"policy must be one of {list(BUILTIN_POLICIES)}, got {ns.policy!r}")
+    if ns.model_selector_option and not ns.model_selector:
+        raise ValueError("model_selector_option: give the selector they are for with --model-selector")
     options = PolicyOptions(cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
                             balance_rel_threshold=ns.balance_rel_threshold)
-    return RouterConfig(policy=ns.policy, policy_options=options, model_selector=ns.model_selector,
-                        model_selector_options=_selector_options(ns.model_selector_option),
-                        routing_alias=ns.routing_alias, health_interval_s=ns.health_interval,
-                        max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout,
-                        result_cache_size=ns.result_cache_size, result_cache_ttl_s=ns.result_cache_ttl,
-                        result_cache_max_bytes=ns.result_cache_max_bytes)
+    try:
+        return RouterConfig(policy=ns.policy, policy_options=options, model_selector=ns.model_selector,
+                            model_selector_options=_selector_options(ns.model_selector_option),
+                            routing_alias=ns.routing_alias, health_interval_s=ns.health_interval,
+                            max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout,
+                            result_cache_size=ns.result_cache_size, result_cache_ttl_s=ns.result_cache_ttl,
+                            result_cache_max_bytes=ns.result_cache_max_bytes)
+    except ValueError as e:  # RouterConfig names its fields; say the flags instead
+        message = str(e)
+        for field_name, flag in _FLAG_OF_FIELD.items():
+            message = message.replace(field_name, flag)
+        raise ValueError(message) from None
 
 
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
+# RouterConfig fields whose flag is spelled differently (the CLI names the flag in its errors)
+_FLAG_OF_FIELD = {"health_interval_s": "health_interval", "upstream_timeout_s": "upstream_timeout",
+                  "result_cache_ttl_s": "result_cache_ttl"}
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Raise ValueError naming `port` when it is taken on `host`, or `host` when it cannot be listened on."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"host: cannot resolve {host!r}: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"port: {host}:{port} is taken") from None
+            raise ValueError(f"host: cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def start_local_replicas(n: int, base_port: int, serve_args: list[str]) -> list[subprocess.Popen[bytes]]:
@@ -134,8 +160,10 @@ def start_local_replicas(n: int, base_port: int, serve_args: list[str]) -> list[
         raise ValueError("serve_args: --host and --port of local replicas are set by the router "
                          "(--replica-base-port)")
     for i in range(n):
-        if not _port_is_free("127.0.0.1", base_port + i):
-            raise ValueError(f"replica_base_port: port {base_port + i} is taken")
+        try:
+            check_listen_address("127.0.0.1", base_port + i)
+        except ValueError as e:
+            raise ValueError(f"replica_base_port: {e}") from None
     procs = []
     for i in range(n):
         cmd = [sys.executable, "-m", "loom.cli", "serve", "--host", "127.0.0.1", "--port", str(base_port + i),
@@ -165,8 +193,7 @@ def wait_until_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], ti
 
 def run_router(ns: argparse.Namespace) -> int:
     """Run the router until a signal; stop the local replicas it started. Returns the exit code."""
-    if not 0 <= ns.port <= 65535:
-        raise ValueError(f"port must be in [0, 65535], got {ns.port}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per health check otherwise
     if ns.replicas < 0:
         raise ValueError(f"replicas must be >= 0, got {ns.replicas}")
     serve_args = list(ns.serve_args)
@@ -182,8 +209,7 @@ def run_router(ns: argparse.Namespace) -> int:
     urls = list(ns.replica)
     replicas = ReplicaSet(urls)  # checks the URLs before anything starts
     prefill_replicas = ReplicaSet(list(ns.prefill_replica))
-    if not _port_is_free(ns.host, ns.port):
-        raise ValueError(f"port: {ns.host}:{ns.port} is taken")
+    check_listen_address(ns.host, ns.port)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         if ns.replicas:
@@ -191,7 +217,10 @@ def run_router(ns: argparse.Namespace) -> int:
             procs = start_local_replicas(ns.replicas, base, serve_args)
             local = [f"http://127.0.0.1:{base + i}" for i in range(ns.replicas)]
             logger.info("starting %d local replicas on ports %d..%d", ns.replicas, base, base + ns.replicas - 1)
-            wait_until_healthy(local, procs, timeout_s=600.0)
+            try:
+                wait_until_healthy(local, procs, timeout_s=600.0)
+            except RuntimeError as e:  # most often a bad argument after --: its own error is printed above
+                raise ValueError(f"serve_args: {e}") from None
             for url in local:
                 replicas.add(url)
         router = Router(replicas, config, prefill_replicas)
@@ -200,7 +229,7 @@ def run_router(ns: argparse.Namespace) -> int:
                     config.policy)
         uv = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=5, http=http_protocol(60.0))
-        uvicorn.Server(uv).run()
+        _run_until_sigterm(uvicorn.Server(uv))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -210,7 +239,29 @@ def run_router(ns: argparse.Namespace) -> int:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        logger.info("router stopped")
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived: unwind so the local replicas are stopped."""
+
+
+def _raise_terminated(sig: int, frame: FrameType | None) -> None:
+    raise _Terminated()
+
+
+def _run_until_sigterm(server: uvicorn.Server) -> None:
+    """server.run(), returning normally on SIGTERM too. uvicorn handles SIGTERM itself, then re-raises it once it
+    has shut down; with the default handler that would kill this process before its `finally` stops the local
+    replicas (systemd and Kubernetes stop processes with SIGTERM)."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        server.run()
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def prefill_then_decode(client: httpx.AsyncClient, prefill_url: str, decode_url: str, path: str,
-                              body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+                              body: dict[str, Any], headers: dict[str, str]) -> tuple[httpx.Response, bool]:
     """Run a /v1/completions or /v1/chat/completions request disaggregated.
 
     Args:
@@ -45,9 +45,11 @@ async def prefill_then_decode(client: httpx.AsyncClient, prefill_url: str, decod
         headers: headers to forward (auth, cache control); content-length is recomputed.
 
     Returns:
-        The decode replica's response, opened with `client.send(..., stream=True)`: the caller streams it through
-        (and must close it). A 4xx from the prefill replica is returned as is (the same request would fail on the
-        decode replica too), read in full.
+        (response, prefilled): the decode replica's response, opened with `client.send(..., stream=True)`: the
+        caller streams it through (and must close it); prefilled is True when the decode replica was given the
+        prefill's blocks to pull. A 4xx from the prefill replica is returned as is (the same request would fail
+        on the decode replica too), read in full — except one about kv_transfer_params (the prefill replica is
+        not a producer): then the decode replica computes the prompt.
 
     Raises:
         httpx.HTTPError: the decode replica cannot be reached (the caller's failover applies).
@@ -60,7 +62,11 @@ async def prefill_then_decode(client: httpx.AsyncClient, prefill_url: str, decod
         logger.warning("prefill replica %s unreachable (%s): the decode replica computes the prompt", prefill_url, e)
         prefill = None
     if prefill is not None and 400 <= prefill.status_code < 500:
-        return prefill
+        if _error_param(prefill) != "kv_transfer_params":
+            return prefill, False
+        logger.warning("prefill replica %s refused the prefill (%s): is it started with --kv-transfer-role "
+                       "producer? The decode replica computes the prompt", prefill_url, prefill.text[:200])
+        prefill = None
     if prefill is not None and prefill.status_code == 200:
         params = prefill.json().get("kv_transfer_params")
         if params:
@@ -71,7 +77,16 @@ async def prefill_then_decode(client: httpx.AsyncClient, prefill_url: str, decod
         logger.warning("prefill replica %s answered %d: the decode replica computes the prompt", prefill_url,
                        prefill.status_code)
     request = client.build_request("POST", decode_url.rstrip("/") + path, json=decode_body, headers=forward)
-    return await client.send(request, stream=True)
+    return await client.send(request, stream=True), "kv_transfer_params" in decode_body
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    """The `param` of an OpenAI-style error body, or None."""
+    try:
+        error = response.json().get("error")
+    except ValueError:
+        return None
+    return error.get("param") if isinstance(error, dict) else None
 
 
 __all__ = ["prefill_body", "prefill_then_decode"]

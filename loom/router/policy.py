@@ -40,6 +40,7 @@ class ReplicaState:
     kv_cache_usage: float = 0.0  # fraction of its KV blocks in use, 0..1 (from /load)
     prefix_cache_queries: int = 0  # cumulative prompt tokens the replica looked up in its prefix cache (/load)
     prefix_cache_hits: int = 0  # cumulative prompt tokens it found there (/load)
+    kv_transfer_role: str | None = None  # producer | consumer | both (from /load); None: no disaggregation
     in_flight: int = 0  # requests this router has sent there and not seen finish
     failures: int = 0  # consecutive failed health checks or connections
 

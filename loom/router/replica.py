@@ -26,7 +26,14 @@ def check_replica_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"replica must be an http(s) URL such as http://127.0.0.1:8001, got {url!r}")
     if parts.query or parts.fragment:
-        raise ValueError(f"replica URL must not carry a query or fragment, got {url!r}")
+        raise ValueError(f"replica: a URL must not carry a query or fragment, got {url!r}")
+    try:
+        parts.port  # noqa: B018 (urllib checks the port's range when it is read)
+    except ValueError:
+        raise ValueError(f"replica: the port must be in [0, 65535], got {url!r}") from None
+    if parts.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"replica: give the server's base URL, without /v1 (the router adds the routes), "
+                         f"got {url!r}")
     return url.rstrip("/")
 
 
@@ -132,6 +139,8 @@ def _apply_load(replica: ReplicaState, load: dict[str, Any]) -> None:
     replica.kv_cache_usage = float(load.get("kv_cache_usage", 0.0))
     replica.prefix_cache_queries = int(load.get("prefix_cache_queries", 0))
     replica.prefix_cache_hits = int(load.get("prefix_cache_hits", 0))
+    role = load.get("kv_transfer_role")
+    replica.kv_transfer_role = role if isinstance(role, str) else None
 
 
 __all__ = ["ReplicaSet", "check_replica_url"]

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -38,6 +38,9 @@ from loom.router.result_cache import (
 from loom.router.sse import ROUTER_CACHE_HEADER, has_output, replay_response, sse_events
 
 logger = logging.getLogger(__name__)
+
+Disconnected = Callable[[], Awaitable[bool]]  # starlette's Request.is_disconnected
+_CLIENT_GONE = 499  # nginx's "client closed request": a status nobody receives, for the metrics
 
 # response headers passed back to the client as the replica sent them
 _PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-loom-result-cache")
@@ -58,12 +61,14 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0  # seconds a replica may stay silent mid-response before it is cut
     max_attempts: int = 3  # replicas one request may be tried on (failover)
     max_failures: int = 2  # failed checks or connections in a row before a replica is unhealthy
+    disconnect_poll_s: float = 0.05  # how often a non-streamed request checks that its client is still there
     result_cache_size: int = 0  # whole responses kept by the router's result cache (0: no cache)
     result_cache_ttl_s: float = 600.0  # an entry's lifetime, seconds
     result_cache_max_bytes: int = 256 << 20  # bytes the router's result cache may hold
 
     def __post_init__(self) -> None:
-        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "upstream_timeout_s"):
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "upstream_timeout_s",
+                     "disconnect_poll_s", "result_cache_ttl_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -75,8 +80,8 @@ class RouterConfig:
             raise ValueError("routing_alias must not be empty")
         if self.result_cache_size < 0:
             raise ValueError(f"result_cache_size must be >= 0, got {self.result_cache_size}")
-        if self.result_cache_size:
-            ResultCache(self.result_cache_size, self.result_cache_max_bytes, self.result_cache_ttl_s)  # its checks
+        if self.result_cache_max_bytes < 1:
+            raise ValueError(f"result_cache_max_bytes must be >= 1, got {self.result_cache_max_bytes}")
 
 
 class _ReplicaFailed(Exception):
@@ -87,10 +92,36 @@ class _ReplicaFailed(Exception):
         self.cause = cause  # metric label: "connect", "read", "status_503", "stream_cut"
 
 
+class _ClientGone(Exception):
+    """The client disconnected while the router waited on the replica."""
+
+
+async def _unless_disconnected(awaitable: Awaitable[Any], is_disconnected: Disconnected | None,
+                               poll_s: float) -> Any:
+    """The result of `awaitable`; raises _ClientGone (cancelling it) as soon as the client has gone, checked
+    every `poll_s` seconds. A replica answers a non-streamed request only when it is done, so without this a
+    client that left would keep its request running there to the end."""
+    if is_disconnected is None:
+        return await awaitable
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                raise _ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
+
+
 def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}
-    return {"error": {"message": message, "type": kind.get(status, "internal_server_error"), "param": param,
-                      "code": code}}
+    kind = ("invalid_request_error" if 400 <= status < 500 else
+            "service_unavailable" if status == 503 else "internal_server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -187,14 +218,18 @@ class Router:
             LookupError: no replica can serve it now (HTTP 503), with the reason.
             ValueError: a malformed version (HTTP 400).
         """
-        if request.model == self.config.routing_alias and self.selector is not None:
+        known = self.replicas.known_models()
+        alias = self.config.routing_alias
+        # a replica's real model of the alias's name wins: a request naming a model is never re-routed
+        if request.model == alias and self.selector is not None and alias not in known:
             models = self.replicas.models()
             if not models:
                 raise LookupError("no healthy replica")
             chosen = self.selector.select(request, models)
             self.metrics.model_selections.labels(self.selector.name, chosen).inc()
             return chosen, ""
-        known = self.replicas.known_models()
+        if not len(self.replicas):
+            raise LookupError("the fleet has no replicas (POST /router/add)")
         if not known:
             raise LookupError("no replica has answered a health check yet")
         model, version = request.model, ""
@@ -203,18 +238,24 @@ class Router:
             if len(version) < 8 or any(c not in "0123456789abcdef" for c in version):
                 raise ValueError(f"model: the version after '@' must be >= 8 lowercase hex digits of a model "
                                  f"identity digest (GET /router/replicas lists them), got {version!r}")
+            if model == alias and self.selector is not None:
+                raise ValueError(f"model: the routing alias {alias!r} chooses the model itself and takes no version")
         if model is not None and model not in known:
-            raise KeyError(model)
+            raise KeyError(f"The model '{model}' does not exist: the fleet serves {sorted(known)}.")
+        if version and not any(model in r.models and r.identity.startswith(version) for r in self.replicas):
+            raise KeyError(f"No replica has served the model '{model}' at version {version}: GET /router/replicas "
+                           "lists the identities.")
         return model, version
 
-    async def forward(self, request: RouteRequest, raw_headers: dict[str, str]) -> Response:
-        """Route and forward one request, with failover before its first token."""
+    async def forward(self, request: RouteRequest, raw_headers: dict[str, str],
+                      is_disconnected: Disconnected | None = None) -> Response:
+        """Route and forward one request, with failover before its first token. `is_disconnected` tells whether
+        the client has gone (a non-streamed answer is then abandoned, which aborts it at the replica)."""
         assert self.client is not None
         try:
             model, version = self.resolve_model(request)
         except KeyError as e:
-            return error_response(404, f"The model '{e.args[0]}' does not exist: the fleet serves "
-                               f"{sorted(self.replicas.known_models())}.", "model_not_found", "model")
+            return error_response(404, str(e.args[0]), "model_not_found", "model")
         except ValueError as e:
             return error_response(400, str(e), param="model")
         except LookupError as e:
@@ -227,10 +268,11 @@ class Router:
         control = parse_cache_control(raw_headers.get("cache-control"))
         cacheable = (self.cache is not None and body_is_deterministic(body) and not body.get("kv_transfer_params")
                      and (control.lookup or control.store))
-        if self.cache is not None and not cacheable:
+        if self.cache is not None and not (cacheable and control.lookup):  # not looked up: a bypass
             self.cache.note_bypass()
         tried: set[str] = set()
-        last_error = f"no healthy replica serves {model or 'it'}" + (f" at version {version}" if version else "")
+        last_error = (f"no replica serving {model or 'it'}" + (f" at version {version}" if version else "")
+                      + " is healthy and not draining")
         for _ in range(self.config.max_attempts):
             candidates = self.replicas.eligible(model, tried, version)
             if not candidates:
@@ -252,10 +294,10 @@ class Router:
             self.metrics.record_decision(self.policy.name, decision.reason, len(request.text),
                                          decision.matched_chars)
             self.policy.on_routed(request, replica)
-            prefill = self._choose_prefill(request, model, version)
+            prefill = self._choose_prefill(request, model, version, replica)
             try:
                 response = await self._send(replica, request.path, payload, raw_headers, stream,
-                                            key if control.store else None, prefill, body)
+                                            key if control.store else None, prefill, body, is_disconnected)
                 if self.cache is not None:
                     response.headers[ROUTER_CACHE_HEADER] = "miss" if key is not None and control.lookup else "bypass"
                 return response
@@ -265,11 +307,14 @@ class Router:
                 logger.warning("%s before the first token; trying another replica", last_error)
         return error_response(503, f"No replica could serve this request: {last_error}.", "no_replica")
 
-    def _choose_prefill(self, request: RouteRequest, model: str | None, version: str) -> ReplicaState | None:
-        """The prefill replica for a disaggregated request (None: not disaggregated, or none is healthy)."""
-        if self.prefill_replicas is None:
+    def _choose_prefill(self, request: RouteRequest, model: str | None, version: str,
+                        decode: ReplicaState) -> ReplicaState | None:
+        """The prefill replica for a request `decode` will decode (None: not disaggregated: no healthy producer,
+        or `decode` is not a consumer). Roles come from each replica's /load."""
+        if self.prefill_replicas is None or decode.kv_transfer_role not in ("consumer", "both"):
             return None
-        candidates = self.prefill_replicas.eligible(model, version=version)
+        candidates = [r for r in self.prefill_replicas.eligible(model, version=version)
+                      if r.kv_transfer_role in ("producer", "both")]
         if not candidates:
             return None  # the decode replica computes the prompt itself: slower, the same answer
         decision = self.prefill_policy.choose(request, candidates)
@@ -278,12 +323,13 @@ class Router:
         return decision.replica
 
     async def _open(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
-                    prefill: ReplicaState | None, body: dict[str, Any]) -> httpx.Response:
-        """The replica's response, opened as a stream; with `prefill`, after that replica prefilled it."""
+                    prefill: ReplicaState | None, body: dict[str, Any]) -> tuple[httpx.Response, bool]:
+        """The replica's response, opened as a stream; with `prefill`, after that replica prefilled it. The flag
+        says whether the replica was given prefilled blocks to pull."""
         assert self.client is not None
         if prefill is None:
             return await self.client.send(self.client.build_request("POST", replica.url + path, content=payload,
-                                                                    headers=headers), stream=True)
+                                                                    headers=headers), stream=True), False
         prefill.in_flight += 1
         try:
             return await prefill_then_decode(self.client, prefill.url, replica.url, path, body, headers)
@@ -292,7 +338,7 @@ class Router:
 
     async def _send(self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str],
                     stream: bool, store_key: str | None, prefill: ReplicaState | None = None,
-                    body: dict[str, Any] | None = None) -> Response:
+                    body: dict[str, Any] | None = None, is_disconnected: Disconnected | None = None) -> Response:
         """Send to one replica (after `prefill` when disaggregated); store its whole, successful answer under
         `store_key` (None: do not store). Raises _ReplicaFailed when nothing has reached the client yet."""
         assert self.client is not None
@@ -309,7 +355,12 @@ class Router:
                 self.metrics.latency.labels(replica.url).observe(time.monotonic() - start)
 
         try:
-            upstream = await self._open(replica, path, payload, headers, prefill, body or {})
+            upstream, prefilled = await _unless_disconnected(
+                self._open(replica, path, payload, headers, prefill, body or {}), is_disconnected,
+                self.config.disconnect_poll_s)
+        except _ClientGone:  # cancelling the send closed its connection: the replica aborts the request
+            release(_CLIENT_GONE)
+            return Response(status_code=_CLIENT_GONE)  # nobody reads it
         except httpx.HTTPError as e:
             release(0)
             self.replicas.mark_failed(replica)
@@ -320,18 +371,22 @@ class Router:
             raise _ReplicaFailed("status_503")
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() in _PASSED_HEADERS}
         out_headers["x-loom-replica"] = replica.url
-        if prefill is not None:
+        if prefill is not None and prefilled:
             out_headers["x-loom-prefill-replica"] = prefill.url
         is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         if not (stream and is_sse):
             try:
-                content = await upstream.aread()
+                content = await _unless_disconnected(upstream.aread(), is_disconnected,
+                                                     self.config.disconnect_poll_s)
             except httpx.HTTPError as e:
                 release(0)
                 self.replicas.mark_failed(replica)
                 raise _ReplicaFailed("read") from e
+            except _ClientGone:
+                release(_CLIENT_GONE)
+                return Response(status_code=_CLIENT_GONE)
             finally:
-                await upstream.aclose()
+                await upstream.aclose()  # a client that left: closing aborts the request at the replica
             self.metrics.ttfb.labels(replica.url).observe(time.monotonic() - start)
             release(upstream.status_code)
             if store_key is not None and upstream.status_code == 200 and body_is_complete(content):
@@ -343,13 +398,20 @@ class Router:
         # a stream: hold events back until one carries a token, so a failure before it can still move
         events = sse_events(upstream)
         held: list[bytes] = []
-        try:
+
+        async def until_first_output() -> None:
             async for event in events:
                 held.append(event)
                 if has_output(event):
-                    break
-            else:
-                raise httpx.RemoteProtocolError("the stream ended before its first token")
+                    return
+            raise httpx.RemoteProtocolError("the stream ended before its first token")
+
+        try:
+            await _unless_disconnected(until_first_output(), is_disconnected, self.config.disconnect_poll_s)
+        except _ClientGone:
+            await upstream.aclose()
+            release(_CLIENT_GONE)
+            return Response(status_code=_CLIENT_GONE)
         except httpx.HTTPError as e:
             await upstream.aclose()
             release(0)

@@ -144,6 +144,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
             return error_response(503, "The engine is not running.", code="engine_not_running")
         return JSONResponse({"status": "ok"})
 
+    agent = getattr(getattr(engine, "engine", None), "kv_transfer", None)  # prefill/decode disaggregation
+    kv_transfer_role = agent.config.role if agent is not None else None
+
     @app.get("/load")
     async def load() -> dict[str, Any]:  # what a router balances on (loom router's least-load and cache-aware)
         stats = engine.get_stats()
@@ -151,7 +154,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
                 "num_requests_waiting": getattr(stats, "num_waiting", 0),
                 "kv_cache_usage": getattr(stats, "kv_cache_usage", 0.0),
                 "prefix_cache_queries": getattr(stats, "prefix_cache_queries", 0),
-                "prefix_cache_hits": getattr(stats, "prefix_cache_hits", 0)}
+                "prefix_cache_hits": getattr(stats, "prefix_cache_hits", 0),
+                "kv_transfer_role": kv_transfer_role}
 
     # loom_model_identity: the weights, quantization, dtypes and tokenizer as hashes (loom/engine/model_identity.py),
     # so a router or a client's cache can tell two versions of one name apart

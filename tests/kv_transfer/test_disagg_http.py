@@ -40,7 +40,7 @@ def _text(r: httpx.Response) -> str:
 
 async def _disagg(p: str, d: str, body: dict) -> tuple[int, str]:
     async with httpx.AsyncClient(timeout=60) as client:
-        r = await prefill_then_decode(client, p, d, "/v1/completions", body, {"x-test": "1"})
+        r, _ = await prefill_then_decode(client, p, d, "/v1/completions", body, {"x-test": "1"})
         try:
             raw = (await r.aread()).decode()
         finally:

@@ -14,7 +14,7 @@ import pytest
 
 from loom.router.replica import check_replica_url
 from tests.router.conftest import live_router, replica_processes
-from tests.server.conftest import LiveServer, make_fake_front, serve
+from tests.server.conftest import LiveServer, make_fake_front, serve, wait_for
 
 BODY = {"model": "fake-model", "prompt": "hello router", "max_tokens": 8, "temperature": 0}
 
@@ -186,6 +186,8 @@ def test_a_rolling_upgrade_pins_versions_and_drains_the_old_one() -> None:
             assert gone.status_code == 503 and old_version[:12] in gone.json()["error"]["message"]
             bad = httpx.post(url + "/v1/completions", json={**BODY, "model": "fake-model@xyz"}, timeout=30)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+            unknown = httpx.post(url + "/v1/completions", json={**BODY, "model": "fake-model@0123abcd"}, timeout=30)
+            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_the_routing_alias_lets_the_model_selector_choose_the_model() -> None:
@@ -207,3 +209,31 @@ def test_the_routing_alias_lets_the_model_selector_choose_the_model() -> None:
             assert named.headers["x-loom-replica"] == large.base_url  # a named model is never re-chosen
             assert 'loom_router:model_selections_total{model="tiny-135M",selector="length"} 1.0' in \
                 httpx.get(url + "/metrics").text
+            assert httpx.get(url + "/v1/models/big-1.5B").json()["id"] == "big-1.5B"  # models.retrieve
+            assert httpx.get(url + "/v1/models/nope").json()["error"]["code"] == "model_not_found"
+            pinned_alias = httpx.post(url + "/v1/completions", json={**BODY, "model": "auto@0123456789"}, timeout=30)
+            assert pinned_alias.status_code == 400 and pinned_alias.json()["error"]["param"] == "model"
+    real_front, _ = make_fake_front(step_delay_s=0.002)
+    with serve(real_front, served_model_name="auto") as real, serve(small_front := make_fake_front()[0],
+                                                                    served_model_name="tiny-135M") as small:
+        with live_router([real.base_url, small.base_url], model_selector="length") as (url, _):
+            # a replica's model named like the alias is a named model: never re-routed, listed once
+            assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["auto", "tiny-135M"]
+            r = httpx.post(url + "/v1/completions", json={**BODY, "model": "auto"}, timeout=30)
+            assert r.headers["x-loom-replica"] == real.base_url
+
+
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it_at_the_replica() -> None:
+    front, fake = make_fake_front(step_delay_s=0.02)
+    with serve(front) as replica, live_router([replica.base_url]) as (url, router):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/completions", json={**BODY, "max_tokens": 200, "ignore_eos": True}, timeout=0.5)
+        state = router.replicas.get(replica.base_url)
+        assert wait_for(lambda: not fake.reqs and state.in_flight == 0, timeout_s=3.0), (fake.reqs, state.in_flight)
+        assert fake.num_steps < 150  # aborted, not run to its 200 tokens
+
+
+def test_unknown_routes_answer_in_the_openai_error_shape(two_replicas: list[LiveServer]) -> None:
+    with live_router([two_replicas[0].base_url]) as (url, _):
+        r = httpx.get(url + "/v1/embeddings")
+        assert r.status_code in (404, 405) and r.json()["error"]["type"] == "invalid_request_error"

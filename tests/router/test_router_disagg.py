@@ -55,6 +55,11 @@ def test_disaggregated_through_the_router_equals_colocated(servers) -> None:
     metrics = httpx.get(d.base_url + "/metrics", timeout=10).text
     pulls = [line for line in metrics.splitlines() if line.startswith("loom:kv_transfer_pulls_total{")]
     assert pulls and float(pulls[0].split()[-1]) >= 2  # exported, not only in EngineStats
+    # a prefill replica that is not a producer (a plain replica): not used, the decode replica computes
+    with live_router([d.base_url], prefill_urls=[c.base_url], health_interval_s=60) as (url, _):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert "x-loom-prefill-replica" not in r.headers
     # a prefill replica that is gone: the decode replica computes the prompt, same answer
     with live_router([d.base_url], prefill_urls=["http://127.0.0.1:9"], health_interval_s=60) as (url, _):
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)

@@ -109,4 +109,5 @@ def test_only_deterministic_whole_answers_are_kept_and_cache_control_opts_out(re
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).headers[HEADER] == "hit"
         metrics = httpx.get(url + "/metrics").text
         assert "loom_router:result_cache_hits_total 1.0" in metrics
+        assert "loom_router:result_cache_bypasses_total 4.0" in metrics  # 2 sampled, no-store, no-cache
         assert router.cache is not None and router.cache.stats().stores == 2
