@@ -28,8 +28,10 @@ from loom.server.tool_calls import (
 from loom.server.tool_parsers import ToolCallParser
 from loom.server.serving_result_cache import look_up
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, chat_logprobs, check_model, check_prompt_logprobs, check_room,
-    check_beam_width, check_kv_transfer, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    SSE_DONE, SSE_ENGINE_ERROR, EngineStreamingResponse, ServingContext, chat_logprobs, check_beam_width,
+    check_kv_transfer, check_model, check_prompt_logprobs, check_room, check_structured_output, collect, failed,
+    new_request_id, now_unix, prompt_logprobs_body, prompt_logprobs_done, raise_if_failed, sse, submit_all,
+    until_disconnected, usage,
 )
 
 
@@ -336,6 +338,8 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, stream: Requ
                        "model": ctx.model_name, "choices": [],
                        "usage": usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
                                       last.num_cached_tokens)})
+        if last is not None and failed([last]):
+            yield SSE_ENGINE_ERROR
         yield SSE_DONE
     finally:
         stream.close()

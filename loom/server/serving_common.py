@@ -202,6 +202,16 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# after a choice ended with finish_reason "error" (the engine failed mid-stream): why, in the shape of a non-streamed
+# error, so a client (or loom router) sees a message, not just a truncated answer
+SSE_ENGINE_ERROR = sse({"error": {"message": "The engine failed while serving this request; the output is "
+                                  "incomplete.", "type": "internal_server_error", "param": None,
+                                  "code": "engine_error"}})
+
+
+def failed(outputs: Sequence[RequestOutput]) -> bool:
+    """Whether any choice of these outputs ended because the engine failed."""
+    return any(c.finish_reason == "error" for out in outputs for c in out.outputs)
 
 
 class EngineStreamingResponse(StreamingResponse):

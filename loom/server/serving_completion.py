@@ -24,9 +24,10 @@ from loom.server.protocol import (
 )
 from loom.server.serving_result_cache import look_up
 from loom.server.serving_common import (
-    SSE_DONE, EngineStreamingResponse, ServingContext, check_model, check_prompt_logprobs, check_room,
-    check_beam_width, check_kv_transfer, check_structured_output, collect, prompt_logprobs_body, prompt_logprobs_done,
-    completion_logprobs, merge, new_request_id, now_unix, raise_if_failed, sse, submit_all, until_disconnected, usage,
+    SSE_DONE, SSE_ENGINE_ERROR, EngineStreamingResponse, ServingContext, check_beam_width, check_kv_transfer,
+    check_model, check_prompt_logprobs, check_room, check_structured_output, collect, completion_logprobs, failed,
+    merge, new_request_id, now_unix, prompt_logprobs_body, prompt_logprobs_done, raise_if_failed, sse, submit_all,
+    until_disconnected, usage,
 )
 
 MAX_CHOICES = 1024  # prompts x n in one request
@@ -281,6 +282,8 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, prompts: list[_P
         if with_usage:
             yield sse({"id": response_id, "object": "text_completion", "created": created,
                        "model": ctx.model_name, "choices": [], "usage": _usage(list(st.finals.values()))})
+        if failed(list(st.finals.values())):
+            yield SSE_ENGINE_ERROR
         yield SSE_DONE
     finally:
         for s in streams:

@@ -227,6 +227,12 @@ def test_engine_step_failure_fails_only_that_request() -> None:
         assert_error(r, 500, None)
         assert c.get("/health").status_code == 200
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            fake.fail_next_step = True  # mid-stream: the stream says why before [DONE]
+            events = [line[6:] for line in c.post(path, json={**body, "max_tokens": 50, "stream": True}).text
+                      .split("\n") if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_error", events
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
