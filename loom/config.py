@@ -169,6 +169,7 @@ class EngineArgs:
     kv_transfer_port: int = 0  # producer: KV server port; 0 = any free port
     kv_transfer_timeout_s: float = 120.0  # producer: seconds unread prompt blocks stay pinned
     kv_transfer_pull_timeout_s: float = 10.0  # consumer: seconds a pull may take before computing the prompt
+    kv_transfer_peers: tuple[str, ...] = ("127.0.0.1", "::1", "localhost")  # consumer: hosts it may pull from
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
@@ -209,7 +210,8 @@ class EngineArgs:
             return None
         return KVTransferConfig(role=self.kv_transfer_role, connector=self.kv_connector, host=self.kv_transfer_host,
                                 port=self.kv_transfer_port, timeout_s=self.kv_transfer_timeout_s,
-                                pull_timeout_s=self.kv_transfer_pull_timeout_s)
+                                pull_timeout_s=self.kv_transfer_pull_timeout_s,
+                                peers=tuple(self.kv_transfer_peers))
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,

@@ -147,6 +147,9 @@ def add_kv_transfer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--kv-transfer-timeout", dest="kv_transfer_timeout_s", type=float,
                    default=defaults.kv_transfer_timeout_s,
                    help="producer: seconds a prefilled request's blocks stay pinned unread (default: %(default)s)")
+    g.add_argument("--kv-transfer-peers", nargs="+", type=str, default=list(defaults.kv_transfer_peers),
+                   metavar="HOST", help="consumer: the prefill replicas' hosts it may pull K/V from, '*' for any "
+                   "(default: %(default)s; a request names the host, so keep this to your own replicas)")
     g.add_argument("--kv-transfer-pull-timeout", dest="kv_transfer_pull_timeout_s", type=float,
                    default=defaults.kv_transfer_pull_timeout_s,
                    help="consumer: seconds a pull may take before the prompt is computed locally "

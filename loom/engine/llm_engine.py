@@ -184,9 +184,9 @@ class LLMEngine:
         from loom.kv_transfer.agent import KVTransferAgent
         from loom.kv_transfer.tensors import kv_layout
 
-        path = Path(self.runner.model_path)
-        size = path.stat().st_size if path.is_file() else 0
-        identity = f"{path.name} ({size} bytes, {self.runner.dtype}, {args.quantization or 'default'})"
+        # the model identity's digest (weight bytes, quantization, dtypes, tokenizer): K/V computed by another
+        # build of the same file name must never be loaded
+        identity = self.model_identity.digest
         layout = kv_layout(self.runner.kv_caches, self.block_size, self.runner.arch.head_dim, identity)
         return KVTransferAgent(config, layout, self.scheduler.pinned_kv, self.runner.kv_caches)
 
@@ -221,7 +221,12 @@ class LLMEngine:
         if prefill and (config is None or not config.is_consumer):
             raise ValueError(f"{KV_TRANSFER_PARAM}: do_remote_prefill needs a decode replica "
                              "(loom serve --kv-transfer-role consumer or both)")
-        return data if isinstance(data, KVTransferRequest) else parse_kv_transfer_request(data)
+        request = data if isinstance(data, KVTransferRequest) else parse_kv_transfer_request(data)
+        remote = request.remote if request is not None else None
+        if remote is not None and config is not None and not config.allows_peer(remote.remote_host):
+            raise ValueError(f"{KV_TRANSFER_PARAM}: remote_host {remote.remote_host!r} is not an allowed prefill "
+                             "replica (loom serve --kv-transfer-peers HOST ...)")
+        return request
 
     def pull_remote_kv(self, transfer: KVTransferRequest | None, prompt_token_ids: list[int],
                        params: SamplingParams | BeamSearchParams) -> RemoteKV | None:

@@ -229,6 +229,9 @@ class KVTransferConfig:
     port: int = 0  # producer: its KV server port; 0 = any free port
     timeout_s: float = 120.0  # producer: seconds a finished request's unread blocks stay pinned
     pull_timeout_s: float = 10.0  # consumer: seconds one pull may take before the prompt is computed locally
+    # consumer: the producers' hosts it may connect to ("*": any). A request names the host to pull from, so
+    # without this list any client could make the replica connect anywhere and load K/V it did not compute.
+    peers: tuple[str, ...] = ("127.0.0.1", "::1", "localhost")
 
     def __post_init__(self) -> None:
         if self.role not in KV_TRANSFER_ROLES:
@@ -241,6 +244,10 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.timeout_s}")
         if not self.pull_timeout_s > 0:
             raise ValueError(f"kv_transfer_pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+
+    def allows_peer(self, host: str) -> bool:
+        """Whether a consumer may pull from `host` (as written in kv_transfer_params' remote_host)."""
+        return "*" in self.peers or host in self.peers
 
     @property
     def is_producer(self) -> bool:

@@ -6,6 +6,7 @@ The routing itself (model, replica, failover, result cache, disaggregation) is l
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -53,8 +54,13 @@ def _forwarded_headers(request: Request) -> dict[str, str]:
     return headers
 
 
-def build_router_app(router: Router, security: SecurityConfig | None = None) -> FastAPI:
-    """The router's FastAPI app. Its lifespan starts and stops `router` (health checks, HTTP client)."""
+def build_router_app(router: Router, security: SecurityConfig | None = None,
+                     admin_api_key: str | None = None) -> FastAPI:
+    """The router's FastAPI app. Its lifespan starts and stops `router` (health checks, HTTP client).
+
+    The /router/* admin routes (add, remove, drain a replica) need `Authorization: Bearer <admin_api_key>`, or,
+    without an admin key, a client on this machine: adding a replica hands it other clients' prompts and
+    Authorization headers, so it must not be open to every API client."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -82,6 +88,9 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
             return error_response(400, f"Malformed JSON: {e}")
         if not isinstance(body, dict):
             return error_response(400, "The request body must be a JSON object.")
+        if "kv_transfer_params" in body:  # set by the router between its own replicas, never by a client
+            return error_response(400, "kv_transfer_params: set by the router for prefill/decode disaggregation "
+                                  "(--prefill-replica); a client may not send it", param="kv_transfer_params")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             return error_response(400, f"model must be a string, got {model!r}", param="model")
@@ -148,6 +157,14 @@ def build_router_app(router: Router, security: SecurityConfig | None = None) -> 
         return str(body["url"])
 
     async def admin(raw: Request, action: str) -> Response:
+        if admin_api_key is not None:
+            given = raw.headers.get("x-loom-admin-key") or raw.headers.get("authorization", "")
+            if not hmac.compare_digest(given.removeprefix("Bearer ").encode(), admin_api_key.encode()):
+                return error_response(401, "The admin routes need the admin key (--admin-api-key), as "
+                                      "'X-Loom-Admin-Key: KEY' or 'Authorization: Bearer KEY'.", "invalid_api_key")
+        elif raw.client is None or raw.client.host not in ("127.0.0.1", "::1", "localhost"):
+            return error_response(403, "The admin routes answer clients on the router's machine only; start the "
+                                  "router with --admin-api-key to administer it from elsewhere.", "forbidden")
         try:
             url = await _url_of(raw)
             if action == "add":

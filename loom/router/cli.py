@@ -87,6 +87,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} when set, else no key); "
                    "the header is passed on to the replicas")
+    p.add_argument("--replica-api-key", default=None,
+                   help="bearer token of the replicas, sent on the router's own health checks (default: --api-key)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="bearer token of the /router/* admin routes (default: none, and then they answer only "
+                   "clients on this machine)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body accepted, bytes (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default="warning",
@@ -207,8 +212,9 @@ def run_router(ns: argparse.Namespace) -> int:
     api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
     security = SecurityConfig(api_key=api_key, max_request_bytes=ns.max_request_bytes)
     urls = list(ns.replica)
-    replicas = ReplicaSet(urls)  # checks the URLs before anything starts
-    prefill_replicas = ReplicaSet(list(ns.prefill_replica))
+    replica_key = ns.replica_api_key if ns.replica_api_key is not None else api_key
+    replicas = ReplicaSet(urls, api_key=replica_key)  # checks the URLs before anything starts
+    prefill_replicas = ReplicaSet(list(ns.prefill_replica), api_key=replica_key)
     check_listen_address(ns.host, ns.port)
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -224,7 +230,7 @@ def run_router(ns: argparse.Namespace) -> int:
             for url in local:
                 replicas.add(url)
         router = Router(replicas, config, prefill_replicas)
-        app = build_router_app(router, security)
+        app = build_router_app(router, security, admin_api_key=ns.admin_api_key)
         logger.info("routing on http://%s:%d over %d replicas (policy %s)", ns.host, ns.port, len(replicas),
                     config.policy)
         uv = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, lifespan="on",

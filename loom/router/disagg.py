@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 # the prefill's part: what its request must not carry (streams, choices and logprobs are the decode's job)
 _PREFILL_DROPPED = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs",
-                    "echo", "use_beam_search", "max_completion_tokens")
+                    "echo", "use_beam_search", "max_completion_tokens", "min_tokens", "kv_transfer_params")
 
 
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -47,9 +47,8 @@ async def prefill_then_decode(client: httpx.AsyncClient, prefill_url: str, decod
     Returns:
         (response, prefilled): the decode replica's response, opened with `client.send(..., stream=True)`: the
         caller streams it through (and must close it); prefilled is True when the decode replica was given the
-        prefill's blocks to pull. A 4xx from the prefill replica is returned as is (the same request would fail
-        on the decode replica too), read in full — except one about kv_transfer_params (the prefill replica is
-        not a producer): then the decode replica computes the prompt.
+        prefill's blocks to pull. Any error from the prefill replica (4xx, 5xx, unreachable, an answer without
+        kv_transfer_params) makes the decode replica compute the prompt: it judges the client's own body.
 
     Raises:
         httpx.HTTPError: the decode replica cannot be reached (the caller's failover applies).
@@ -62,13 +61,18 @@ async def prefill_then_decode(client: httpx.AsyncClient, prefill_url: str, decod
         logger.warning("prefill replica %s unreachable (%s): the decode replica computes the prompt", prefill_url, e)
         prefill = None
     if prefill is not None and 400 <= prefill.status_code < 500:
-        if _error_param(prefill) != "kv_transfer_params":
-            return prefill, False
-        logger.warning("prefill replica %s refused the prefill (%s): is it started with --kv-transfer-role "
-                       "producer? The decode replica computes the prompt", prefill_url, prefill.text[:200])
+        # the prefill's body is not the client's (max_tokens 1, no streaming...): whatever it refused, the
+        # decode replica judges the client's own body, and computes the prompt if it is fine
+        logger.warning("prefill replica %s refused the prefill (%s); the decode replica computes the prompt%s",
+                       prefill_url, prefill.text[:200], " (is it started with --kv-transfer-role producer?)"
+                       if _error_param(prefill) == "kv_transfer_params" else "")
         prefill = None
     if prefill is not None and prefill.status_code == 200:
-        params = prefill.json().get("kv_transfer_params")
+        try:
+            answer = prefill.json()
+        except ValueError:
+            answer = None
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if params:
             decode_body["kv_transfer_params"] = params
         else:
@@ -83,9 +87,10 @@ async def prefill_then_decode(client: httpx.AsyncClient, prefill_url: str, decod
 def _error_param(response: httpx.Response) -> str | None:
     """The `param` of an OpenAI-style error body, or None."""
     try:
-        error = response.json().get("error")
+        body = response.json()
     except ValueError:
         return None
+    error = body.get("error") if isinstance(body, dict) else None
     return error.get("param") if isinstance(error, dict) else None
 
 

@@ -82,17 +82,18 @@ class CacheAware:
         lo, hi = min(loads), max(loads)
         if hi - lo > self.options.balance_abs_threshold and hi > self.options.balance_rel_threshold * lo:
             return RouteDecision(_least_loaded(candidates), "balance")
-        matches = {r.url: self._tree(r.url).match(request.text) for r in candidates}
+        text = request.text[:self.options.max_prefix_chars]  # a prefix decides; a huge prompt cannot stall us
+        matches = {r.url: self._tree(r.url).match(text) for r in candidates}
         # the longest match; among equals the least loaded (a fresh prompt spreads, a shared one sticks)
         best = max(candidates, key=lambda r: (matches[r.url], -r.load, -r.kv_cache_usage, r.url))
-        if request.text and matches[best.url] >= self.options.cache_threshold * len(request.text):
+        if text and matches[best.url] >= self.options.cache_threshold * len(text):
             return RouteDecision(best, "prefix_match", matches[best.url])
         roomiest = min(candidates, key=lambda r: (self._tree(r.url).num_chars, r.load, r.url))
         return RouteDecision(roomiest, "smallest_tree", matches[roomiest.url])
 
     def on_routed(self, request: RouteRequest, replica: ReplicaState) -> None:
         if request.text:
-            self._tree(replica.url).insert(request.text, self._clock())
+            self._tree(replica.url).insert(request.text[:self.options.max_prefix_chars], self._clock())
 
     def on_removed(self, replica_url: str) -> None:
         self.trees.pop(replica_url, None)

@@ -95,6 +95,7 @@ class PolicyOptions:
     balance_abs_threshold: int = 32  # cache aware: fall back to least load when max load - min load > this
     balance_rel_threshold: float = 1.5  # ... and max load > this x min load
     max_tree_chars: int = 1 << 22  # cache aware: characters remembered per replica before LRU eviction
+    max_prefix_chars: int = 1 << 16  # cache aware: characters of a prompt matched and remembered (its start)
     extra: dict[str, Any] = field(default_factory=dict)  # options of policies registered elsewhere
 
     def __post_init__(self) -> None:
@@ -104,6 +105,8 @@ class PolicyOptions:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
         if self.balance_rel_threshold < 1.0:
             raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+        if self.max_prefix_chars < 1:
+            raise ValueError(f"max_prefix_chars must be >= 1, got {self.max_prefix_chars}")
         if self.max_tree_chars < 1:
             raise ValueError(f"max_tree_chars must be >= 1, got {self.max_tree_chars}")
 

@@ -21,12 +21,18 @@ class _Node:
 
 
 def _common_prefix(a: str, b: str, start_b: int) -> int:
-    """Length of the common prefix of a and b[start_b:]."""
-    n = min(len(a), len(b) - start_b)
-    i = 0
-    while i < n and a[i] == b[start_b + i]:
-        i += 1
-    return i
+    """Length of the common prefix of a and b[start_b:] (string comparisons at C speed: a whole-edge match is
+    one startswith, a partial one a binary search over slice equality)."""
+    if b.startswith(a, start_b):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b) - start_b)  # a[:lo] matches; a[:hi + 1] does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if b.startswith(a[:mid], start_b):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class PrefixTree:

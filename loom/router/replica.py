@@ -40,10 +40,13 @@ def check_replica_url(url: str) -> str:
 class ReplicaSet:
     """The fleet as the router sees it. Mutated only on the router's event loop (no locks needed)."""
 
-    def __init__(self, urls: list[str], max_failures: int = 2) -> None:
+    def __init__(self, urls: list[str], max_failures: int = 2, api_key: str | None = None) -> None:
+        """`api_key`: sent as a bearer token on the health checks (replicas started with --api-key answer
+        /v1/models and /load only with it)."""
         if max_failures < 1:
             raise ValueError(f"max_failures must be >= 1, got {max_failures}")
         self.max_failures = max_failures
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._replicas: dict[str, ReplicaState] = {}
         for url in urls:
             self.add(url)
@@ -98,13 +101,18 @@ class ReplicaSet:
     async def check(self, client: httpx.AsyncClient, replica: ReplicaState, timeout_s: float) -> None:
         """One health check of one replica (updates it in place; never raises)."""
         try:
-            health = await client.get(f"{replica.url}/health", timeout=timeout_s)
+            health = await client.get(f"{replica.url}/health", timeout=timeout_s, headers=self._headers)
             if health.status_code != 200:
                 raise RuntimeError(f"/health answered {health.status_code}")
-            cards = (await client.get(f"{replica.url}/v1/models", timeout=timeout_s)).json()["data"]
+            models = await client.get(f"{replica.url}/v1/models", timeout=timeout_s, headers=self._headers)
+            if models.status_code != 200:
+                raise RuntimeError(f"/v1/models answered {models.status_code}"
+                                   + (" (a replica with --api-key: give the router --replica-api-key)"
+                                      if models.status_code == 401 else ""))
+            cards = models.json()["data"]
             replica.models = tuple(str(c["id"]) for c in cards)
             replica.identity = _identity_digest(cards)
-            load = await client.get(f"{replica.url}/load", timeout=timeout_s)
+            load = await client.get(f"{replica.url}/load", timeout=timeout_s, headers=self._headers)
             if load.status_code == 200:
                 _apply_load(replica, load.json())
         except Exception as e:  # noqa: BLE001 - any failure means "not healthy now"

@@ -111,11 +111,38 @@ async def _unless_disconnected(awaitable: Awaitable[Any], is_disconnected: Disco
                 return task.result()
             if await is_disconnected():
                 raise _ClientGone()
+    except _ClientGone:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            await _close_result(task.result())  # it finished while the client was being checked: close it
+        raise
     finally:
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
                 await task
+
+
+async def _close_result(result: Any) -> None:
+    """Close an opened upstream response (alone, or first in a tuple) that nobody will read."""
+    response = result[0] if isinstance(result, tuple) else result
+    if isinstance(response, httpx.Response):
+        await response.aclose()
+
+
+class _StreamingWithCleanup(StreamingResponse):
+    """A StreamingResponse that runs `cleanup` however it ends: a client gone before the body's first chunk
+    cancels the response before its generator ever runs, so the generator's own `finally` cannot be relied on
+    (that would leave the replica's request running and the router's in-flight count up)."""
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
 
 
 def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -313,8 +340,9 @@ class Router:
         or `decode` is not a consumer). Roles come from each replica's /load."""
         if self.prefill_replicas is None or decode.kv_transfer_role not in ("consumer", "both"):
             return None
-        candidates = [r for r in self.prefill_replicas.eligible(model, version=version)
-                      if r.kv_transfer_role in ("producer", "both")]
+        # the same model identity as the decode replica: K/V of another build would decode into garbage
+        candidates = [r for r in self.prefill_replicas.eligible(model, version=decode.identity or version)
+                      if r.kv_transfer_role in ("producer", "both") and r.identity == decode.identity]
         if not candidates:
             return None  # the decode replica computes the prompt itself: slower, the same answer
         decision = self.prefill_policy.choose(request, candidates)
@@ -365,6 +393,11 @@ class Router:
             release(0)
             self.replicas.mark_failed(replica)
             raise _ReplicaFailed("connect") from e
+        except Exception as e:  # noqa: BLE001 - a replica that answers garbage must not become a 500 here
+            release(0)
+            self.replicas.mark_failed(replica)
+            logger.warning("replica %s answered something unreadable: %r", replica.url, e)
+            raise _ReplicaFailed("protocol") from e
         if upstream.status_code == 503:  # its engine is not running or its queue is full: another may serve
             await upstream.aclose()
             release(503)
@@ -412,11 +445,11 @@ class Router:
             await upstream.aclose()
             release(_CLIENT_GONE)
             return Response(status_code=_CLIENT_GONE)
-        except httpx.HTTPError as e:
+        except Exception as e:  # noqa: BLE001 - httpx errors, and anything a malformed stream raises
             await upstream.aclose()
             release(0)
             self.replicas.mark_failed(replica)
-            raise _ReplicaFailed("stream_cut") from e
+            raise _ReplicaFailed("stream_cut" if isinstance(e, httpx.HTTPError) else "protocol") from e
         self.metrics.ttfb.labels(replica.url).observe(time.monotonic() - start)
 
         async def rest() -> AsyncIterator[bytes]:
@@ -447,7 +480,11 @@ class Router:
                 await upstream.aclose()  # a client that left: closes the replica's request, which aborts it
                 release(status)
 
-        return StreamingResponse(rest(), status_code=upstream.status_code, headers=out_headers)
+        async def cleanup() -> None:  # idempotent: release() and aclose() both are
+            await upstream.aclose()
+            release(0)
+
+        return _StreamingWithCleanup(rest(), cleanup, status_code=upstream.status_code, headers=out_headers)
 
 
 __all__ = ["Router", "RouterConfig", "error_response"]

@@ -45,10 +45,13 @@ def has_output(event: bytes) -> bool:
             payload = json.loads(data)
         except ValueError:
             return True
-        if not isinstance(payload, dict) or "error" in payload or not payload.get("choices"):
+        if not isinstance(payload, dict) or "error" in payload or not isinstance(payload.get("choices"), list) \
+                or not payload["choices"]:
             return True
         for choice in payload["choices"]:
-            delta = choice.get("delta") or {}
+            if not isinstance(choice, dict):
+                return True  # not ours to judge: pass it on as output
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
             if (choice.get("text") or choice.get("finish_reason") or delta.get("content")
                     or delta.get("tool_calls") or delta.get("reasoning_content") or choice.get("logprobs")):
                 return True

@@ -96,3 +96,18 @@ def test_role_the_replica_does_not_play_is_a_400(servers) -> None:
     r = httpx.post(c.v1 + "/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                      "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+
+
+def test_a_consumer_pulls_only_from_its_allowed_peers(servers) -> None:
+    """kv_transfer_params name the host to pull from: a client must not make the replica connect anywhere (or
+    load K/V that it did not compute) — only the hosts of --kv-transfer-peers (loopback by default)."""
+    p, d, _ = servers
+    kvp = httpx.post(p.v1 + "/completions", json=prefill_body({"prompt": PROMPT, "max_tokens": 4}),
+                     timeout=60).json()["kv_transfer_params"]
+    r = httpx.post(d.v1 + "/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                               "kv_transfer_params": {**kvp, "remote_host": "169.254.169.254"}},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    assert "--kv-transfer-peers" in r.json()["error"]["message"]
+    httpx.post(d.v1 + "/completions", json={"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": kvp},
+               timeout=60)  # the real one: pulled, so the producer's pinned blocks are freed

@@ -25,12 +25,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def live_router(urls: list[str], prefill_urls: list[str] | None = None,
+def live_router(urls: list[str], prefill_urls: list[str] | None = None, replica_api_key: str | None = None,
                 **config: Any) -> Iterator[tuple[str, Router]]:
     """Run a router over `urls` (and prefill replicas `prefill_urls`) under uvicorn in a thread (lifespan on:
     health checks run); yield its URL and the Router."""
     config.setdefault("health_interval_s", 0.2)
-    router = Router(ReplicaSet(urls), RouterConfig(**config), ReplicaSet(prefill_urls or []))
+    router = Router(ReplicaSet(urls, api_key=replica_api_key), RouterConfig(**config), ReplicaSet(prefill_urls or []))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_router_app(router), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))

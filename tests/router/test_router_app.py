@@ -237,3 +237,40 @@ def test_unknown_routes_answer_in_the_openai_error_shape(two_replicas: list[Live
     with live_router([two_replicas[0].base_url]) as (url, _):
         r = httpx.get(url + "/v1/embeddings")
         assert r.status_code in (404, 405) and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_clients_cannot_send_kv_transfer_params_and_admin_needs_its_key(two_replicas: list[LiveServer]) -> None:
+    from loom.router.app import build_router_app
+    from loom.router.replica import ReplicaSet
+    from loom.router.router import Router, RouterConfig
+
+    a = two_replicas[0].base_url
+    with live_router([a]) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={**BODY, "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+
+    async def admin(app, client_host: str, headers: dict[str, str]) -> int:
+        transport = httpx.ASGITransport(app=app, client=(client_host, 4000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            return (await c.post("/router/drain", json={"url": a}, headers=headers)).status_code
+
+    open_app = build_router_app(Router(ReplicaSet([a]), RouterConfig()))
+    assert asyncio.run(admin(open_app, "127.0.0.1", {})) == 200  # no admin key: this machine only
+    assert asyncio.run(admin(open_app, "10.1.2.3", {})) == 403
+    keyed = build_router_app(Router(ReplicaSet([a]), RouterConfig()), admin_api_key="adm")
+    assert asyncio.run(admin(keyed, "10.1.2.3", {})) == 401
+    assert asyncio.run(admin(keyed, "10.1.2.3", {"X-Loom-Admin-Key": "adm"})) == 200
+
+
+def test_replicas_with_an_api_key_are_checked_with_it() -> None:
+    from loom.server.security import SecurityConfig
+
+    front, _ = make_fake_front(step_delay_s=0.002)
+    with serve(front, security=SecurityConfig(api_key="rk")) as keyed:
+        with live_router([keyed.base_url]) as (_, router):
+            assert not router.replicas.get(keyed.base_url).healthy  # /v1/models answers 401 without the key
+        with live_router([keyed.base_url], replica_api_key="rk") as (url, router):
+            assert router.replicas.get(keyed.base_url).healthy
+            r = httpx.post(url + "/v1/completions", json=BODY, headers={"Authorization": "Bearer rk"}, timeout=30)
+            assert r.status_code == 200
+
