@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from loom.kv_transfer.base import (KVBlockSource, KVLayout, KVLayoutMismatchError, KVPayload, KVTransferError,
+from loom.kv_transfer.base import (KVBlockSource, KVLayout, KVPayload, KVTransferError,
                                    KVTransferParams)
 
 logger = logging.getLogger(__name__)
