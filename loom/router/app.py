@@ -105,7 +105,7 @@ def build_router_app(router: Router, security: SecurityConfig | None = None,
     @app.get("/health")
     async def health() -> Response:
         if not router.replicas.eligible(None):
-            return error_response(503, "No healthy replica.", "no_replica")
+            return error_response(503, "No healthy replica.", code="no_replica")
         return JSONResponse({"status": "ok"})
 
     def model_ids() -> list[str]:
@@ -126,7 +126,7 @@ def build_router_app(router: Router, security: SecurityConfig | None = None,
     async def model(model_id: str) -> Response:  # the openai client's models.retrieve
         if model_id not in model_ids():
             return error_response(404, f"The model '{model_id}' does not exist: the fleet serves {model_ids()}.",
-                                  "model_not_found", "model")
+                                  code="model_not_found", param="model")
         return JSONResponse(model_card(model_id))
 
     @app.get("/metrics")
@@ -161,10 +161,10 @@ def build_router_app(router: Router, security: SecurityConfig | None = None,
             given = raw.headers.get("x-loom-admin-key") or raw.headers.get("authorization", "")
             if not hmac.compare_digest(given.removeprefix("Bearer ").encode(), admin_api_key.encode()):
                 return error_response(401, "The admin routes need the admin key (--admin-api-key), as "
-                                      "'X-Loom-Admin-Key: KEY' or 'Authorization: Bearer KEY'.", "invalid_api_key")
+                                      "'X-Loom-Admin-Key: KEY' or 'Authorization: Bearer KEY'.", code="invalid_api_key")
         elif raw.client is None or raw.client.host not in ("127.0.0.1", "::1", "localhost"):
             return error_response(403, "The admin routes answer clients on the router's machine only; start the "
-                                  "router with --admin-api-key to administer it from elsewhere.", "forbidden")
+                                  "router with --admin-api-key to administer it from elsewhere.", code="forbidden")
         try:
             url = await _url_of(raw)
             if action == "add":

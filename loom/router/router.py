@@ -145,15 +145,18 @@ class _StreamingWithCleanup(StreamingResponse):
             await self._cleanup()
 
 
-def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, status: int, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
     kind = ("invalid_request_error" if 400 <= status < 500 else
             "service_unavailable" if status == 503 else "internal_server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, *, code: str | None = None,
+                   param: str | None = None) -> JSONResponse:
+    """The error as a JSON response (503s say Retry-After); code and param by keyword, never by position."""
     headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse(error_body(message, status, code, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, status, code=code, param=param), status_code=status, headers=headers)
 
 
 class Router:
@@ -282,11 +285,11 @@ class Router:
         try:
             model, version = self.resolve_model(request)
         except KeyError as e:
-            return error_response(404, str(e.args[0]), "model_not_found", "model")
+            return error_response(404, str(e.args[0]), code="model_not_found", param="model")
         except ValueError as e:
             return error_response(400, str(e), param="model")
         except LookupError as e:
-            return error_response(503, f"No replica can serve this request: {e}.", "no_replica")
+            return error_response(503, f"No replica can serve this request: {e}.", code="no_replica")
         body = dict(request.body)
         if model is not None:
             body["model"] = model
@@ -332,7 +335,7 @@ class Router:
                 last_error = f"replica {replica.url} failed ({e.cause})"
                 self.metrics.retries.labels(e.cause).inc()
                 logger.warning("%s before the first token; trying another replica", last_error)
-        return error_response(503, f"No replica could serve this request: {last_error}.", "no_replica")
+        return error_response(503, f"No replica could serve this request: {last_error}.", code="no_replica")
 
     def _choose_prefill(self, request: RouteRequest, model: str | None, version: str,
                         decode: ReplicaState) -> ReplicaState | None:
@@ -474,7 +477,7 @@ class Router:
                 message = (f"replica {replica.url} failed after the stream had started "
                            f"({type(e).__name__}); the response is incomplete")
                 logger.warning(message)
-                yield b"data: " + json.dumps(error_body(message, 503, "replica_failed")).encode() + b"\n\n"
+                yield b"data: " + json.dumps(error_body(message, 503, code="replica_failed")).encode() + b"\n\n"
                 yield b"data: [DONE]\n\n"
             finally:
                 await upstream.aclose()  # a client that left: closes the replica's request, which aborts it
