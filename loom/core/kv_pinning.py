@@ -99,6 +99,11 @@ class PinnedKVTable:
         with self._lock:
             return {e.owner for e in self._entries.values()}
 
+    def num_blocks(self) -> int:
+        """Blocks held by all pinned transfers (a block shared by two transfers counts twice: an upper bound)."""
+        with self._lock:
+            return sum(len(e.block_ids) for e in self._entries.values())
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

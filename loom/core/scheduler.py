@@ -40,6 +40,8 @@ from loom.request import Request, RequestStatus
 from loom.spec.proposer import DraftGrammar, DraftRequest, Proposer
 
 
+MAX_PINNED_FRACTION = 0.5  # most of the KV pool that finished prefills may keep pinned for decode replicas
+
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_waiting_requests already (the server answers 503/429)."""
 
@@ -661,6 +663,10 @@ class Scheduler:
         num_blocks = _cdiv(num_tokens, self.cache_config.block_size)
         blocks = manager.req_to_blocks.get(request.request_id, [])[:num_blocks]
         if num_tokens < 1 or len(blocks) < num_blocks or any(b is None for b in blocks):
+            return None
+        if self.pinned_kv.num_blocks() + num_blocks > MAX_PINNED_FRACTION * self.num_blocks:
+            # pins cannot be evicted: past this share of the pool, prefills of a flood (or of decode replicas
+            # that never come) would stall admission until they expire; the decode replica computes instead
             return None
         transfer_id = request.kv_transfer_id
         assert transfer_id is not None

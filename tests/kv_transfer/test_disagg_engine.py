@@ -195,3 +195,22 @@ def test_real_model_prefill_then_decode_equals_colocated(default_gguf: Path, hf_
         assert _all_free(prefill) and _all_free(decode)
     finally:
         prefill.shutdown()
+
+
+def test_pins_never_take_more_than_half_the_pool(tiny_llama: str, hf_tokenizer) -> None:
+    """Pinned blocks cannot be evicted: prefills whose decode replica never comes must not stall admission. Past
+    half the pool a prefill is not pinned (no kv_transfer_params: its decode replica computes the prompt)."""
+    engine = _engine(tiny_llama, "producer", num_kv_blocks=24, enable_prefix_caching=False)
+    try:
+        prompt = hf_tokenizer.encode("a prompt of some length that takes a few blocks of four tokens each here")
+        blocks = -(-len(prompt) // BS)
+        n = 24 // blocks + 2  # more than the whole pool could pin
+        for i in range(n):
+            engine.add_request(f"p{i}", prompt, GREEDY.clone(), kv_transfer_params={"do_remote_decode": True})
+        finals = _run(engine)
+        assert len(finals) == n  # every request finished: nothing stalled
+        pinned = [f for f in finals.values() if f.kv_transfer_params]
+        assert 1 <= len(pinned) and len(pinned) * blocks <= 12 < (len(pinned) + 1) * blocks
+        assert engine.scheduler.pinned_kv.num_blocks() <= 12
+    finally:
+        engine.shutdown()
