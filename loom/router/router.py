@@ -43,7 +43,7 @@ Disconnected = Callable[[], Awaitable[bool]]  # starlette's Request.is_disconnec
 _CLIENT_GONE = 499  # nginx's "client closed request": a status nobody receives, for the metrics
 
 # response headers passed back to the client as the replica sent them
-_PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-loom-result-cache")
+_PASSED_HEADERS = ("content-type", "retry-after", "x-request-id", "x-loom-result-cache", "x-loom-model-identity")
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +410,8 @@ class Router:
         if prefill is not None and prefilled:
             out_headers["x-loom-prefill-replica"] = prefill.url
         is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        if store_key is not None and upstream.headers.get("x-loom-model-identity") != replica.identity:
+            store_key = None  # the replica now runs another model than its last health check said: do not store
         if not (stream and is_sse):
             try:
                 content = await _unless_disconnected(upstream.aread(), is_disconnected,

@@ -32,6 +32,7 @@ from loom.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, get_tool_call_par
 logger = logging.getLogger(__name__)
 
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
+MODEL_IDENTITY_HEADER = "x-loom-model-identity"  # the digest of the model that answered (loom_model_identity)
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 500: "internal_server_error", 503: "service_unavailable"}
@@ -191,13 +192,21 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None,
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    # every answer says which model produced it: a router's result cache stores it only under that identity (a
+    # replica restarted at the same URL with other weights is not known to the router until its next check)
+    identity_header = {MODEL_IDENTITY_HEADER: model_card["loom_model_identity"]["digest"]}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(ctx, body, raw)
+        response = await create_completion(ctx, body, raw)
+        response.headers.update(identity_header)
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(ctx, body, raw)
+        response = await create_chat_completion(ctx, body, raw)
+        response.headers.update(identity_header)
+        return response
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

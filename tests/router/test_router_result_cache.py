@@ -111,3 +111,19 @@ def test_only_deterministic_whole_answers_are_kept_and_cache_control_opts_out(re
         assert "loom_router:result_cache_hits_total 1.0" in metrics
         assert "loom_router:result_cache_bypasses_total 4.0" in metrics  # 2 sampled, no-store, no-cache
         assert router.cache is not None and router.cache.stats().stores == 2
+
+
+def test_an_answer_from_another_model_than_the_router_knows_is_not_stored(replica: LiveServer) -> None:
+    """A replica restarted at the same URL with other weights: until the next health check the router keys by the
+    old identity; the replica's x-loom-model-identity header says otherwise, so nothing is stored."""
+    with live_router([replica.base_url], result_cache_size=16, health_interval_s=60) as (url, router):
+        state = router.replicas.get(replica.base_url)
+        real = state.identity
+        state.identity = "f" * 64  # what the router believed before the restart
+        body = {**BASE, "prompt": "identity stamp"}
+        for _ in range(2):
+            r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            assert r.headers[HEADER] == "miss" and r.headers["x-loom-model-identity"] == real
+        state.identity = real
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).headers[HEADER] == "miss"
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).headers[HEADER] == "hit"
