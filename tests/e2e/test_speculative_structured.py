@@ -54,6 +54,22 @@ def spec(request: pytest.FixtureRequest) -> LLM:
                speculative_disable_by_batch_size=None)
 
 
+@pytest.fixture(scope="module")
+def plain_tokens(plain: LLM):
+    """Greedy tokens without speculation, alone (one request at a time) or batched: computed once for the module,
+    not once per speculative method (float32 greedy on one engine: the same tokens each time)."""
+    cache: dict[bool, list[list[int]]] = {}
+
+    def tokens(batched: bool) -> list[list[int]]:
+        if batched not in cache:
+            pairs = CONSTRAINED + [(p, FREE) for p in PROMPTS] if batched else CONSTRAINED
+            cache[batched] = _tokens(_run(plain, pairs)) if batched else [_tokens(_run(plain, [pair]))[0]
+                                                                           for pair in pairs]
+        return cache[batched]
+
+    return tokens
+
+
 def _run(llm: LLM, pairs: list[tuple[str, SamplingParams]]):
     return llm.generate([p for p, _ in pairs], [s for _, s in pairs], use_tqdm=False)
 
@@ -67,11 +83,11 @@ def _clean(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
-def test_structured_greedy_with_speculation_equals_without(plain: LLM, spec: LLM, batched: bool) -> None:
+def test_structured_greedy_with_speculation_equals_without(plain_tokens, spec: LLM, batched: bool) -> None:
     """json_schema, regex and choice: the same tokens as without speculation, valid, and drafts really kept;
     batched, next to unconstrained requests that draft too (their output unchanged as well)."""
     pairs = CONSTRAINED + [(p, FREE) for p in PROMPTS] if batched else CONSTRAINED
-    expected = _tokens(_run(plain, pairs)) if batched else [_tokens(_run(plain, [pair]))[0] for pair in pairs]
+    expected = plain_tokens(batched)
     before = spec.engine.scheduler.spec_stats.num_accepted_tokens
     outs = _run(spec, pairs) if batched else [_run(spec, [pair])[0] for pair in pairs]
     assert _tokens(outs) == expected
