@@ -39,6 +39,15 @@ def gemma3_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_reader(gemma3_gguf: Path):
+    """Gemma-3-270M's GGUF as loom opens it (`open_gguf`), parsed once for the session: its 262k-token vocabulary
+    makes each parse take seconds. A read-only memory map; tests only read its fields and tensors."""
+    from loom.model.loader.gguf import open_gguf
+
+    return open_gguf(gemma3_gguf)
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(default_gguf: Path):
     from transformers import AutoTokenizer
 

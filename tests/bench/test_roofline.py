@@ -115,7 +115,7 @@ def test_efficiency_report() -> None:
     assert json.loads(to_json(summary, rows))["floors"]["params"] == SMOL_PARAMS
 
 
-def test_sliding_window_layers_read_only_their_window(gemma3_gguf) -> None:  # noqa: ANN001
+def test_sliding_window_layers_read_only_their_window(gemma3_gguf, gemma3_reader) -> None:  # noqa: ANN001
     """Gemma-3-270M as loom reads the real file: 15 of 18 layers slide over 512 tokens, four norms a layer. At
     context 4,096 a query attends to (3 x 4,096 + 15 x 512) / 18 keys per layer on average, so a step reads that
     much KV, not 4,096 tokens' worth; below the window nothing changes."""
@@ -131,10 +131,9 @@ def test_sliding_window_layers_read_only_their_window(gemma3_gguf) -> None:  # n
     assert roof.decode_bytes(1, 4096) - roof.weight_bytes == pytest.approx(
         (plain.decode_bytes(1, 4096) - plain.weight_bytes) * (3 * 4096 + 15 * 512) / (18 * 4096))
     assert roof.decode_bytes(4, 300) == plain.decode_bytes(4, 300)
-    # the four norms a layer (and the QK-norms) counted: the parameters are the file's, element for element
-    from gguf import GGUFReader
-
-    assert arch.num_params == sum(int(t.n_elements) for t in GGUFReader(gemma3_gguf).tensors) == 268_098_176
+    # the four norms a layer (and the QK-norms) counted: the parameters are the file's, element for element (the
+    # session's parse of the file, a gguf.GGUFReader)
+    assert arch.num_params == sum(int(t.n_elements) for t in gemma3_reader.tensors) == 268_098_176
     summary = floor_summary(roof, Workload(batch=1, context=0, prompt_len=512, kv_budget_bytes=1 << 30,
                                            max_model_len=4096))
     assert summary["max_concurrency_at_max_model_len"] == pytest.approx(

@@ -241,12 +241,12 @@ def test_bundled_smollm2_arch_tokenizer_and_eos(loom_smollm2) -> None:  # noqa: 
     assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
 
-def test_gemma3_270m_gguf_arch_and_names(gemma3_gguf) -> None:  # noqa: ANN001
+def test_gemma3_270m_gguf_arch_and_names(gemma3_reader) -> None:  # noqa: ANN001
     """The real Gemma-3-270M file: llama.cpp's fixed layer pattern (every 6th layer global) and local rotary base,
     its sandwich-norm tensor names, and norm weights read back without the 1 the converter added."""
-    from loom.model.loader.gguf import gguf_arch_config, gguf_tensor_name, iter_gguf_weights, open_gguf
+    from loom.model.loader.gguf import gguf_arch_config, gguf_tensor_name, iter_gguf_weights
 
-    reader = open_gguf(gemma3_gguf)
+    reader = gemma3_reader  # open_gguf(the file), parsed once for the session
     arch = gguf_arch_config(reader)
     assert arch.architecture == "Gemma3ForCausalLM"
     assert (arch.num_layers, arch.hidden_size, arch.head_dim) == (18, 640, 256)
