@@ -175,7 +175,7 @@ def test_quantize_refuses_bad_arguments(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys) -> None:
+def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys, llm) -> None:
     """`loom quantize` end to end on the real model with a text file: the output generates the same greedy text
     as the source in float32 (--quantization none) and runs as w8a8 by default."""
     from loom import LLM, SamplingParams
@@ -189,7 +189,7 @@ def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys) -> None:
     assert "runs as w8a8" in capsys.readouterr().out
     params = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = "The capital of France is"
-    src = LLM(dtype="float32", quantization="none").generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    src = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]  # the session's float32 "none" engine
     same = LLM(model=str(out), dtype="float32", quantization="none").generate([prompt], params, use_tqdm=False)
     assert same[0].outputs[0].token_ids == src.token_ids
     w8a8 = LLM(model=str(out))
