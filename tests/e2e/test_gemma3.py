@@ -18,7 +18,7 @@ PROMPTS = [
     "Water boils at a temperature of",
     "import numpy as np\n\ndef softmax(x):",
 ]
-NEW_TOKENS = 32
+NEW_TOKENS = 16  # greedy tokens per prompt: enough for a divergence to show (each costs a step of all four models)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 
 
