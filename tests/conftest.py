@@ -7,6 +7,39 @@ from pathlib import Path
 import pytest
 
 
+_PARSE_ONCE_BYTES = 50 << 20  # the real models (bundled SmolLM2, Gemma-3, Qwen); tiny test GGUFs parse each time
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _each_real_gguf_parsed_once():
+    """`gguf.GGUFReader` parses a file's whole key/value header in Python on construction: 1.9 s for the bundled
+    SmolLM2, 8 s for Gemma-3's 262k-token vocabulary, and every LLM of the real model (and transformers' GGUF
+    loading) builds one. For the session, a read-only reader (mode 'r', a read-only memory map) of an unchanged
+    file over 50 MiB is built once and handed out again: keyed by path, size and mtime, so a rewritten file is
+    parsed afresh; any other call, and any error, goes to the real class. loom's own loading code
+    (`open_gguf` and everything that reads the reader) runs as before."""
+    import gguf
+
+    real = gguf.GGUFReader
+    cache: dict[tuple[str, int, int], object] = {}
+
+    def reader(path, mode="r"):  # noqa: ANN001, ANN202
+        try:
+            st = Path(path).stat()
+        except (OSError, TypeError, ValueError):
+            return real(path, mode)
+        if mode != "r" or st.st_size < _PARSE_ONCE_BYTES:
+            return real(path, mode)
+        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        if key not in cache:
+            cache[key] = real(path, mode)
+        return cache[key]
+
+    gguf.GGUFReader = reader
+    yield
+    gguf.GGUFReader = real
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     from loom.model.loader import default_model_path
