@@ -142,19 +142,26 @@ def build_router_app(router: Router, security: SecurityConfig | None = None,
                     "num_requests_running": r.num_running, "num_requests_waiting": r.num_waiting,
                     "kv_cache_usage": r.kv_cache_usage}
 
-        role = "decode" if router.prefill_replicas is not None else "serve"
+        role = "decode" if len(router.prefill_replicas) else "serve"
         return {"policy": router.policy.name,
                 "replicas": [card(r, role) for r in router.replicas]
-                + [card(r, "prefill") for r in router.prefill_replicas or ()]}
+                + [card(r, "prefill") for r in router.prefill_replicas]}
 
-    async def _url_of(raw: Request) -> str:
+    async def _admin_body(raw: Request) -> tuple[str, str]:
+        """(url, role) of an admin request's body {"url": ..., "role": "serve" | "prefill"}."""
         try:
             body = json.loads(await raw.body())
         except ValueError as e:
             raise ValueError(f"Malformed JSON: {e}") from e
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
             raise ValueError("url: give the replica's base URL as {\"url\": \"http://host:port\"}")
-        return str(body["url"])
+        unknown = sorted(set(body) - {"url", "role"})
+        if unknown:
+            raise ValueError(f"url: unknown fields {unknown}; the body is {{\"url\": ..., \"role\": ...}}")
+        role = body.get("role", "serve")
+        if not isinstance(role, str):
+            raise ValueError(f"role must be serve, decode or prefill, got {role!r}")
+        return str(body["url"]), role
 
     async def admin(raw: Request, action: str) -> Response:
         if admin_api_key is not None:
@@ -166,17 +173,18 @@ def build_router_app(router: Router, security: SecurityConfig | None = None,
             return error_response(403, "The admin routes answer clients on the router's machine only; start the "
                                   "router with --admin-api-key to administer it from elsewhere.", code="forbidden")
         try:
-            url = await _url_of(raw)
+            url, role = await _admin_body(raw)
             if action == "add":
-                state = router.add_replica(url)
+                state = router.add_replica(url, role)
                 assert router.client is not None
-                await router.replicas.check(router.client, state, router.config.health_timeout_s)
+                owner = router.prefill_replicas if role == "prefill" else router.replicas
+                await owner.check(router.client, state, router.config.health_timeout_s)
             elif action == "remove":
                 state = router.remove_replica(url)
             else:
                 state = router.drain(url, action == "drain")
         except ValueError as e:
-            return error_response(400, str(e), param="url")
+            return error_response(400, str(e), param="role" if str(e).startswith("role") else "url")
         return JSONResponse({"url": state.url, "healthy": state.healthy, "draining": state.draining,
                              "in_flight": state.in_flight})
 

@@ -167,7 +167,8 @@ class Router:
         request is prefilled on one of those first and `replicas` (consumers) pull its KV blocks and decode
         (prefill/decode disaggregation, docs/disaggregation.md)."""
         self.replicas = replicas
-        self.prefill_replicas = prefill_replicas if prefill_replicas is not None and len(prefill_replicas) else None
+        # (empty: no disaggregation; POST /router/add with "role": "prefill" adds to it at run time)
+        self.prefill_replicas = prefill_replicas if prefill_replicas is not None else ReplicaSet([])
         self.config = config
         self.policy: RoutingPolicy = make_policy(config.policy, config.policy_options)
         # prefill replicas have prefix caches of their own: the same policy, its own memory
@@ -203,12 +204,11 @@ class Router:
     async def check_health(self) -> None:
         assert self.client is not None
         await self.replicas.check_all(self.client, self.config.health_timeout_s)
-        if self.prefill_replicas is not None:
-            await self.prefill_replicas.check_all(self.client, self.config.health_timeout_s)
+        await self.prefill_replicas.check_all(self.client, self.config.health_timeout_s)
         self.metrics.observe_replicas(self._all_replicas())
 
     def _all_replicas(self) -> list[ReplicaState]:
-        return [*self.replicas, *(self.prefill_replicas or ())]
+        return [*self.replicas, *self.prefill_replicas]
 
     async def _health_loop(self) -> None:
         while True:
@@ -219,23 +219,40 @@ class Router:
                 logger.exception("health check round failed")
 
     # -- fleet administration --
-    def add_replica(self, url: str) -> ReplicaState:
-        return self.replicas.add(url)
+    def add_replica(self, url: str, role: str = "serve") -> ReplicaState:
+        """Add a replica that answers requests (role "serve"/"decode") or prefills them ("prefill").
+        Raises ValueError for a bad role, a bad URL or one already in the fleet."""
+        if role not in ("serve", "decode", "prefill"):
+            raise ValueError(f"role must be serve, decode or prefill, got {role!r}")
+        if self._find(url) is not None:
+            raise ValueError(f"replica {url} is already in the fleet")
+        return (self.prefill_replicas if role == "prefill" else self.replicas).add(url)
 
     def remove_replica(self, url: str) -> ReplicaState:
-        state = self.replicas.remove(url)
+        """Take a replica (of either role) out of the fleet. Raises ValueError for an unknown URL."""
+        state = self._find(url)
+        if state is None:
+            raise ValueError(f"replica {url} is not in the fleet")
+        owner = self.replicas if self.replicas.get(state.url) is state else self.prefill_replicas
+        owner.remove(state.url)
         self.policy.on_removed(state.url)
+        self.prefill_policy.on_removed(state.url)
         self.metrics.forget(state.url)
         return state
 
     def drain(self, url: str, draining: bool = True) -> ReplicaState:
-        """Stop (or resume) routing new requests to a replica. Raises ValueError for an unknown URL."""
-        state = self.replicas.get(url)
+        """Stop (or resume) routing new requests to a replica of either role. Raises ValueError for an unknown
+        URL."""
+        state = self._find(url)
         if state is None:
             raise ValueError(f"replica {url} is not in the fleet")
         state.draining = draining
-        self.metrics.observe_replicas(list(self.replicas))
+        self.metrics.observe_replicas(self._all_replicas())
         return state
+
+    def _find(self, url: str) -> ReplicaState | None:
+        """The replica at `url` in either set. Raises ValueError for a malformed URL."""
+        return self.replicas.get(url) or self.prefill_replicas.get(url)
 
     # -- routing --
     def resolve_model(self, request: RouteRequest) -> tuple[str | None, str]:
@@ -341,7 +358,7 @@ class Router:
                         decode: ReplicaState) -> ReplicaState | None:
         """The prefill replica for a request `decode` will decode (None: not disaggregated: no healthy producer,
         or `decode` is not a consumer). Roles come from each replica's /load."""
-        if self.prefill_replicas is None or decode.kv_transfer_role not in ("consumer", "both"):
+        if not len(self.prefill_replicas) or decode.kv_transfer_role not in ("consumer", "both"):
             return None
         # the same model identity as the decode replica: K/V of another build would decode into garbage
         candidates = [r for r in self.prefill_replicas.eligible(model, version=decode.identity or version)

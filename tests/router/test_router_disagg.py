@@ -65,3 +65,22 @@ def test_disaggregated_through_the_router_equals_colocated(servers) -> None:
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         assert "x-loom-prefill-replica" not in r.headers  # unhealthy: not used
+
+
+def test_prefill_replicas_are_administered_like_the_others(servers) -> None:
+    p, d, c = servers
+    body = {"model": c.app.state.ctx.model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with live_router([d.base_url], health_interval_s=60) as (url, _):
+        assert "x-loom-prefill-replica" not in httpx.post(url + "/v1/completions", json=body, timeout=60).headers
+        added = httpx.post(url + "/router/add", json={"url": p.base_url, "role": "prefill"}, timeout=30)
+        assert added.status_code == 200 and added.json()["healthy"], added.text
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.headers.get("x-loom-prefill-replica") == p.base_url
+        assert httpx.post(url + "/router/drain", json={"url": p.base_url}, timeout=10).json()["draining"]
+        assert "x-loom-prefill-replica" not in httpx.post(url + "/v1/completions", json=body, timeout=60).headers
+        assert httpx.post(url + "/router/remove", json={"url": p.base_url}, timeout=10).status_code == 200
+        assert [r["role"] for r in httpx.get(url + "/router/replicas").json()["replicas"]] == ["serve"]
+        bad = httpx.post(url + "/router/add", json={"url": p.base_url, "role": "king"}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
+        extra = httpx.post(url + "/router/add", json={"url": p.base_url, "weight": 2}, timeout=10)
+        assert extra.status_code == 400 and extra.json()["error"]["param"] == "url"
