@@ -59,21 +59,25 @@ def has_output(event: bytes) -> bool:
 
 
 
-def replay_response(found: CachedResponse, path: str) -> Response:
-    """A result-cache hit: the stored bytes with a fresh id and created (a stream replays as its events)."""
-    prefix = "chatcmpl" if path.endswith("/chat/completions") else "cmpl"
-    response_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-    headers = {ROUTER_CACHE_HEADER: "hit"}
+def replay(found: CachedResponse, response_id: str, created: int, headers: dict[str, str],
+           stream_headers: dict[str, str]) -> Response:
+    """A stored response with `response_id` and `created` filled in: a JSON body, or its SSE events replayed as a
+    stream (with `stream_headers` too). Used by the router's and loom serve's result caches."""
     if not found.streamed:
         return Response(found.render_body(response_id, created), media_type=found.media_type, headers=headers)
     events = found.render_events(response_id, created)
 
-    async def replay() -> AsyncIterator[bytes]:
+    async def events_again() -> AsyncIterator[bytes]:
         for event in events:
             yield event
 
-    return StreamingResponse(replay(), media_type=found.media_type,
-                             headers={**headers, "Cache-Control": "no-cache"})
+    return StreamingResponse(events_again(), media_type=found.media_type, headers={**stream_headers, **headers})
 
 
-__all__ = ["ROUTER_CACHE_HEADER", "has_output", "replay_response", "sse_events"]
+def replay_response(found: CachedResponse, path: str) -> Response:
+    """A router result-cache hit: the stored bytes with a fresh id and created."""
+    prefix = "chatcmpl" if path.endswith("/chat/completions") else "cmpl"
+    return replay(found, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), {ROUTER_CACHE_HEADER: "hit"},
+                  {"Cache-Control": "no-cache"})
+
+__all__ = ["ROUTER_CACHE_HEADER", "has_output", "replay", "replay_response", "sse_events"]

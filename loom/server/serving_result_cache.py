@@ -21,6 +21,7 @@ from loom.router.result_cache import (
     RESULT_CACHE_HEADER, CachedResponse, ResultCache, body_is_complete, events_are_complete, parse_cache_control,
     request_key, tenant_of,
 )
+from loom.router.sse import replay
 from loom.sampling_params import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # as EngineStreamingResponse sends
@@ -45,18 +46,8 @@ class CacheLookup:
 
     def hit_response(self, response_id: str, created: int) -> Response:
         """The stored response with `response_id` and `created` filled in: a JSON body or a replayed stream."""
-        found = self.found
-        assert found is not None
-        headers = {RESULT_CACHE_HEADER: "hit"}
-        if not found.streamed:
-            return Response(found.render_body(response_id, created), media_type=found.media_type, headers=headers)
-        events = found.render_events(response_id, created)
-
-        async def replay() -> AsyncIterator[bytes]:
-            for event in events:
-                yield event
-
-        return StreamingResponse(replay(), media_type=found.media_type, headers={**SSE_HEADERS, **headers})
+        assert self.found is not None
+        return replay(self.found, response_id, created, {RESULT_CACHE_HEADER: "hit"}, SSE_HEADERS)
 
     def finish(self, response: Response) -> Response:
         """Mark a fresh response with the cache status; store its body when it is whole and successful."""
