@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from loom.router.cli import wait_until_healthy
 from loom.router.disagg import prefill_then_decode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,20 +42,6 @@ def start(port: int, extra: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive"}
     cmd = [sys.executable, "-m", "loom.cli", "serve", "--port", str(port), "--num-threads", "1", *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server for {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 async def one(client: httpx.AsyncClient, send, body: dict) -> Result:
@@ -123,14 +110,15 @@ def main() -> None:
         procs = [start(a, extras[0], logs / f"pd_{mode}_0.log"), start(b, extras[1], logs / f"pd_{mode}_1.log")]
         try:
             for url, proc in zip(urls, procs):
-                wait_ready(url, proc)
+                wait_until_healthy([url], [proc], 300.0)
             if mode == "colocated":
                 def send(client, body, i):
                     request = client.build_request("POST", urls[i % 2] + "/v1/completions", json=body)
                     return client.send(request, stream=True)
             else:
-                def send(client, body, i):
-                    return prefill_then_decode(client, urls[0], urls[1], "/v1/completions", body, {})
+                async def send(client, body, i):
+                    response, _ = await prefill_then_decode(client, urls[0], urls[1], "/v1/completions", body, {})
+                    return response
             # one warm-up request per replica path, not counted
             asyncio.run(run_load(send, [dict(bodies[0], max_tokens=4)] * 2, 100.0))
             results = asyncio.run(run_load(send, bodies, args.rate))

@@ -26,6 +26,7 @@ import time
 
 import httpx
 
+from loom.router.cli import wait_until_healthy
 from loom.router.result_cache import CachedResponse, ResultCache, request_key, tenant_of
 
 BODIES = {
@@ -96,29 +97,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait(url: str, deadline_s: float = 300.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not come up")
-
-
 def router_bench(n: int) -> None:
     replica_port, router_port = _free_port(), _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "loom.cli", "--log-level", "WARNING", "serve", "--port",
                                str(replica_port), "--max-model-len", "512"], start_new_session=True)]
     try:
-        _wait(f"http://127.0.0.1:{replica_port}")
+        wait_until_healthy([f"http://127.0.0.1:{replica_port}"], procs, 300.0)
         procs.append(subprocess.Popen([sys.executable, "-m", "loom.router", "--log-level", "WARNING", "--port",
                                        str(router_port), "--replica", f"http://127.0.0.1:{replica_port}",
                                        "--result-cache-size", "64"], start_new_session=True))
         url = f"http://127.0.0.1:{router_port}"
-        _wait(url)
+        wait_until_healthy([url], procs, 300.0)
         with httpx.Client(base_url=url, timeout=60) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
             for name, (route, body) in BODIES.items():

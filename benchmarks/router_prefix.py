@@ -25,13 +25,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from loom.bench.datasets import SampleRequest, iter_sharegpt_pairs, load_bench_tokenizer
 from loom.bench.serve import ServeConfig, run_serve_benchmark, summarize
+from loom.router.cli import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,20 +73,6 @@ def build_workload(num_systems: int, users: int, system_tokens: int, question_to
     return requests
 
 
-def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a process exited while waiting for {url}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy within {timeout_s} s")
-
-
 def run_policy(policy: str, requests: list[SampleRequest], args: argparse.Namespace) -> dict[str, object]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen[bytes]] = []
@@ -100,13 +86,13 @@ def run_policy(policy: str, requests: list[SampleRequest], args: argparse.Namesp
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True))
             replica_urls.append(f"http://127.0.0.1:{port}")
         for url in replica_urls:
-            _wait_healthy(url, procs)
+            wait_until_healthy([url], procs, 300.0)
         router_port = free_port()
         cmd = [sys.executable, "-m", "loom.router", "--log-level", "WARNING", "--port", str(router_port),
                "--policy", policy, *[a for u in replica_urls for a in ("--replica", u)]]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True))
         router_url = f"http://127.0.0.1:{router_port}"
-        _wait_healthy(router_url, procs)
+        wait_until_healthy([router_url], procs, 300.0)
         model = httpx.get(router_url + "/v1/models").json()["data"][0]["id"]
         cfg = ServeConfig(base_url=router_url, model=model, max_concurrency=args.concurrency)
         results, duration = asyncio.run(run_serve_benchmark(cfg, requests, use_tqdm=False))
