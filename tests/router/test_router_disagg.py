@@ -8,12 +8,9 @@ import json
 import httpx
 import pytest
 
-from loom.config import EngineArgs
-from loom.engine.async_engine import AsyncLLMEngine
-from loom.engine.llm_engine import LLMEngine
 from tests.helpers import save_tiny_model
 from tests.router.conftest import live_router
-from tests.server.conftest import serve
+from tests.server.conftest import serve_disagg_trio
 
 PROMPT = "A router sends the prompt to one replica and the decoding to another, and the answer is"
 
@@ -22,14 +19,8 @@ PROMPT = "A router sends the prompt to one replica and the decoding to another, 
 def servers(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer):
     model = str(save_tiny_model(tmp_path_factory.mktemp("router_disagg") / "llama", "llama", hf_tokenizer))
 
-    def front(role: str | None) -> AsyncLLMEngine:
-        engine = AsyncLLMEngine(LLMEngine(EngineArgs(model=model, dtype="float32", block_size=4, num_kv_blocks=96,
-                                                     kv_transfer_role=role)), idle_poll_s=0.05)
-        engine.start()
-        return engine
-
-    with serve(front("producer")) as p, serve(front("consumer")) as d, serve(front(None)) as c:
-        yield p, d, c
+    with serve_disagg_trio(model) as trio:
+        yield trio
 
 
 def _streamed_text(raw: str) -> str:

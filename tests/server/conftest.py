@@ -72,6 +72,24 @@ def serve_app(engine: AsyncLLMEngine, uvicorn_kwargs: dict[str, Any] | None = No
         thread.join(15)
 
 
+@contextlib.contextmanager
+def serve_disagg_trio(model: str, num_kv_blocks: int = 96) -> Iterator[tuple[LiveServer, LiveServer, LiveServer]]:
+    """Three live `loom serve` apps of `model` (float32, 4-token blocks): a prefill replica (producer), a decode
+    replica (consumer) and a plain co-located one, for disaggregation tests."""
+    from loom.config import EngineArgs
+    from loom.engine.llm_engine import LLMEngine
+
+    def front(role: str | None) -> AsyncLLMEngine:
+        engine = AsyncLLMEngine(LLMEngine(EngineArgs(model=model, dtype="float32", block_size=4,
+                                                     num_kv_blocks=num_kv_blocks, kv_transfer_role=role)),
+                                idle_poll_s=0.05)
+        engine.start()
+        return engine
+
+    with serve(front("producer")) as p, serve(front("consumer")) as d, serve(front(None)) as c:
+        yield p, d, c
+
+
 def wait_for(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
