@@ -70,17 +70,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-selector-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an option of the model selector (repeatable)")
     p.add_argument("--routing-alias", default="auto", help="model name that asks the selector (default: %(default)s)")
-    p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
+    p.add_argument("--health-interval", dest="health_interval_s", type=float, default=1.0, metavar="SECONDS",
                    help="seconds between health checks (default: %(default)s)")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="replicas a request may be tried on before it fails (default: %(default)s)")
-    p.add_argument("--upstream-timeout", type=float, default=600.0, metavar="SECONDS",
+    p.add_argument("--upstream-timeout", dest="upstream_timeout_s", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a replica may stay silent mid-response before the router cuts it "
                    "(default: %(default)s)")
     p.add_argument("--result-cache-size", type=int, default=0, metavar="N",
                    help="keep the whole responses of N deterministic requests at the router (greedy or seeded; "
                    "keyed by model identity, tenant and the whole body; docs/fleet.md) (default: 0 = off)")
-    p.add_argument("--result-cache-ttl", type=float, default=600.0, metavar="SECONDS",
+    p.add_argument("--result-cache-ttl", dest="result_cache_ttl_s", type=float, default=600.0, metavar="SECONDS",
                    help="lifetime of a result-cache entry (default: %(default)s)")
     p.add_argument("--result-cache-max-bytes", type=int, default=256 << 20,
                    help="bytes the result cache may hold (default: %(default)s)")
@@ -120,23 +120,13 @@ def router_config(ns: argparse.Namespace) -> RouterConfig:
         raise ValueError("model_selector_option: give the selector they are for with --model-selector")
     options = PolicyOptions(cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
                             balance_rel_threshold=ns.balance_rel_threshold)
-    try:
-        return RouterConfig(policy=ns.policy, policy_options=options, model_selector=ns.model_selector,
-                            model_selector_options=_selector_options(ns.model_selector_option),
-                            routing_alias=ns.routing_alias, health_interval_s=ns.health_interval,
-                            max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout,
-                            result_cache_size=ns.result_cache_size, result_cache_ttl_s=ns.result_cache_ttl,
-                            result_cache_max_bytes=ns.result_cache_max_bytes)
-    except ValueError as e:  # RouterConfig names its fields; say the flags instead
-        message = str(e)
-        for field_name, flag in _FLAG_OF_FIELD.items():
-            message = message.replace(field_name, flag)
-        raise ValueError(message) from None
-
-
-# RouterConfig fields whose flag is spelled differently (the CLI names the flag in its errors)
-_FLAG_OF_FIELD = {"health_interval_s": "health_interval", "upstream_timeout_s": "upstream_timeout",
-                  "result_cache_ttl_s": "result_cache_ttl"}
+    # the flags' dests are RouterConfig's field names, so loom.cli names the flag in RouterConfig's errors
+    return RouterConfig(policy=ns.policy, policy_options=options, model_selector=ns.model_selector,
+                        model_selector_options=_selector_options(ns.model_selector_option),
+                        routing_alias=ns.routing_alias, health_interval_s=ns.health_interval_s,
+                        max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout_s,
+                        result_cache_size=ns.result_cache_size, result_cache_ttl_s=ns.result_cache_ttl_s,
+                        result_cache_max_bytes=ns.result_cache_max_bytes)
 
 
 def check_listen_address(host: str, port: int) -> None:
