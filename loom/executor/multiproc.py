@@ -130,9 +130,16 @@ class MultiprocExecutor:
         while waiting:
             ready, _, _ = select.select(list(waiting), [], [], 0.1)
             for fd in ready:
-                if waiting[fd].stdout.readline():  # "ready"; an empty read is the end of the pipe: it exited
-                    waiting[fd].stdout.close()
-                    del waiting[fd]
+                proc = waiting.pop(fd)
+                line = proc.stdout.readline()  # "ready"; an empty read is the end of the pipe: it exited
+                proc.stdout.close()
+                if not line:
+                    try:  # reap it, so the error gives its exit code (its pipe can close before poll() sees it)
+                        proc.wait(5)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    raise ExecutorDiedError(f"tensor-parallel workers exited before joining: "
+                                            f"{self._dead_workers() or f'pid {proc.pid} closed its output'}")
             dead = self._dead_workers()
             if dead:
                 raise ExecutorDiedError(f"tensor-parallel workers exited before joining: {dead}")
