@@ -7,6 +7,7 @@ import math
 import logging
 from dataclasses import dataclass
 
+from loom.core.kv_retention import KVRetentionConfig
 from loom.kv_transfer.base import KVTransferConfig
 from loom.spec.proposer import SpeculativeConfig
 
@@ -26,6 +27,8 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 PREEMPTION_MODES = ("recompute", "swap")
 # weight quantization methods (loom/quant/config.py): none = dequantize at load (the oracle path)
+# block-sparse decode attention (loom/attention/sparse.py): none = every block; topk-blocks = Quest's top-k blocks
+SPARSE_ATTENTION_METHODS = ("none", "topk-blocks")
 QUANTIZATION_METHODS = ("none", "gguf", "bf16", "w8a16", "w4a16", "w8a8", "fp8", "gptq", "awq")
 
 
@@ -60,8 +63,22 @@ class CacheConfig:
     # models that mix sliding-window and global layers (Gemma 2 / 3): one block table per KV cache group, so the
     # sliding layers hold only their window (loom/core/kv_groups.py); False = one table, every layer every block
     hybrid_kv_cache: bool = True
+    # which KV blocks a long request keeps under a budget (loom/core/kv_retention.py); per request overridable
+    kv_retention: KVRetentionConfig = KVRetentionConfig()
+    sparse_attention: str = "none"  # one of SPARSE_ATTENTION_METHODS
+    sparse_attention_topk: int = 64  # topk-blocks: blocks chosen by their score bound per decode query
+    sparse_attention_sink_blocks: int = 1  # topk-blocks: first blocks always read
+    sparse_attention_recent_blocks: int = 2  # topk-blocks: last blocks always read (the partial one included)
 
     def __post_init__(self) -> None:
+        if self.sparse_attention not in SPARSE_ATTENTION_METHODS:
+            raise ValueError(f"sparse_attention must be one of {list(SPARSE_ATTENTION_METHODS)}, got "
+                             f"{self.sparse_attention!r}")
+        for name, low in (("sparse_attention_topk", 1), ("sparse_attention_sink_blocks", 0),
+                          ("sparse_attention_recent_blocks", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {SUPPORTED_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_offload_memory_bytes < 0:
@@ -170,6 +187,15 @@ class EngineArgs:
     kv_transfer_timeout_s: float = 120.0  # producer: seconds unread prompt blocks stay pinned
     kv_transfer_pull_timeout_s: float = 10.0  # consumer: seconds a pull may take before computing the prompt
     kv_transfer_peers: tuple[str, ...] = ("127.0.0.1", "::1", "localhost")  # consumer: hosts it may pull from
+    # long context (docs/long_context.md): KV retention policy and budget (loom/core/kv_retention.py)
+    kv_retention: str = "full"  # full | sinks | h2o | snapkv
+    kv_retention_budget: float = 0.25  # <= 1: fraction of the prompt's tokens; > 1: tokens
+    kv_retention_sink_tokens: int = 4  # first tokens always kept (sinks, h2o)
+    kv_retention_window: int = 32  # recent tokens always kept; snapkv's observation window
+    sparse_attention: str = "none"  # none | topk-blocks (block-sparse decode attention, Quest)
+    sparse_attention_topk: int = 64  # topk-blocks: blocks read per decode query, besides sinks and recent ones
+    sparse_attention_sink_blocks: int = 1
+    sparse_attention_recent_blocks: int = 2
 
     def __post_init__(self) -> None:
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
@@ -192,6 +218,17 @@ class EngineArgs:
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         parallel = self.parallel_config()
+        self.cache_config()  # validates the KV retention and sparse attention options
+        if self.kv_retention != "full":
+            for conflict, on in (("preemption_mode='swap'", self.preemption_mode == "swap"),
+                                 ("kv_transfer_role", self.kv_transfer_role is not None),
+                                 ("tensor_parallel_size / pipeline_parallel_size > 1", parallel.world_size > 1),
+                                 ("speculative decoding", self._method() is not None)):
+                if on:
+                    raise ValueError(f"kv_retention={self.kv_retention!r} with {conflict} is not supported yet")
+        if parallel.world_size > 1 and self.sparse_attention != "none":
+            raise ValueError("sparse_attention with tensor_parallel_size / pipeline_parallel_size > 1 is not "
+                             "supported yet")
         if self.kv_transfer_config() is not None and parallel.world_size > 1:
             raise ValueError("kv_transfer_role with tensor_parallel_size / pipeline_parallel_size > 1 is not "
                              "supported yet (the blocks live on every rank)")
@@ -233,7 +270,17 @@ class EngineArgs:
             hybrid_kv_cache=self.hybrid_kv_cache,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_offload_memory_bytes=int(self.kv_offload_memory_gb * (1 << 30)),
+            kv_retention=self.kv_retention_config(),
+            sparse_attention=self.sparse_attention,
+            sparse_attention_topk=self.sparse_attention_topk,
+            sparse_attention_sink_blocks=self.sparse_attention_sink_blocks,
+            sparse_attention_recent_blocks=self.sparse_attention_recent_blocks,
         )
+
+    def kv_retention_config(self) -> KVRetentionConfig:
+        """The engine's KV retention settings. Raises ValueError naming the option."""
+        return KVRetentionConfig(policy=self.kv_retention, budget=self.kv_retention_budget,
+                                 sink_tokens=self.kv_retention_sink_tokens, window=self.kv_retention_window)
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The speculative decoding settings, or None when speculation is off. A speculative_model without a

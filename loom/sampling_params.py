@@ -34,6 +34,8 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 
+from loom.core.kv_retention import KV_RETENTION_POLICIES, check_budget
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 
@@ -104,6 +106,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_output: StructuredOutputParams | None = None
+    # long context (loom/core/kv_retention.py): this request's KV retention policy and budget; None = the engine's
+    kv_retention: str | None = None
+    kv_retention_budget: float | None = None  # <= 1: fraction of the prompt's tokens; > 1: tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +127,10 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
             raise ValueError("stop and stop_token_ids must be lists")
+        if self.kv_retention is not None and self.kv_retention not in KV_RETENTION_POLICIES:
+            raise ValueError(f"kv_retention must be one of {list(KV_RETENTION_POLICIES)}, got {self.kv_retention!r}")
+        if self.kv_retention_budget is not None:
+            check_budget(self.kv_retention_budget)
         _int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from loom.config import PREEMPTION_MODES, QUANTIZATION_METHODS, SUPPORTED_DTYPES, SUPPORTED_KV_CACHE_DTYPES, EngineArgs
+from loom.config import (PREEMPTION_MODES, QUANTIZATION_METHODS, SPARSE_ATTENTION_METHODS, SUPPORTED_DTYPES,
+                         SUPPORTED_KV_CACHE_DTYPES, EngineArgs)
+from loom.core.kv_retention import KV_RETENTION_POLICIES
 from loom.kv_transfer.base import KV_CONNECTORS, KV_TRANSFER_ROLES
 from loom.spec.proposer import SPECULATIVE_METHODS
 
@@ -60,6 +62,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false",
                    help="models that mix sliding-window and global layers (Gemma 2 / 3): keep one block table for "
                         "every layer instead of one per layer group (the sliding layers then hold every block)")
+    g.add_argument("--kv-retention", default=defaults.kv_retention, choices=KV_RETENTION_POLICIES,
+                   help="long prompts under a KV budget (docs/long_context.md): full = keep every block; sinks = "
+                        "StreamingLLM's first tokens + recent window; h2o = heavy hitters by accumulated attention; "
+                        "snapkv = blocks chosen by the prompt's last queries; the prompt is prefilled exactly, then "
+                        "cut to --kv-retention-budget (default: %(default)s)")
+    g.add_argument("--kv-retention-budget", type=float, default=defaults.kv_retention_budget,
+                   help="KV kept per request under a lossy --kv-retention: <= 1 = a fraction of the prompt's "
+                        "tokens, > 1 = tokens (default: %(default)s)")
+    g.add_argument("--kv-retention-sink-tokens", type=int, default=defaults.kv_retention_sink_tokens,
+                   help="first tokens always kept by sinks and h2o, rounded up to whole blocks (default: %(default)s)")
+    g.add_argument("--kv-retention-window", type=int, default=defaults.kv_retention_window,
+                   help="recent tokens always kept, and snapkv's observation window (default: %(default)s)")
+    g.add_argument("--sparse-attention", default=defaults.sparse_attention, choices=SPARSE_ATTENTION_METHODS,
+                   help="block-sparse decode attention: topk-blocks = each decode query reads only the blocks whose "
+                        "key bounds score highest (Quest), plus sink and recent blocks (default: %(default)s)")
+    g.add_argument("--sparse-attention-topk", type=int, default=defaults.sparse_attention_topk,
+                   help="topk-blocks: blocks read per decode query besides the sink and recent ones "
+                        "(default: %(default)s)")
+    g.add_argument("--sparse-attention-sink-blocks", type=int, default=defaults.sparse_attention_sink_blocks,
+                   help="topk-blocks: first blocks always read (default: %(default)s)")
+    g.add_argument("--sparse-attention-recent-blocks", type=int, default=defaults.sparse_attention_recent_blocks,
+                   help="topk-blocks: last blocks always read, the partial one included (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                    help="token budget of one engine step; longer prompts are prefilled in chunks (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
