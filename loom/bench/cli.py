@@ -67,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from loom.bench.cli_quant import register_quant  # light: no torch at import
 
     register_quant(bench_sub)
+    from loom.bench.cli_longctx import register_longctx  # light: no torch at import
+
+    register_longctx(bench_sub)
 
     ana = subparsers.add_parser("analyze", help="roofline floors of a model on this machine (compute the floor first)")
     _add_analyze_args(ana)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -59,6 +60,42 @@ def plot_samples(samples: dict[str, list[float]], ylabel: str, title: str, path:
     names = list(samples)
     ax.boxplot([samples[n] for n in names], tick_labels=names)
     ax.set(ylabel=ylabel, title=title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_longctx(rows: list[Any], title: str, path: Path) -> Path:
+    """Accuracy (%) against KV budget, one panel per (task, length), one line per policy.
+
+    `rows` are loom.bench.longctx_run.LongCtxRow: x is each row's `budget_fraction` (KV tokens kept, or read per
+    decode step for topk-blocks, over prompt tokens; log2 axis), y its accuracy; full attention is a dashed
+    horizontal line at its accuracy."""
+    tasks = sorted({r.task for r in rows})
+    lengths = sorted({r.length for r in rows})
+    fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(3.6 * len(lengths), 3.0 * len(tasks)),
+                             squeeze=False, sharey=True)
+    colors = {"full": "black", "sinks": "tab:blue", "h2o": "tab:orange", "snapkv": "tab:green",
+              "topk-blocks": "tab:red"}
+    for i, task in enumerate(tasks):
+        for j, length in enumerate(lengths):
+            ax = axes[i][j]
+            cell = [r for r in rows if r.task == task and r.length == length]
+            for policy in dict.fromkeys(r.policy for r in cell):
+                pts = sorted((r.budget_fraction, 100 * r.accuracy) for r in cell if r.policy == policy)
+                if policy == "full":
+                    ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="full")
+                    continue
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy,
+                        color=colors.get(policy))
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-5, 105)
+            n = cell[0].num_samples if cell else 0
+            ax.set(title=f"{task}, {length} tokens (n={n})", xlabel="KV kept / prompt tokens")
+            if j == 0:
+                ax.set_ylabel("accuracy (%)")
+            ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 
