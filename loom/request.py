@@ -71,6 +71,9 @@ class Request:
     # from the prefill replica (a loom.kv_transfer.base.RemoteKV), loaded at admission instead of computed
     kv_transfer_id: str | None = None
     remote_kv: Any = None
+    # KV retention (loom/core/kv_retention.py): this request's lossy policy (a KVRetentionConfig, set by the scheduler
+    # from its sampling params and the engine's setting); None = full attention
+    kv_retention: Any = None
 
     @property
     def num_tokens_with_spec(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,9 @@ class AttentionMetadata:
     num_reqs: int  # requests in the batch
     max_query_len: int  # tokens, longest query of the batch
     block_size: int  # tokens per KV block
+    # KV retention: a loom.attention.kv_scores.KVScoreCollector the attention layers feed with their weights this step
+    # (H2O / SnapKV rank blocks by them); None = nothing to score
+    kv_scores: Any = None
 
     @property
     def num_tokens(self) -> int:

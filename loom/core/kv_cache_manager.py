@@ -85,6 +85,11 @@ class KVCacheManager:
         # request_id -> its blocks, position order; None = released early (outside the sliding window)
         self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         self.num_window_blocks_freed = 0  # blocks released early by the sliding window, cumulative
+        # KV retention (loom/core/kv_retention.py): request_id -> blocks dropped from its table so far. Its table
+        # is then compacted: entry j holds position block j + (earlier drops), and every position it computes lies
+        # past the dropped blocks, so token p's slot is table[(p - dropped * block_size) // block_size]
+        self.num_dropped_blocks: dict[str, int] = {}
+        self.num_retention_blocks_freed = 0  # blocks dropped by KV retention policies, cumulative
         self._num_cached_blocks: dict[str, int] = {}  # request_id -> leading blocks already offered to the cache
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found (device or host tier), cumulative
@@ -134,8 +139,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
+        retention = request.kv_retention
+        if retention is not None and retention.policy == "h2o":
+            return [], 0  # H2O accumulates the attention of every query of the prompt: all are computed
         self.update_block_hashes(request)
-        blocks = self.longest_cache_hit(request, (request.num_tokens - 1) // self.block_size)
+        last = request.num_tokens - 1
+        if retention is not None and retention.policy == "snapkv":
+            last = max(0, request.num_tokens - retention.window)  # the observation window's queries are computed
+        blocks = self.longest_cache_hit(request, last // self.block_size)
         num_computed = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed
@@ -268,7 +279,7 @@ class KVCacheManager:
         self._free_outside_window(request.request_id, request.num_computed_tokens)
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = _cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request.request_id, [])) \
-            - len(hits)
+            - len(hits) - self.num_dropped_blocks.get(request.request_id, 0)
         num_hits_free = sum(1 for b in hits if b is not None and b.ref_cnt == 0)
         shared_tail = self._shared_partial_block(request) if num_new_tokens else None
         return num_needed, shared_tail, max(num_needed, 0) + num_hits_free + (shared_tail is not None)
@@ -286,6 +297,8 @@ class KVCacheManager:
         self.req_to_blocks[child_id] = blocks
         if parent_id in self._num_cached_blocks:
             self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+        if parent_id in self.num_dropped_blocks:
+            self.num_dropped_blocks[child_id] = self.num_dropped_blocks[parent_id]
 
     def _shared_partial_block(self, request: Request) -> int | None:
         """Index of the request's block that its next computed token writes into, when that block already
@@ -294,7 +307,7 @@ class KVCacheManager:
         if position % self.block_size == 0:
             return None  # the next token starts a fresh block
         blocks = self.req_to_blocks.get(request.request_id, [])
-        index = position // self.block_size
+        index = position // self.block_size - self.num_dropped_blocks.get(request.request_id, 0)
         if index >= len(blocks) or blocks[index] is None or blocks[index].ref_cnt <= 1:
             return None
         return index
@@ -337,8 +350,8 @@ class KVCacheManager:
         self.num_window_blocks_freed += len(dead)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or request.request_id in self.num_dropped_blocks:
+            return  # after a retention drop, new K/V depend on the dropped state: never offered to the cache
         self.update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         start = self._num_cached_blocks.get(request.request_id, 0)
@@ -363,6 +376,7 @@ class KVCacheManager:
         """Release every block held under `holder` (a request id, or a pinned transfer's key), tail first."""
         blocks = self.req_to_blocks.pop(holder, [])
         self._num_cached_blocks.pop(holder, None)
+        self.num_dropped_blocks.pop(holder, None)
         self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def pin(self, request: Request, holder: str) -> list[KVBlock | None]:
@@ -371,6 +385,7 @@ class KVCacheManager:
         assert holder not in self.req_to_blocks, f"{holder} already holds blocks"
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self.num_dropped_blocks.pop(request.request_id, None)
         self.req_to_blocks[holder] = blocks
         if self.host is not None:
             self.host.release_swapped(request.request_id)
@@ -396,6 +411,30 @@ class KVCacheManager:
             self.num_blocks_recomputed += num_computed_blocks
         self._free_device_blocks(request)
         return swapped
+
+    def drop_blocks(self, request_id: str, indices: list[int]) -> None:
+        """Drop entries `indices` (ascending, into the request's table) from a running request's table and release
+        their blocks (KV retention). Another holder of a block keeps it untouched; a cached block stays in the
+        prefix cache (its contents were computed before any drop). The last entry (the block the next token
+        writes into, or the newest) is never dropped.
+
+        Raises:
+            ValueError: the request holds no blocks, an index is out of range, repeated, or the last entry.
+        """
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            raise ValueError(f"request {request_id!r} holds no blocks")
+        if sorted(set(indices)) != list(indices) or any(not 0 <= i < len(blocks) - 1 for i in indices):
+            raise ValueError(f"indices must be ascending, distinct and below {len(blocks) - 1}, got {indices}")
+        if not indices:
+            return
+        dropped = [blocks[i] for i in indices]
+        assert all(b is not None for b in dropped), "retention is not used with a sliding window"
+        keep = set(range(len(blocks))) - set(indices)
+        blocks[:] = [blocks[i] for i in sorted(keep)]
+        self.num_dropped_blocks[request_id] = self.num_dropped_blocks.get(request_id, 0) + len(indices)
+        self.num_retention_blocks_freed += len(indices)
+        self.block_pool.free_blocks(reversed([b for b in dropped if b is not None]))
 
     def take_step_copies(self) -> StepCopies:
         """Host-tier copies recorded since the last call (empty without a host tier)."""

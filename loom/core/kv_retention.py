@@ -104,9 +104,10 @@ class KVRetentionPolicy(Protocol):
         """How many of this step's last query rows the runner scores (0 = none, -1 = all)."""
         ...
 
-    def select_drops(self, state: RetentionState, num_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
-        """Indices into the kept-block table (ascending) to drop now, for a request of `num_tokens` computed
-        tokens; [] = nothing. Never the last (partial or newest) block, the sinks or the recent window."""
+    def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
+        """Indices into the kept-block table (ascending) to drop now, for a request whose table holds `kept_tokens`
+        computed tokens, once `prompt_done` (its prompt is computed and it decodes); [] = nothing. Never the newest
+        block, the sinks or the recent window."""
         ...
 
 
@@ -121,14 +122,10 @@ def _protected(state: RetentionState, num_kept: int, block_size: int) -> tuple[i
     return sinks, recent
 
 
-def _over_budget(state: RetentionState, num_tokens: int, block_size: int) -> int:
-    """Blocks to drop to bring the kept tokens within budget (0 when within)."""
+def _over_budget(state: RetentionState, kept_tokens: int, block_size: int) -> int:
+    """Whole blocks to drop to bring `kept_tokens` within the budget (0 when within)."""
     assert state.budget_tokens is not None
-    kept = len(state.block_positions)
-    partial = num_tokens % block_size
-    kept_tokens = kept * block_size - (block_size - partial if partial else 0)
-    excess = kept_tokens - max(state.budget_tokens, 1)
-    return max(0, -(-excess // block_size))
+    return max(0, -(-(kept_tokens - state.budget_tokens) // block_size))
 
 
 class FullRetention:
@@ -140,7 +137,7 @@ class FullRetention:
     def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
         return 0
 
-    def select_drops(self, state: RetentionState, num_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
+    def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
         return []
 
 
@@ -153,10 +150,10 @@ class SinkRetention:
     def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
         return 0
 
-    def select_drops(self, state: RetentionState, num_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
+    def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
         if not prompt_done:
             return []
-        need = _over_budget(state, num_tokens, block_size)
+        need = _over_budget(state, kept_tokens, block_size)
         sinks, recent = _protected(state, len(state.block_positions), block_size)
         candidates = list(range(sinks, len(state.block_positions) - recent))
         return candidates[:need]
@@ -172,10 +169,10 @@ class HeavyHitterRetention:
     def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
         return -1
 
-    def select_drops(self, state: RetentionState, num_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
+    def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
         if not prompt_done:
             return []
-        return _lowest_scores(state, _over_budget(state, num_tokens, block_size), block_size)
+        return _lowest_scores(state, _over_budget(state, kept_tokens, block_size), block_size)
 
 
 class SnapKVRetention:
@@ -190,10 +187,10 @@ class SnapKVRetention:
             return 0
         return min(num_query_tokens, state.config.window)
 
-    def select_drops(self, state: RetentionState, num_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
+    def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
         if not prompt_done:
             return []
-        need = _over_budget(state, num_tokens, block_size)
+        need = _over_budget(state, kept_tokens, block_size)
         if not state.cut_prompt:
             state.cut_prompt = True
             pooled = _max_pool(state.scores)

@@ -30,6 +30,13 @@ class ScheduledRequest:
     # a hybrid KV cache (loom/core/kv_groups.py): each KV cache group's block table, group order (block_table is
     # group 0's); None = one group, block_table serves every layer
     group_block_tables: list[list[int]] | None = None
+    # KV retention (loom/core/kv_retention.py): context tokens whose blocks were dropped (whole blocks, all before
+    # start_position); block_table lists the kept blocks only, so token p's slot is in entry
+    # (p - num_dropped_tokens) // block_size and the attention context is start_position + len - num_dropped_tokens
+    num_dropped_tokens: int = 0
+    # rows whose attention the runner sums per kept block for the policy (ModelRunnerOutput.kv_block_scores): the
+    # last kv_score_rows query rows of this request's chunk; -1 = all; 0 = none
+    kv_score_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -88,6 +95,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # prompt positions computed this step
     # tree candidates: request_id -> the branch its tokens were kept from (0 = spec_token_ids; absent = 0)
     spec_branch: dict[str, int] = field(default_factory=dict)
+    # KV retention: request_id -> attention received by each entry of its block table this step, summed over layers,
+    # heads and the scored query rows (ScheduledRequest.kv_score_rows)
+    kv_block_scores: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

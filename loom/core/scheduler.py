@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from loom.config import CacheConfig, SchedulerConfig
 from loom.core.kv_cache_manager import ComputedPrefix, HybridKVCacheManager, KVCacheManager
 from loom.core.kv_pinning import PinnedKVTable, PinnedTransfer
+from loom.core.kv_retention import KVRetentionConfig, KVRetentionPolicy, RetentionState, get_retention_policy
 from loom.core.offload import OffloadCounters
 from loom.core.sched_output import (
     EngineCoreOutput,
@@ -162,6 +163,11 @@ class Scheduler:
         self.pinned_kv = PinnedKVTable(kv_transfer_timeout_s)
         self._kv_loads: list[KVBlockLoad] = []
         self.num_kv_blocks_loaded = 0  # pulled blocks written instead of computed, cumulative
+        # KV retention (loom/core/kv_retention.py): the engine's setting, each policy once, and the state of every
+        # running request under a lossy policy (made at admission, dropped at preemption and finish)
+        self.kv_retention: KVRetentionConfig = cache_config.kv_retention
+        self._retention_policies: dict[str, KVRetentionPolicy] = {}
+        self._retention: dict[str, RetentionState] = {}
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -191,6 +197,7 @@ class Scheduler:
             )
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        request.kv_retention = self._retention_config(request)
         if self._queue_is_full(request):
             raise QueueFullError(f"{len(self.waiting)} requests waiting (max_waiting_requests="
                                  f"{self.scheduler_config.max_waiting_requests}, all running seats taken)")
@@ -198,6 +205,36 @@ class Scheduler:
         self.kv_cache_manager.update_block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _retention_config(self, request: Request) -> KVRetentionConfig | None:
+        """The request's KV retention: its sampling params' policy and budget over the engine's; None = full.
+
+        Raises:
+            ValueError: a lossy policy where the compacted block table cannot serve (a sliding-window or hybrid KV
+                cache, speculative decoding, prefill/decode disaggregation, swap preemption, beam search).
+        """
+        params = request.sampling_params
+        policy = params.kv_retention or self.kv_retention.policy
+        if policy == "full":
+            return None
+        budget = params.kv_retention_budget if params.kv_retention_budget is not None else self.kv_retention.budget
+        config = KVRetentionConfig(policy, budget, self.kv_retention.sink_tokens, self.kv_retention.window)
+        conflicts = (("a sliding-window model", self.kv_cache_manager.__class__ is HybridKVCacheManager
+                      or getattr(self.kv_cache_manager, "sliding_window", None) is not None),
+                     ("speculative decoding", self.proposer is not None),
+                     ("kv_transfer_params", request.kv_transfer_id is not None or request.remote_kv is not None),
+                     ("preemption_mode='swap'", self.scheduler_config.preemption_mode == "swap"),
+                     ("beam search", request.beam_group is not None))
+        for what, on in conflicts:
+            if on:
+                raise ValueError(f"kv_retention={policy!r} with {what} is not supported yet")
+        return config
+
+    def _retention_policy(self, name: str) -> KVRetentionPolicy:
+        policy = self._retention_policies.get(name)
+        if policy is None:
+            policy = self._retention_policies[name] = get_retention_policy(name)
+        return policy
 
     def _queue_is_full(self, request: Request) -> bool:
         """max_waiting_requests bounds the user requests that must wait for a seat: a request counts once
@@ -316,6 +353,7 @@ class Scheduler:
         if not self.kv_cache_manager.preempt(request, swap):
             # Recomputed prompt positions produce their logprobs again; _new_prompt_logprobs drops them.
             self._prompt_logprobs_seen.pop(request.request_id, None)
+        self._retention.pop(request.request_id, None)  # recomputed from the start, cut again
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # a swapped request gets its count back from the host tier
         request.spec_token_ids = []
@@ -467,6 +505,16 @@ class Scheduler:
         # tokens the request kept.
         request.spec_token_ids = drafts or []
         request.num_computed_tokens = end + len(request.spec_token_ids)
+        num_dropped_tokens = score_rows = 0
+        if request.kv_retention is not None:
+            state = self._retention.get(request.request_id)
+            if state is None:
+                config = request.kv_retention
+                state = self._retention[request.request_id] = RetentionState(
+                    config, [], [], budget_tokens=config.budget_tokens(request.num_prompt_tokens))
+            num_dropped_tokens = state.num_dropped_blocks * self.cache_config.block_size
+            score_rows = self._retention_policy(state.config.policy).score_rows(
+                state, num_new, end == request.num_tokens)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, end) + (drafts or []),
@@ -481,6 +529,8 @@ class Scheduler:
             spec_branches=branches or [],
             group_block_tables=self.kv_cache_manager.get_group_block_ids(request.request_id)
             if isinstance(self.kv_cache_manager, HybridKVCacheManager) else None,
+            num_dropped_tokens=num_dropped_tokens,
+            kv_score_rows=score_rows,
         )
 
     def _blocks_needed(self, num_tokens: int) -> int:
@@ -595,6 +645,8 @@ class Scheduler:
             self.kv_cache_manager.update_block_hashes(request)
         elif request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
             status = RequestStatus.FINISHED_LENGTH
+        if status is None and rid in self._retention:
+            self._apply_retention(request, self._retention[rid], runner_output.kv_block_scores.get(rid))
         logprobs = runner_output.logprobs.get(rid)
         if logprobs is not None:
             logprobs = logprobs[: len(new_token_ids)]
@@ -618,6 +670,31 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             kv_pinned=kv_pinned,
         )
+
+    def _apply_retention(self, request: Request, state: RetentionState, scores: list[float] | None) -> None:
+        """After a step of a request under a lossy KV retention policy: bring its state up to its table (blocks
+        appended since), add the step's attention scores, and drop the blocks the policy gives up."""
+        manager = self.kv_cache_manager
+        assert isinstance(manager, KVCacheManager)
+        table_len = len(manager.req_to_blocks.get(request.request_id, []))
+        while len(state.block_positions) < table_len:
+            state.block_positions.append(state.block_positions[-1] + 1 if state.block_positions else 0)
+            state.scores.append(0.0)
+        if scores:
+            for i, score in enumerate(scores[:table_len]):
+                state.scores[i] += score
+        bs = self.cache_config.block_size
+        # the prompt (everything known at admission) is computed and the request decodes: the policy may cut
+        caught_up = request.num_computed_tokens >= request.num_tokens - 1
+        kept_tokens = request.num_computed_tokens - state.num_dropped_blocks * bs
+        drops = self._retention_policy(state.config.policy).select_drops(state, kept_tokens, bs, caught_up)
+        if not drops:
+            return
+        manager.drop_blocks(request.request_id, drops)
+        gone = set(drops)
+        state.block_positions = [p for i, p in enumerate(state.block_positions) if i not in gone]
+        state.scores = [x for i, x in enumerate(state.scores) if i not in gone]
+        state.num_dropped_blocks += len(drops)
 
     def _new_prompt_logprobs(self, request_id: str, entries: list[TokenLogprobs] | None) -> list[TokenLogprobs]:
         """Drop prompt logprobs already passed on before a preemption made the runner recompute them."""
@@ -689,6 +766,7 @@ class Scheduler:
 
     def _forget(self, request: Request, status: RequestStatus) -> None:
         """Take an ended request out of every queue and table (its blocks are freed or pinned by the caller)."""
+        self._retention.pop(request.request_id, None)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -777,7 +855,15 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
             assert 0 < r.num_computed_tokens <= r.num_tokens_with_spec
-            assert len(self.kv_cache_manager.get_block_ids(r.request_id)) >= _cdiv(r.num_computed_tokens, bs)
+            table = self.kv_cache_manager.get_block_ids(r.request_id)
+            state = self._retention.get(r.request_id)
+            dropped = state.num_dropped_blocks if state is not None else 0
+            assert len(table) + dropped >= _cdiv(r.num_computed_tokens, bs)
+            if dropped:
+                assert isinstance(self.kv_cache_manager, KVCacheManager)
+                assert self.kv_cache_manager.num_dropped_blocks.get(r.request_id) == dropped
+                assert len(state.block_positions) <= len(table)
+                assert all(a < b for a, b in zip(state.block_positions, state.block_positions[1:]))
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from loom.attention.kv_quant import describe_kv_format
-from loom.config import EngineArgs
+from loom.config import CacheConfig, EngineArgs
 from loom.core.scheduler import Scheduler
 from loom.core.sched_output import EngineCoreOutput, SchedulerOutput
 from loom.engine.beam_search import BeamSearchManager, BeamSearchParams
@@ -71,6 +71,20 @@ class EngineStats:
     kv_transfer_blocks_loaded: int = 0  # pulled blocks written instead of computed
 
 
+def attention_setting(cache_config: CacheConfig) -> str:
+    """The engine's lossy attention settings as one string for its model identity ("exact" when none): two
+    engines answer alike only when their KV retention and block-sparse decode settings agree too."""
+    parts = []
+    r = cache_config.kv_retention
+    if r.lossy:
+        parts.append(f"kv_retention={r.policy}:budget={r.budget:g}:sinks={r.sink_tokens}:window={r.window}")
+    if cache_config.sparse_attention != "none":
+        parts.append(f"sparse_attention={cache_config.sparse_attention}:topk={cache_config.sparse_attention_topk}"
+                     f":sinks={cache_config.sparse_attention_sink_blocks}"
+                     f":recent={cache_config.sparse_attention_recent_blocks}")
+    return ";".join(parts) or "exact"
+
+
 class LLMEngine:
     """Single-threaded engine. Not thread-safe: one owner calls every method (see AsyncLLMEngine)."""
 
@@ -81,6 +95,7 @@ class LLMEngine:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model_config = args.model_config()
         cache_config = args.cache_config()
+        self.attention_setting = attention_setting(cache_config)  # part of the model identity (result cache key)
         started = time.perf_counter()
         self.executor: Executor = make_executor(model_config, cache_config, args.parallel_config(), device,
                                                 args.num_threads)
@@ -251,7 +266,7 @@ class LLMEngine:
             quantization=str(getattr(self.runner.model.quant_config, "name", "none")),
             dtype=str(self.runner.dtype).removeprefix("torch."),
             kv_cache_dtype=str(self.runner.kv_cache_dtype).removeprefix("torch."),
-            tokenizer_sha256=tokenizer_sha256(self.tokenizer))
+            tokenizer_sha256=tokenizer_sha256(self.tokenizer), attention=self.attention_setting)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int:

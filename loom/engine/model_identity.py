@@ -31,6 +31,9 @@ class ModelIdentity:
     dtype: str  # activation / dense-weight dtype, e.g. "float32"
     kv_cache_dtype: str  # the KV cache's element type, e.g. "float32", "fp8_e4m3"
     tokenizer_sha256: str  # sha256 over the tokenizer's vocabulary, special tokens and chat template, hex
+    # what attention reads beyond exact dense attention: the engine's KV retention policy and block-sparse decode
+    # settings (docs/long_context.md); "exact" = neither, every request sees every key
+    attention: str = "exact"
 
     @property
     def digest(self) -> str:

@@ -498,7 +498,9 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids)
             if self.embedding_scale is not None:
                 hidden = hidden * self.embedding_scale
-        if self.decode_step is not None:  # a pure decode step in one C call, when it serves this step
+        # a pure decode step in one C call, when it serves this step (not while KV retention scores the attention:
+        # that needs each layer's queries)
+        if self.decode_step is not None and getattr(attn_metadata, "kv_scores", None) is None:
             out = self.decode_step.run(hidden, cos_sin, kv_caches, attn_metadata, cos_sin_local)
             if out is not None:
                 return out

@@ -127,6 +127,9 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # separates prefix-cache entries between tenants
+    # long context (docs/long_context.md): this request's KV retention policy and budget (None = the server's)
+    kv_retention: str | None = None  # full | sinks | h2o | snapkv
+    kv_retention_budget: Float | None = None  # <= 1: fraction of the prompt's tokens; > 1: tokens
     # prefill/decode disaggregation (docs/disaggregation.md): {"do_remote_decode": true} on a prefill replica,
     # {"do_remote_prefill": true, ...what the prefill returned} on a decode replica
     kv_transfer_params: dict[str, Any] | None = None
@@ -352,6 +355,8 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured_output=structured,
+            kv_retention=req.kv_retention,
+            kv_retention_budget=req.kv_retention_budget,
         )
     except ValueError as e:  # SamplingParams' own checks: its messages start with the parameter name
         param = param_of(str(e))
@@ -365,7 +370,7 @@ BEAM_SEARCH_REFUSED = (
     "stream", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "suffix", "stop", "min_tokens", "top_p",
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
     "include_stop_str_in_output", "response_format", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "tools", "tool_choice",
+    "guided_choice", "guided_grammar", "tools", "tool_choice", "kv_retention", "kv_retention_budget",
 )
 # values of those fields that change nothing (sent explicitly by some clients): accepted with beam search
 BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from loom.attention.metadata import AttentionMetadata
+from loom.attention.kv_scores import KVScoreCollector
 from loom.config import CacheConfig, ModelConfig
 from loom.distributed.pipeline_parallel import PipelineParallel, split_microbatches
 from loom.distributed.tensor_parallel import TensorParallel, max_kv_heads_per_rank
@@ -202,6 +203,9 @@ class ModelRunner:
         self.step_collectives_done = True  # what follows is rank 0's alone
         if not self.is_driver:
             return output  # the sampling is rank 0's alone
+        meta = inputs.attn_metadata
+        if isinstance(meta, AttentionMetadata) and meta.kv_scores is not None:
+            output.kv_block_scores = meta.kv_scores.result()
         if prompt_lp_logits is not None:
             self._add_prompt_logprobs(prompt_lp_logits, inputs, output)
         if sample_logits is not None:
@@ -311,14 +315,17 @@ class ModelRunner:
         lp_owners: list[tuple[str, int, int, int]] = []
         bs = self.block_size
         attn_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]  # per group: each row group's table
+        scored: list[tuple[str, int, int]] = []  # KV retention: (request_id, its row in the metadata, rows to score)
 
-        def add_tokens(ids: list[int], start: int, tables: list[list[int]]) -> int:
-            """Append tokens at positions start.. with their slots in each group's table; returns the first's row."""
+        def add_tokens(ids: list[int], start: int, tables: list[list[int]], dropped: int = 0) -> int:
+            """Append tokens at positions start.. with their slots in each group's table (whose first `dropped`
+            positions' blocks were dropped by KV retention: a compacted table); returns the first's row."""
             first = len(input_ids)
             input_ids.extend(ids)
             positions.extend(range(start, start + len(ids)))
             for slot_mapping, table in zip(slot_mappings, tables, strict=True):
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(ids)))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start - dropped,
+                                                                                 start - dropped + len(ids)))
             return first
 
         def add_rows(tables: list[list[int]]) -> None:
@@ -337,7 +344,10 @@ class ModelRunner:
             start = req.start_position
             n = len(req.token_ids)
             tables = req.group_block_tables or [req.block_table]
-            base = add_tokens(req.token_ids, start, tables)
+            dropped = req.num_dropped_tokens  # KV retention: its table lists the kept blocks only
+            base = add_tokens(req.token_ids, start, tables, dropped)
+            if req.kv_score_rows:
+                scored.append((req.request_id, len(seq_lens), n if req.kv_score_rows < 0 else req.kv_score_rows))
             if req.spec_token_ids:
                 # Verifying drafts: each query token is a decode row of its own, so the batched decode path,
                 # and the one-call C step, compute it exactly as they would compute that token decoded alone.
@@ -350,7 +360,7 @@ class ModelRunner:
                     add_verify_rows(add_tokens(ids, start, [branch_table]), len(ids), start, [branch_table])
             else:
                 query_start_loc.append(base + n)
-                seq_lens.append(start + n)
+                seq_lens.append(start + n - dropped)
                 add_rows(tables)
                 if req.sample:
                     sample_indices.append(base + n - 1)
@@ -382,6 +392,7 @@ class ModelRunner:
                 num_reqs=len(tables),
                 max_query_len=max_query_len,
                 block_size=bs,
+                kv_scores=self._score_collector(scored),
             ))
         # one metadata serves every layer, or (a hybrid KV cache) each layer gets its group's
         attn_metadata = metas[0] if num_groups == 1 else [metas[g] for g in self.group_of_layer]
@@ -395,6 +406,16 @@ class ModelRunner:
             prompt_lp_targets=lp_targets,
             prompt_lp_owners=lp_owners,
         )
+
+    @staticmethod
+    def _score_collector(scored: list[tuple[str, int, int]]) -> KVScoreCollector | None:
+        """The step's collector of attention weights per KV block (KV retention), or None when nothing is scored."""
+        if not scored:
+            return None
+        collector = KVScoreCollector()
+        for request_id, req_index, rows in scored:
+            collector.add(request_id, req_index, rows)
+        return collector
 
     def _add_prompt_logprobs(self, logits: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:
         """logits [len(inputs.prompt_lp_indices), vocab_size] float32."""

@@ -52,7 +52,8 @@ _CHANGED = {"n": 2, "temperature": 0.5, "top_k": 5, "top_p": 0.9, "min_p": 0.1, 
             "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {5: 1.0}, "seed": 7, "max_tokens": 17,
             "min_tokens": 1, "stop": ["x"], "stop_token_ids": [3], "ignore_eos": True,
             "include_stop_str_in_output": True, "logprobs": 0, "prompt_logprobs": 0, "skip_special_tokens": False,
-            "structured_output": StructuredOutputParams(regex="a+")}
+            "structured_output": StructuredOutputParams(regex="a+"), "kv_retention": "sinks",
+            "kv_retention_budget": 0.5}
 
 
 def test_cache_key_changes_with_every_field() -> None:

@@ -51,4 +51,6 @@ class PagedAttention(nn.Module):
                                      self.logit_softcapping)
         else:
             out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window)
+        if attn_metadata.kv_scores is not None:  # KV retention ranks blocks by the attention they receive
+            attn_metadata.kv_scores.observe(query, kv_cache, attn_metadata, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

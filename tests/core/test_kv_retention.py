@@ -1,0 +1,255 @@
+"""KV retention policies (loom/core/kv_retention.py): the policies' choices, the compacted block table, and the
+engine against a Hugging Face reference that masks exactly the dropped positions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loom.config import EngineArgs
+from loom.core.kv_retention import (KVRetentionConfig, RetentionState, check_budget, get_retention_policy)
+from loom.engine.llm_engine import LLMEngine
+from loom.sampling_params import SamplingParams
+from tests.helpers import run_engine_checked, save_tiny_model
+
+BS = 16
+
+
+def _state(policy: str, num_blocks: int, budget: float, window: int = 16, sink_tokens: int = 4,
+           scores: list[float] | None = None) -> RetentionState:
+    config = KVRetentionConfig(policy, budget, sink_tokens, window)
+    return RetentionState(config, list(range(num_blocks)), scores or [0.0] * num_blocks,
+                          budget_tokens=config.budget_tokens(num_blocks * BS))
+
+
+# ---- the policies alone --------------------------------------------------------------------------------------
+
+
+def test_budget_fraction_and_tokens() -> None:
+    assert KVRetentionConfig("sinks", 0.25).budget_tokens(1000) == 250
+    assert KVRetentionConfig("sinks", 1).budget_tokens(1000) == 1000
+    assert KVRetentionConfig("sinks", 300).budget_tokens(1000) == 300
+    for bad in (0, -1, 2.5, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="kv_retention_budget"):
+            check_budget(bad)
+    with pytest.raises(ValueError, match="kv_retention must be one of"):
+        KVRetentionConfig("lru")
+    with pytest.raises(ValueError, match="kv_retention_window"):
+        KVRetentionConfig("sinks", window=0)
+
+
+def test_sinks_keep_first_block_and_recent_window() -> None:
+    state = _state("sinks", 16, 0.25)  # 256 tokens -> 64 kept: 4 blocks
+    drops = get_retention_policy("sinks").select_drops(state, 16 * BS, BS, prompt_done=True)
+    kept = [i for i in range(16) if i not in drops]
+    # block 0 (the sinks) and the newest 1 + window / BS = 2 blocks are protected; the oldest others go first
+    assert kept == [0, 13, 14, 15]
+
+
+def test_nothing_is_cut_before_the_prompt_is_done_or_within_budget() -> None:
+    for name in ("sinks", "h2o", "snapkv"):
+        policy = get_retention_policy(name)
+        assert policy.select_drops(_state(name, 16, 0.25), 16 * BS, BS, prompt_done=False) == []
+        assert policy.select_drops(_state(name, 16, 1.0), 16 * BS, BS, prompt_done=True) == []
+
+
+def test_h2o_drops_the_least_attended_blocks() -> None:
+    scores = [9.0, 1.0, 5.0, 0.5, 7.0, 0.1, 3.0, 2.0, 8.0, 8.0]
+    state = _state("h2o", 10, 0.5, window=16, scores=scores)  # 160 tokens -> 80 kept: 5 blocks
+    drops = get_retention_policy("h2o").select_drops(state, 10 * BS, BS, prompt_done=True)
+    # protected: block 0 (sinks) and blocks 8, 9 (newest + window); of 1..7 the two best (4: 7.0, 2: 5.0) stay
+    assert drops == [1, 3, 5, 6, 7]
+
+
+def test_snapkv_pools_neighbouring_scores_and_cuts_once() -> None:
+    scores = [0.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    state = _state("snapkv", 12, 0.5, window=16, scores=scores)  # 6 blocks kept
+    policy = get_retention_policy("snapkv")
+    assert policy.score_rows(state, 100, prompt_done_this_step=True) == 16
+    assert policy.score_rows(state, 100, prompt_done_this_step=False) == 0
+    drops = policy.select_drops(state, 12 * BS, BS, prompt_done=True)
+    kept = [i for i in range(12) if i not in drops]
+    assert kept == [0, 3, 4, 5, 10, 11]  # the hot block 4 with its pooled neighbours 3 and 5
+    assert state.cut_prompt and policy.score_rows(state, 1, prompt_done_this_step=True) == 0
+
+
+# ---- the engine: compaction against a masked Hugging Face reference --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, hf_tokenizer) -> str:
+    return str(save_tiny_model(tmp_path_factory.mktemp("retention") / "llama", "llama", hf_tokenizer, seed=3))
+
+
+def _engine(model: str, **kw) -> LLMEngine:
+    args = dict(model=model, dtype="float32", num_kv_blocks=96, block_size=BS, max_num_batched_tokens=512,
+                kv_retention_window=16, kv_retention_sink_tokens=4)
+    args.update(kw)
+    return LLMEngine(EngineArgs(**args))
+
+
+def _record_drops(engine: LLMEngine) -> list[tuple[str, int, list[int]]]:
+    """(request id, computed tokens when cut, positions dropped) of every drop the scheduler makes."""
+    log: list[tuple[str, int, list[int]]] = []
+    scheduler = engine.scheduler
+    manager = scheduler.kv_cache_manager
+    original = manager.drop_blocks
+
+    def spy(request_id, indices):  # noqa: ANN001, ANN202
+        positions = scheduler._retention[request_id].block_positions  # still the table before the drop
+        log.append((request_id, scheduler.requests[request_id].num_computed_tokens, [positions[i] for i in indices]))
+        original(request_id, indices)
+
+    manager.drop_blocks = spy
+    return log
+
+
+@torch.inference_mode()
+def _hf_masked_greedy(model_dir: str, prompt: list[int], output: list[int],
+                      drops: list[tuple[int, list[int]]]) -> list[int]:
+    """Greedy tokens of the Hugging Face model over prompt + output when each query at position p sees the keys at
+    positions <= p except the blocks dropped before p was computed (drops: (computed tokens when cut, blocks))."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    ids = prompt + output[:-1]
+    n = len(ids)
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    for computed, blocks in drops:
+        for b in blocks:
+            allowed[computed:, b * BS : (b + 1) * BS] = False
+    mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, float("-inf"))
+    logits = model(input_ids=torch.tensor([ids]), attention_mask=mask).logits[0]
+    return logits[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("policy", ["sinks", "h2o", "snapkv"])
+def test_engine_matches_masked_reference(tiny_llama: str, policy: str) -> None:
+    """The compacted table (slots, context lengths, original positions) attends exactly over the kept blocks:
+    greedy tokens equal a dense reference whose mask hides the dropped blocks, float32."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(10, 4000) for _ in range(200)]
+    engine = _engine(tiny_llama, kv_retention=policy, kv_retention_budget=64)
+    log = _record_drops(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    (output,) = run_engine_checked(engine, [prompt], params)
+    assert log, "the policy cut nothing"
+    assert log[0][1] == len(prompt)  # the first cut follows the exact prefill
+    reference = _hf_masked_greedy(tiny_llama, prompt, output, [(c, b) for _, c, b in log])
+    assert output == reference
+    stats = engine.scheduler.kv_cache_manager
+    assert stats.num_retention_blocks_freed == sum(len(b) for _, _, b in log)
+
+
+def test_full_retention_and_a_budget_above_the_context_change_nothing(tiny_llama: str) -> None:
+    rng = random.Random(8)
+    prompts = [[rng.randrange(10, 4000) for _ in range(n)] for n in (90, 150)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = run_engine_checked(_engine(tiny_llama), prompts, params)
+    assert run_engine_checked(_engine(tiny_llama, kv_retention="full"), prompts, params) == plain
+    assert run_engine_checked(_engine(tiny_llama, kv_retention="h2o", kv_retention_budget=1.0), prompts,
+                              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                             kv_retention_budget=1000)) == plain
+
+
+@torch.inference_mode()
+def _reference_block_scores(model_dir: str, prompt: list[int], rows: list[int]) -> torch.Tensor:
+    """Attention each block of the prompt receives from query rows `rows`, summed over layers and heads (Hugging
+    Face eager attention weights)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    out = model(input_ids=torch.tensor([prompt]), output_attentions=True)
+    weights = torch.stack(out.attentions)[:, 0]  # [layers, heads, q, k]
+    per_key = weights[:, :, rows].sum(dim=(0, 1, 2))
+    nb = -(-len(prompt) // BS)
+    return torch.nn.functional.pad(per_key, (0, nb * BS - len(prompt))).view(nb, BS).sum(1)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_kept_set_matches_reference_from_attention_weights(tiny_llama: str, policy: str) -> None:
+    """The first cut keeps what the policy computes from the true attention weights of the prompt (H2O: the sampled
+    rows of the prefill; SnapKV: the observation window), with the same protections."""
+    from loom.attention.kv_scores import ROW_STRIDE
+
+    rng = random.Random(9)
+    n = 230
+    prompt = [rng.randrange(10, 4000) for _ in range(n)]
+    engine = _engine(tiny_llama, kv_retention=policy, kv_retention_budget=80, enable_prefix_caching=False)
+    log = _record_drops(engine)
+    run_engine_checked(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    # max_tokens=1 ends the request before any cut: run with 2 so that the cut after the prefill happens
+    if not log:
+        engine = _engine(tiny_llama, kv_retention=policy, kv_retention_budget=80, enable_prefix_caching=False)
+        log = _record_drops(engine)
+        run_engine_checked(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    rows = list(range(n - 1, -1, -ROW_STRIDE))[::-1] if policy == "h2o" else list(range(n - 16, n))
+    scores = _reference_block_scores(tiny_llama, prompt, rows).tolist()
+    state = _state(policy, len(scores), 80, window=16, scores=scores)
+    expected = get_retention_policy(policy).select_drops(state, n, BS, prompt_done=True)
+    assert log[0][2] == expected
+
+
+def test_lossy_request_never_feeds_the_prefix_cache_after_a_cut(tiny_llama: str) -> None:
+    """Blocks computed after a cut depend on the dropped state: the prefix cache holds only the exact prompt blocks,
+    so an identical full-attention request that follows reproduces plain greedy tokens."""
+    rng = random.Random(10)
+    prompt = [rng.randrange(10, 4000) for _ in range(160)]
+    engine = _engine(tiny_llama)
+    lossy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, kv_retention="sinks",
+                           kv_retention_budget=48)
+    (cut,) = run_engine_checked(engine, [prompt], lossy)
+    cached_before = len(engine.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
+    assert cached_before == 160 // BS  # the prompt's full blocks only, none of the output's
+    plain = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    # a follow-up whose prompt includes the lossy output: its blocks past the prompt must be computed, not hit
+    follow = prompt + cut[:40]
+    (again,) = run_engine_checked(engine, [follow], plain)
+    (fresh,) = run_engine_checked(_engine(tiny_llama), [follow], plain)
+    assert again == fresh
+
+
+def test_retention_with_preemption_and_prefix_caching_keeps_invariants(tiny_llama: str) -> None:
+    """A pool too small for every request at once: preempted lossy requests restart and cut again; every block is
+    back at the end and the invariants hold after every step (run_engine_checked)."""
+    rng = random.Random(11)
+    shared = [rng.randrange(10, 4000) for _ in range(16)]
+    prompts = [shared + [rng.randrange(10, 4000) for _ in range(20 + 2 * i)] for i in range(6)]
+    # short prompts all fit at once; their outputs outgrow the pool before they outgrow the 64-token budget
+    engine = _engine(tiny_llama, num_kv_blocks=12, kv_retention="sinks", kv_retention_budget=64)
+    outs = run_engine_checked(engine, prompts, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    assert all(len(o) == 100 for o in outs)
+    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler.kv_cache_manager.prefix_cache_hits > 0
+    assert engine.scheduler.kv_cache_manager.num_retention_blocks_freed > 0
+
+
+def test_per_request_policy_and_refused_combinations(tiny_llama: str) -> None:
+    engine = _engine(tiny_llama, speculative_method="ngram")
+    with pytest.raises(ValueError, match="kv_retention='sinks' with speculative decoding"):
+        engine.add_request("x", [1, 2, 3], SamplingParams(kv_retention="sinks"))
+    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+        EngineArgs(model=tiny_llama, kv_retention="h2o", speculative_method="ngram")
+    with pytest.raises(ValueError, match="kv_retention must be one of"):
+        SamplingParams(kv_retention="everything")
+
+
+def test_server_body_and_model_identity_carry_the_setting() -> None:
+    from loom.engine.llm_engine import attention_setting
+    from loom.server.protocol import CompletionRequest, RequestError, to_sampling_params
+
+    body = CompletionRequest(prompt="x", kv_retention="snapkv", kv_retention_budget=0.5)
+    params = to_sampling_params(body, 4, 100, None, None)
+    assert (params.kv_retention, params.kv_retention_budget) == ("snapkv", 0.5)
+    with pytest.raises(RequestError) as err:
+        to_sampling_params(CompletionRequest(prompt="x", kv_retention="most"), 4, 100, None, None)
+    assert err.value.param == "kv_retention"
+    with pytest.raises(RequestError) as err:
+        to_sampling_params(CompletionRequest(prompt="x", kv_retention_budget=-1), 4, 100, None, None)
+    assert err.value.param == "kv_retention_budget"
+    exact = attention_setting(EngineArgs().cache_config())
+    assert exact == "exact"
+    assert attention_setting(EngineArgs(kv_retention="sinks").cache_config()) != exact
+    assert attention_setting(EngineArgs(sparse_attention="topk-blocks").cache_config()) != exact
