@@ -69,6 +69,7 @@ class EngineStats:
     kv_transfer_pulls: int = 0  # successful pulls (consumer)
     kv_transfer_pull_failures: int = 0  # pulls that fell back to computing the prompt locally
     kv_transfer_blocks_loaded: int = 0  # pulled blocks written instead of computed
+    kv_retention_blocks_dropped: int = 0  # cumulative KV blocks KV retention policies dropped (docs/long_context.md)
 
 
 def attention_setting(cache_config: CacheConfig) -> str:
@@ -547,6 +548,7 @@ class LLMEngine:
             kv_transfer_pulls=self.kv_transfer.num_pulls if self.kv_transfer is not None else 0,
             kv_transfer_pull_failures=self.kv_transfer.num_pull_failures if self.kv_transfer is not None else 0,
             kv_transfer_blocks_loaded=s.num_kv_blocks_loaded,
+            kv_retention_blocks_dropped=getattr(s.kv_cache_manager, "num_retention_blocks_freed", 0),
         )
 
 

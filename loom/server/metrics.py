@@ -62,6 +62,9 @@ class ServerMetrics:
         self.kv_recomputed = Counter("loom:kv_blocks_recomputed",
                                      "Computed KV blocks dropped by preemption (to be recomputed).", labels,
                                      registry=r).labels(model_name)
+        self.kv_retention_dropped = Counter("loom:kv_retention_blocks_dropped",
+                                            "KV blocks dropped by KV retention policies (sinks, h2o, snapkv).",
+                                            labels, registry=r).labels(model_name)
         # speculative decoding, vLLM's names (zero when it is off)
         self.spec_drafts = Counter("loom:spec_decode_num_drafts", "Verify passes that carried draft tokens.",
                                    labels, registry=r).labels(model_name)
@@ -102,6 +105,7 @@ class ServerMetrics:
         self._last_offloaded = 0
         self._last_restored = 0
         self._last_recomputed = 0
+        self._last_retention_dropped = 0
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
@@ -127,6 +131,9 @@ class ServerMetrics:
                                        self._last_restored)
         self._last_recomputed = _advance(self.kv_recomputed, getattr(stats, "num_blocks_recomputed", 0),
                                          self._last_recomputed)
+        self._last_retention_dropped = _advance(self.kv_retention_dropped,
+                                                getattr(stats, "kv_retention_blocks_dropped", 0),
+                                                self._last_retention_dropped)
         self.kv_transfer_pinned.set(getattr(stats, "kv_transfer_pinned", 0))
         for i, name in enumerate(("kv_transfer_expired", "kv_transfer_pulls", "kv_transfer_pull_failures",
                                   "kv_transfer_blocks_loaded")):

@@ -253,3 +253,18 @@ def test_server_body_and_model_identity_carry_the_setting() -> None:
     assert exact == "exact"
     assert attention_setting(EngineArgs(kv_retention="sinks").cache_config()) != exact
     assert attention_setting(EngineArgs(sparse_attention="topk-blocks").cache_config()) != exact
+
+
+def test_dropped_blocks_reach_the_stats_and_prometheus(tiny_llama: str) -> None:
+    from loom.server.metrics import ServerMetrics
+
+    rng = random.Random(12)
+    engine = _engine(tiny_llama, kv_retention="sinks", kv_retention_budget=32)
+    run_engine_checked(engine, [[rng.randrange(10, 4000) for _ in range(120)]],
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    stats = engine.get_stats()
+    assert stats.kv_retention_blocks_dropped == engine.scheduler.kv_cache_manager.num_retention_blocks_freed > 0
+    metrics = ServerMetrics("tiny")
+    metrics.on_step([], stats, 0.0)
+    assert f"loom:kv_retention_blocks_dropped_total{{model_name=\"tiny\"}} {float(stats.kv_retention_blocks_dropped)}" \
+        in metrics.render().decode()
