@@ -169,6 +169,8 @@ class LLMEngine:
             self.block_size, per_block, self.kv_capacity_tokens, hybrid,
             self.runner.num_host_blocks, self.runner.num_host_blocks * self.block_size,
         )
+        if self.attention_setting != "exact":
+            logger.info("long context (docs/long_context.md): %s", self.attention_setting.replace(";", "; "))
 
         report = getattr(self.runner.model, "weight_report", None)
         if report is not None:
