@@ -10,6 +10,7 @@ import torch
 
 from loom.attention.kv_quant import dequantize_rows, is_quantized, quantize_rows
 from loom.attention.metadata import AttentionMetadata
+from loom.attention.sparse import SparseAttentionConfig
 
 
 class AttentionBackend(Protocol):
@@ -145,20 +146,24 @@ def dequantize_kv(rows: torch.Tensor, out_dtype: torch.dtype | None = None) -> t
     return dequantize_rows(rows, out_dtype or torch.float32)
 
 
-def _make_torch_reference(float32_kernels: bool = False) -> AttentionBackend:
+def _make_torch_reference(float32_kernels: bool = False, sparse: SparseAttentionConfig | None = None
+                          ) -> AttentionBackend:
     from loom.attention.reference import TorchReferenceBackend
 
     del float32_kernels  # plain torch only
+    if sparse is not None:
+        raise ValueError("sparse attention (topk-blocks) runs on the cpu_paged attention backend, not torch_reference")
     return TorchReferenceBackend()
 
 
-def _make_cpu_paged(float32_kernels: bool = False) -> AttentionBackend:
+def _make_cpu_paged(float32_kernels: bool = False, sparse: SparseAttentionConfig | None = None) -> AttentionBackend:
     from loom.attention.cpu_paged import CpuPagedBackend
 
-    return CpuPagedBackend(float32_kernels)
+    return CpuPagedBackend(float32_kernels, sparse)
 
 
-# Read-only registry: backend name -> factory. New backends add an entry here.
+# Read-only registry: backend name -> factory(float32_kernels, sparse). New backends add an entry here; one that
+# cannot serve block-sparse decode raises ValueError when given a SparseAttentionConfig.
 ATTENTION_BACKENDS: Mapping[str, Callable[..., AttentionBackend]] = MappingProxyType(
     {"torch_reference": _make_torch_reference, "cpu_paged": _make_cpu_paged}
 )
@@ -170,14 +175,16 @@ def default_attention_backend(device: torch.device) -> str:
     return "cpu_paged"
 
 
-def get_attention_backend(name: str = "torch_reference", float32_kernels: bool = False) -> AttentionBackend:
+def get_attention_backend(name: str = "torch_reference", float32_kernels: bool = False,
+                          sparse: SparseAttentionConfig | None = None) -> AttentionBackend:
     """Instantiate the attention backend registered under `name`; `float32_kernels` lets it run loom's C
-    kernels on float32 too (off on the oracle path, quantization "none").
+    kernels on float32 too (off on the oracle path, quantization "none"); `sparse` switches on block-sparse
+    decode attention (loom/attention/sparse.py, Quest), None = dense.
 
     Raises:
-        ValueError: unknown name (the message lists the registered ones).
+        ValueError: unknown name (the message lists the registered ones), or a backend that cannot serve `sparse`.
     """
     factory = ATTENTION_BACKENDS.get(name)
     if factory is None:
         raise ValueError(f"attention backend {name!r} is unknown; registered: {sorted(ATTENTION_BACKENDS)}")
-    return factory(float32_kernels)
+    return factory(float32_kernels, sparse)

@@ -8,6 +8,9 @@ request, with K/V broadcast over the group by `expand` (a view, not a copy).
 
 The per-step work that does not depend on the layer (masks, block ids, which rows decode) is planned
 once, on the first layer's call, and reused by the others.
+
+With block-sparse decode attention (loom/attention/sparse.py, Quest arXiv:2406.10774) each layer's decode rows
+read only the blocks chosen for their query: the same kernels run on a shorter block table per request.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from loom.attention.backend import gather_kv, gather_kv_padded, write_kv_cache
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.reference import causal_mask
+from loom.attention.sparse import BlockSparseSelector, SparseAttentionConfig
 from loom.kernels.registry import paged_decode_kernels
 
 
@@ -117,11 +121,18 @@ def _plan_decode(
         token_rows = torch.tensor(
             [attn_metadata.query_start_loc_cpu[i] for i in decode_reqs], dtype=torch.int64, device=device
         )
-    key_pos = torch.arange(max_blocks * block_size, device=device)[None, :]
+    return _decode_plan(token_rows, block_ids, seq_lens, block_size, sliding_window, dtype)
+
+
+def _decode_plan(token_rows: torch.Tensor | None, block_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                 sliding_window: int | None, dtype: torch.dtype) -> _DecodePlan:
+    """The decode plan over block_ids [num_decode, max_blocks] int64 and seq_lens [num_decode] int64, with its
+    additive key mask in dtype."""
+    key_pos = torch.arange(block_ids.shape[1] * block_size, device=block_ids.device)[None, :]
     mask = key_pos < seq_lens[:, None]
     if sliding_window is not None:
         mask &= key_pos >= (seq_lens[:, None] - sliding_window)
-    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    additive = torch.zeros(mask.shape, dtype=dtype, device=block_ids.device).masked_fill_(~mask, float("-inf"))
     serial = mask.numel() < _SERIAL_MAX_TOKENS
     return _DecodePlan(token_rows, block_ids, seq_lens, additive[:, None, None, :], serial)
 
@@ -183,13 +194,15 @@ class CpuPagedBackend:
 
     K/V are written with `write_kv_cache` and read with `gather_kv_padded` / `gather_kv`, so quantized
     caches work unchanged. Keeps the plan of the current step (one instance serves every layer).
+    With `sparse`, decode rows read only their selected blocks (loom/attention/sparse.py).
     """
 
     name: str = "cpu_paged"
 
-    def __init__(self, float32_kernels: bool = False) -> None:
+    def __init__(self, float32_kernels: bool = False, sparse: SparseAttentionConfig | None = None) -> None:
         """float32_kernels: let loom's C decode kernel serve float32 caches too (off on the oracle path,
-        quantization "none", which keeps SDPA; bfloat16 caches always use a kernel when one builds)."""
+        quantization "none", which keeps SDPA; bfloat16 caches always use a kernel when one builds).
+        sparse: block-sparse decode attention (Quest top-k blocks); None = every decode query reads every block."""
         # plans of the step being run, one per (metadata, sliding window): Gemma's layers alternate two windows,
         # and a hybrid KV cache gives each group of layers its own metadata; reused across layers
         self._plans: dict[tuple[int, int | None], _StepPlan] = {}
@@ -198,6 +211,8 @@ class CpuPagedBackend:
         # builds (LOOM_CPU_KERNELS=0, no compiler): then SDPA over gathered blocks serves every decode
         self.decode_kernels: list[Any] = paged_decode_kernels()
         self.float32_kernels = float32_kernels
+        # key summaries and top-k block selection of block-sparse decode; None = dense
+        self.sparse: BlockSparseSelector | None = None if sparse is None else BlockSparseSelector(sparse)
 
     def forward(
         self,
@@ -210,9 +225,17 @@ class CpuPagedBackend:
         sliding_window: int | None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward. Shapes: query [num_tokens, num_heads, head_dim],
-        key/value [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim]."""
+        key/value [num_tokens, num_kv_heads, head_dim]; returns [num_tokens, num_heads, head_dim].
+
+        Raises:
+            ValueError: block-sparse decode on a sliding-window layer (not supported).
+        """
         plan = self._step_plan(attn_metadata, sliding_window, query.dtype)
         write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping, plan.has_pad_slots)
+        if self.sparse is not None:
+            if sliding_window is not None:
+                raise ValueError("sparse attention (topk-blocks) does not support sliding-window layers")
+            self.sparse.record_keys(kv_cache, key, attn_metadata.slot_mapping, plan.has_pad_slots)
         if plan.decode is not None and plan.decode.token_rows is None:
             return self._decode(query, kv_cache, plan.decode, scale, sliding_window)  # the common pure-decode step
         output = torch.empty_like(query)
@@ -266,8 +289,15 @@ class CpuPagedBackend:
 
         A float32 query (off the oracle path) or a bfloat16 one over a float32, bfloat16, float16 or int8 cache
         goes to loom's C kernel, which reads each request's blocks in place (no padded gather, no mask); anything
-        else (fp8 caches, the oracle path) gathers and runs SDPA."""
+        else (fp8 caches, the oracle path) gathers and runs SDPA. With block-sparse decode, both run on the
+        blocks selected for this layer's queries."""
         kernel = self._decode_kernel(query, kv_cache)
+        if self.sparse is not None:
+            selected = self.sparse.select(query, kv_cache, plan.block_ids, plan.seq_lens)
+            if selected is not None and kernel is not None:  # the kernel needs no mask
+                plan = _DecodePlan(plan.token_rows, *selected, plan.mask, plan.serial)
+            elif selected is not None:
+                plan = _decode_plan(plan.token_rows, *selected, kv_cache.shape[2], sliding_window, query.dtype)
         if kernel is not None:
             # decode requests have their new token's key written, so every seq_len >= 1: no check per layer.
             # The kernel splits long contexts over threads itself, so it keeps every thread.

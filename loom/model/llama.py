@@ -453,6 +453,8 @@ class LlamaModel(nn.Module):
         self.decode_step = None
         if self.pp is not None or self.embed_tokens.tp is not None:  # the C step has no collectives
             return
+        if getattr(self.layers[0].self_attn.attn.backend, "sparse", None) is not None:
+            return  # block-sparse decode selects each layer's blocks from its query: the per-layer path
         if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self):
             return
         kernel = get_kernel("decode_step")

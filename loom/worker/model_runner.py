@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from loom.attention.metadata import AttentionMetadata
+from loom.attention.sparse import SparseAttentionConfig, copied_block_ids, stale_key_summaries
 from loom.attention.kv_scores import KVScoreCollector
 from loom.config import CacheConfig, ModelConfig
 from loom.distributed.pipeline_parallel import PipelineParallel, split_microbatches
@@ -120,8 +121,9 @@ class ModelRunner:
             raise ValueError("kv_offload_memory: the host tier is not supported with pipeline parallelism yet")
         self.dtype = resolve_dtype(model_config.dtype, device, model_config.quantization, model_config.model)
         loaded = load_model(model_config.model, self.dtype, device, quantization=model_config.quantization, tp=tp,
-                            pp=pp)
+                            pp=pp, sparse_attention=SparseAttentionConfig.from_cache_config(cache_config))
         self.model = loaded.model
+        self.attn_backend = loaded.attn_backend
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
@@ -191,6 +193,8 @@ class ModelRunner:
         for load in scheduler_output.kv_loads:  # pulled prompt blocks (disaggregated decode)
             write_blocks(self.kv_caches, load.payload, load.src_indices, load.dst_block_ids)
         self._copy_branch_context(scheduler_output.scheduled)
+        # block-sparse attention: the key summaries of the blocks just copied into are stale
+        stale_key_summaries(self.attn_backend, copied_block_ids(scheduler_output, self.block_size))
         output = ModelRunnerOutput(sampled_token_ids={})
         if scheduler_output.is_empty:
             self.step_collectives_done = True
@@ -480,6 +484,7 @@ class ModelRunner:
         positions = range(req.start_position + 1, req.start_position + 1 + num_kept)
         copy_kv_slots(self.kv_caches, [table[p // bs] * bs + p % bs for p in positions],
                       [req.block_table[p // bs] * bs + p % bs for p in positions])
+        stale_key_summaries(self.attn_backend, {req.block_table[p // bs] for p in positions})
 
 
 def _branches(req: ScheduledRequest) -> list[list[int]]:

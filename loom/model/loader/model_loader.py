@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from loom.attention.backend import default_attention_backend, get_attention_backend
+from loom.attention.backend import AttentionBackend, default_attention_backend, get_attention_backend
+from loom.attention.sparse import SparseAttentionConfig
 from loom.distributed.pipeline_parallel import PipelineParallel
 from loom.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
 from loom.model.arch import ModelArchConfig
@@ -42,6 +43,7 @@ class LoadedModel:
     tokenizer: Any  # transformers tokenizer (with chat template when the checkpoint has one); None if the checkpoint has none
     eos_token_ids: frozenset[int]  # token ids that end generation
     model_path: str  # resolved checkpoint path (GGUF file or HF directory)
+    attn_backend: AttentionBackend | None = None  # the one backend instance every attention layer runs
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -128,6 +130,7 @@ def load_model(
     quantization: str | None = None,
     tp: TensorParallel | None = None,
     pp: PipelineParallel | None = None,
+    sparse_attention: SparseAttentionConfig | None = None,
 ) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory into a loom model on `device` in `dtype`.
 
@@ -146,11 +149,13 @@ def load_model(
         tp: this process's rank in a tensor-parallel group: it loads only its shard of each matrix
             (loom/distributed/tensor_parallel.py); None = the whole model.
         pp: this process's pipeline stage: it builds and loads its layers only (loom/distributed/pipeline_parallel.py).
+        sparse_attention: block-sparse decode attention (loom/attention/sparse.py); None = dense.
 
     Raises:
         ValueError: unknown path, unsupported architecture or rope scaling, non-floating dtype,
             checkpoint tensors that do not match the architecture, unknown attention backend, unknown
-            quantization or "gguf" for a non-GGUF checkpoint.
+            quantization or "gguf" for a non-GGUF checkpoint, sparse_attention on a model with sliding-window
+            layers or soft-capped attention logits (or on an attention backend that cannot serve it).
     """
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
@@ -185,8 +190,10 @@ def load_model(
         else:
             quant_config = get_quant_config(quantization or default_quantization(model), None, gptq)
     model_cls = get_model_class(arch.architecture)
+    if sparse_attention is not None:
+        _check_sparse_attention(arch)
     backend = get_attention_backend(attention_backend or default_attention_backend(device),
-                                    float32_kernels=quant_config.float32_kernels)
+                                    float32_kernels=quant_config.float32_kernels, sparse=sparse_attention)
     if tp is not None:
         check_tensor_parallel(arch, quant_config.name, tp.size)
     net = model_cls(arch, backend, dtype, device, quant_config, tp=tp, pp=pp)
@@ -194,4 +201,19 @@ def load_model(
     net.eval()
     tokenizer = tokenizer_from_path(path) if has_tokenizer else None
     eos |= tokenizer_eos_ids(tokenizer)
-    return LoadedModel(net, arch, tokenizer, frozenset(eos), str(path))
+    return LoadedModel(net, arch, tokenizer, frozenset(eos), str(path), backend)
+
+
+def _check_sparse_attention(arch: ModelArchConfig) -> None:
+    """Refuse block-sparse decode attention where its selection would be wrong.
+
+    Raises:
+        ValueError: a sliding-window layer (the selection ignores the window) or attention-logit soft-capping
+            (those layers bypass the backend, so their key summaries would not be kept).
+    """
+    if any(arch.layer_sliding_window(i) is not None for i in range(arch.num_layers)):
+        raise ValueError(f"sparse_attention='topk-blocks' is not supported for {arch.architecture}: it has "
+                         "sliding-window layers")
+    if arch.attn_logit_softcapping is not None:
+        raise ValueError(f"sparse_attention='topk-blocks' is not supported for {arch.architecture}: its attention "
+                         "logits are soft-capped")
