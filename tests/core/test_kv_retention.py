@@ -268,3 +268,30 @@ def test_dropped_blocks_reach_the_stats_and_prometheus(tiny_llama: str) -> None:
     metrics.on_step([], stats, 0.0)
     assert f"loom:kv_retention_blocks_dropped_total{{model_name=\"tiny\"}} {float(stats.kv_retention_blocks_dropped)}" \
         in metrics.render().decode()
+
+
+def test_dropping_shared_blocks_leaves_the_other_holder_untouched(tiny_llama: str) -> None:
+    """A lossy request and a full one share a long cached prefix: the lossy one's drops only dereference the shared
+    blocks, so the full request's tokens equal those it gets alone."""
+    rng = random.Random(13)
+    shared = [rng.randrange(10, 4000) for _ in range(160)]
+    full_prompt = shared + [rng.randrange(10, 4000) for _ in range(9)]
+    lossy_prompt = shared + [rng.randrange(10, 4000) for _ in range(7)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    (alone,) = run_engine_checked(_engine(tiny_llama), [full_prompt], params)
+    engine = _engine(tiny_llama)
+    engine.add_request("warm", shared + [1], SamplingParams(temperature=0.0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("lossy", lossy_prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                             kv_retention="snapkv", kv_retention_budget=48))
+    engine.add_request("full", full_prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_invariants()
+    assert outputs["full"] == alone
+    assert engine.scheduler.kv_cache_manager.num_retention_blocks_freed > 0
+    assert engine.scheduler.prefix_cache_hits >= 160 + 144  # both hit the shared blocks (snapkv: all but its window)
