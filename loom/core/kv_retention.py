@@ -17,8 +17,8 @@ Policies (the field's names):
     recent window; evicts again whenever decode grows past the budget.
   * ``snapkv``: SnapKV (Li et al. 2024, arXiv:2404.14469): once, when the prompt is complete, score the prompt's
     blocks by the attention of its last `window` queries (the observation window), pooled over neighbouring
-    tokens, and keep the best within the budget plus the window itself; decode then keeps the recent window
-    within the budget.
+    blocks, and keep the best within the budget plus the window itself; the selection then stays, and the blocks
+    decode adds are dropped once they leave the recent window (the budget is exceeded by at most that window).
 
 The scores are per block, summed over layers, heads and queries (one block table serves every layer, so one
 decision is made for all of them; the papers choose per head and layer — the coarsening is the price of paging).
@@ -92,6 +92,7 @@ class RetentionState:
     budget_tokens: int | None = None  # fixed at the first cut
     num_dropped_blocks: int = 0  # blocks freed so far
     cut_prompt: bool = False  # snapkv: the one prompt-time selection has been made
+    num_selected: int = 0  # snapkv: table entries the prompt-time selection kept (the first entries of the table)
 
 
 class KVRetentionPolicy(Protocol):
@@ -177,7 +178,7 @@ class HeavyHitterRetention:
 
 class SnapKVRetention:
     """SnapKV: one selection when the prompt is complete, from the attention of the observation window (the last
-    `window` prompt queries, pooled over neighbouring blocks); then the recent window within the budget."""
+    `window` prompt queries, pooled over neighbouring blocks); then decode's blocks beyond the recent window go."""
 
     name = "snapkv"
     needs_scores = True
@@ -193,12 +194,13 @@ class SnapKVRetention:
         need = _over_budget(state, kept_tokens, block_size)
         if not state.cut_prompt:
             state.cut_prompt = True
-            pooled = _max_pool(state.scores)
-            return _lowest_scores(state, need, block_size, pooled)
+            drops = _lowest_scores(state, need, block_size, _max_pool(state.scores))
+            state.num_selected = len(state.block_positions) - len(drops)
+            return drops
+        # after the prompt cut the selection stays; the blocks decode added go once they leave the recent window,
+        # oldest first (SnapKV compresses the prompt only)
         sinks, recent = _protected(state, len(state.block_positions), block_size)
-        # after the prompt cut, the oldest blocks decode added beyond the budget go first (the prompt's selection
-        # keeps its order, so the first non-sink entries are the oldest)
-        return list(range(sinks, len(state.block_positions) - recent))[:need]
+        return list(range(max(sinks, state.num_selected), len(state.block_positions) - recent))[:need]
 
 
 def _max_pool(scores: list[float], radius: int = 1) -> list[float]:

@@ -295,3 +295,17 @@ def test_dropping_shared_blocks_leaves_the_other_holder_untouched(tiny_llama: st
     assert outputs["full"] == alone
     assert engine.scheduler.kv_cache_manager.num_retention_blocks_freed > 0
     assert engine.scheduler.prefix_cache_hits >= 160 + 144  # both hit the shared blocks (snapkv: all but its window)
+
+
+def test_snapkv_keeps_its_selection_while_decode_grows() -> None:
+    state = _state("snapkv", 12, 0.5, window=16, scores=[0.0, 0, 0, 0, 9.0, 0, 0, 0, 0, 0, 0, 0])
+    policy = get_retention_policy("snapkv")
+    drops = policy.select_drops(state, 12 * BS, BS, prompt_done=True)
+    kept = [p for i, p in enumerate(state.block_positions) if i not in drops]
+    state.block_positions, state.scores = kept, [0.0] * len(kept)
+    assert kept == [0, 3, 4, 5, 10, 11]
+    # decode adds blocks 12, 13, 14: once 12 has left the recent window (13, 14) it goes, the selection stays
+    state.block_positions += [12, 13, 14]
+    state.scores += [0.0, 0.0, 0.0]
+    drops = policy.select_drops(state, 9 * BS, BS, prompt_done=True)
+    assert [state.block_positions[i] for i in drops] == [12]
