@@ -35,7 +35,7 @@ class RequestMeasure:
     output_tokens: int  # generated tokens
     ttft_s: float  # seconds from add_request to the first generated token
     e2e_s: float  # seconds from add_request to the last token
-    kv_tokens: int  # KV tokens the request holds (or reads, topk-blocks) at its end
+    kv_tokens: int  # KV tokens the request holds (or reads per decode step, topk-blocks) at its end
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
@@ -102,15 +102,20 @@ def run_request(engine: Any, request_id: str, prompt_token_ids: list[int],
     return comp.text, len(comp.token_ids), first if first is not None else e2e, e2e, final.num_cached_tokens, final
 
 
-def _kv_tokens(final: Any, prompt_tokens: int, output_tokens: int, policy: str, budget: float | None,
-               block_size: int, sink_tokens: int, window: int) -> int:
-    """KV tokens of the finished request: the engine's own figure where it reports one, else the rule."""
-    reported = getattr(final, "num_kv_tokens", None)
-    if reported is not None:
-        return int(reported)
+def _kv_tokens(dropped_blocks: int | None, prompt_tokens: int, output_tokens: int, policy: str,
+               budget: float | None, block_size: int, sink_tokens: int, window: int) -> int:
+    """KV tokens of the finished request: its context less the blocks the engine reports dropped while it ran
+    alone (EngineStats.kv_retention_blocks_dropped), else (an engine without the counter) the policy's rule."""
+    context = prompt_tokens + output_tokens - 1  # the last token's KV is never written
+    if dropped_blocks is not None:
+        return context - dropped_blocks * block_size
     if policy == "full" or budget is None:
-        return prompt_tokens + output_tokens - 1
+        return context
     return retention_kept_tokens(prompt_tokens, output_tokens, budget, block_size, sink_tokens, window)
+
+
+def _dropped_blocks(engine: Any) -> int | None:
+    return getattr(engine.get_stats(), "kv_retention_blocks_dropped", None)
 
 
 def measure(engine: Any, sample: LongCtxSample, policy: str, budget: float | None, max_tokens: int,
@@ -131,13 +136,16 @@ def measure(engine: Any, sample: LongCtxSample, policy: str, budget: float | Non
     else:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+    dropped_before = _dropped_blocks(engine)
     text, n_out, ttft, e2e, cached, final = run_request(engine, request_id, sample.prompt_token_ids, params)
+    dropped_after = _dropped_blocks(engine)
+    dropped = None if dropped_before is None or dropped_after is None else dropped_after - dropped_before
     a = engine_args
     if policy == SPARSE_POLICY:
         kv = sparse_read_tokens(sample.num_tokens + n_out - 1, a.sparse_attention_topk, engine.block_size,
                                 a.sparse_attention_sink_blocks, a.sparse_attention_recent_blocks)
     else:
-        kv = _kv_tokens(final, sample.num_tokens, n_out, policy, budget, engine.block_size,
+        kv = _kv_tokens(dropped, sample.num_tokens, n_out, policy, budget, engine.block_size,
                         a.kv_retention_sink_tokens, a.kv_retention_window)
     return RequestMeasure(score(text, sample.answer), text, n_out, ttft, e2e, kv, cached)
 

@@ -160,3 +160,14 @@ def test_cli_refuses_engine_wide_retention(tmp_path: Path) -> None:
         _run_cli(tmp_path, "--kv-retention", "sinks")
     with pytest.raises(ValueError, match="--budgets"):
         _run_cli(tmp_path, "--budgets", "0")
+
+
+def test_end_to_end_lossy_policy(tmp_path: Path, prose: AustenProse) -> None:
+    """sinks at half the prompt: the KV kept (from the engine's dropped-block counter) is about half of full's."""
+    rows = _run_cli(tmp_path, "--tasks", "passkey", "--policies", "full", "sinks", "snapkv", "--budgets", "0.5")["rows"]
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("sinks", 0.5), ("snapkv", 0.5)]
+    full, *lossy = rows
+    for r in lossy:
+        assert r["kv_tokens_median"] <= 128 + 16 < full["kv_tokens_median"]  # budget, then the decode's own block
+        assert 0.4 < r["budget_fraction"] < 0.6
+        assert r["cached_tokens_median"] > 0  # the exact prefill came from full attention's cached blocks
