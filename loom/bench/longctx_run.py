@@ -242,6 +242,9 @@ def format_table(rows: list[LongCtxRow]) -> str:
                      f"| {100 * r.accuracy:.0f}% ({round(r.accuracy * r.num_samples)}/{r.num_samples}) "
                      f"| {r.kv_bytes_median / 1e6:.1f} | {dec} | {r.ttft_s_median:.2f} "
                      f"| {r.cached_tokens_median:.0f} |")
+    if any(r.policy == SPARSE_POLICY for r in rows):
+        lines.append("topk-blocks keeps all the KV: its budget is k and its KV columns are the tokens read per decode "
+                     "step (k + sink + recent blocks)")
     return "\n".join(lines)
 
 

@@ -171,3 +171,9 @@ def test_end_to_end_lossy_policy(tmp_path: Path, prose: AustenProse) -> None:
         assert r["kv_tokens_median"] <= 128 + 16 < full["kv_tokens_median"]  # budget, then the decode's own block
         assert 0.4 < r["budget_fraction"] < 0.6
         assert r["cached_tokens_median"] > 0  # the exact prefill came from full attention's cached blocks
+
+
+def test_end_to_end_topk_blocks_in_its_own_engine(tmp_path: Path, prose: AustenProse) -> None:
+    rows = _run_cli(tmp_path, "--tasks", "passkey", "--policies", "full", "topk-blocks", "--budgets", "0.5")["rows"]
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("topk-blocks", 5.0)]  # 8 blocks: 5 + 1 + 2
+    assert rows[1]["kv_tokens_median"] == 128 and rows[1]["budget_fraction"] == 0.5
