@@ -55,6 +55,9 @@ def register_longctx(bench_sub: argparse._SubParsersAction) -> None:
                    help="result file (default: benchmarks/results/longctx-<model>-<time>.json)")
     g.add_argument("--plot", type=Path, default=None, help="PNG of accuracy against KV budget")
     g.add_argument("--verbose", action="store_true", help="print each request's answer as it finishes")
+    g.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="run nothing: merge the rows of earlier --output-json files of one model, print the table "
+                        "and --plot")
     add_engine_args(p)
     p.set_defaults(func=cmd_longctx)
 
@@ -79,6 +82,8 @@ def cmd_longctx(ns: argparse.Namespace) -> int:
     from loom.engine.arg_utils import engine_args_from_namespace
     from loom.engine.llm_engine import LLMEngine
 
+    if ns.from_json is not None:
+        return _replot(ns)
     for b in ns.budgets:
         check_budget(b, "--budgets")
     counts = _samples_per_length(ns)
@@ -129,6 +134,35 @@ def cmd_longctx(ns: argparse.Namespace) -> int:
     if ns.plot is not None:
         from loom.bench.plots import plot_longctx
 
+        print(f"wrote {plot_longctx(rows, f'{label}: retrieval accuracy vs KV budget', ns.plot)}")
+    return 0
+
+
+def _replot(ns: argparse.Namespace) -> int:
+    """--from-json: the rows of earlier runs (a (task, length, policy, budget) seen twice keeps the first file's)."""
+    import json
+
+    from loom.bench.longctx_run import LongCtxRow, format_table
+
+    rows, seen, models = [], set(), []
+    for path in ns.from_json:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--from-json: cannot read {path}: {exc}") from exc
+        models.append(str(data.get("model")))
+        for d in data["rows"]:
+            key = (d["task"], d["length"], d["policy"], d["budget"])
+            if key not in seen:
+                seen.add(key)
+                rows.append(LongCtxRow(**d))
+    order = {p: i for i, p in enumerate(POLICY_CHOICES)}
+    rows.sort(key=lambda r: (r.task, r.length, order[r.policy], r.budget or 0.0))
+    print(format_table(rows))
+    if ns.plot is not None:
+        from loom.bench.plots import plot_longctx
+
+        label = ", ".join(dict.fromkeys(Path(m).stem for m in models))
         print(f"wrote {plot_longctx(rows, f'{label}: retrieval accuracy vs KV budget', ns.plot)}")
     return 0
 

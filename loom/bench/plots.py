@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -65,38 +66,42 @@ def plot_samples(samples: dict[str, list[float]], ylabel: str, title: str, path:
 
 
 def plot_longctx(rows: list[Any], title: str, path: Path) -> Path:
-    """Accuracy (%) against KV budget, one panel per (task, length), one line per policy.
+    """Accuracy (%) against KV budget, one panel per (task, length) that has rows, one line per policy.
 
     `rows` are loom.bench.longctx_run.LongCtxRow: x is each row's `budget_fraction` (KV tokens kept, or read per
     decode step for topk-blocks, over prompt tokens; log2 axis), y its accuracy; full attention is a dashed
     horizontal line at its accuracy."""
-    tasks = sorted({r.task for r in rows})
-    lengths = sorted({r.length for r in rows})
-    fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(3.6 * len(lengths), 3.0 * len(tasks)),
-                             squeeze=False, sharey=True)
+    cells = list(dict.fromkeys((r.task, r.length) for r in sorted(rows, key=lambda r: (r.task, r.length))))
+    ncols = min(3, len(cells))
+    nrows = -(-len(cells) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.8 * ncols, 3.1 * nrows + 0.5), squeeze=False, sharey=True)
     colors = {"full": "black", "sinks": "tab:blue", "h2o": "tab:orange", "snapkv": "tab:green",
               "topk-blocks": "tab:red"}
-    for i, task in enumerate(tasks):
-        for j, length in enumerate(lengths):
-            ax = axes[i][j]
-            cell = [r for r in rows if r.task == task and r.length == length]
-            for policy in dict.fromkeys(r.policy for r in cell):
-                pts = sorted((r.budget_fraction, 100 * r.accuracy) for r in cell if r.policy == policy)
-                if policy == "full":
-                    ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="full")
-                    continue
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy,
-                        color=colors.get(policy))
-            ax.set_xscale("log", base=2)
-            ax.set_ylim(-5, 105)
-            n = cell[0].num_samples if cell else 0
-            ax.set(title=f"{task}, {length} tokens (n={n})", xlabel="KV kept / prompt tokens")
-            if j == 0:
-                ax.set_ylabel("accuracy (%)")
-            ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fractions = [r.budget_fraction for r in rows if r.policy != "full"] or [0.25]
+    ticks = [2.0**e for e in range(math.floor(math.log2(min(fractions))), 1)]
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    for ax, (task, length) in zip(axes.flat, cells):
+        cell = [r for r in rows if r.task == task and r.length == length]
+        for policy in dict.fromkeys(r.policy for r in cell):
+            pts = sorted((r.budget_fraction, 100 * r.accuracy) for r in cell if r.policy == policy)
+            if policy == "full":
+                ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="full attention")
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, color=colors.get(policy))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [f"1/{round(1 / t)}" if t < 1 else "1" for t in ticks])
+        ax.set_xlim(ticks[0] / 1.3, 1.3)
+        ax.set_ylim(-5, 105)
+        n = max(r.num_samples for r in cell)
+        ax.set(title=f"{task}, {length} tokens (n={n})", xlabel="KV kept / prompt tokens")
+        ax.grid(alpha=0.3)
+    for row in axes:
+        row[0].set_ylabel("accuracy (%)")
+    handles = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return _save(fig, path)
 
 

@@ -139,7 +139,7 @@ def _run_cli(tmp_path: Path, *extra: str) -> dict:
     ns = parser.parse_args(["bench", "longctx", "--lengths", "256", "--num-samples", "2", "--num-docs", "2",
                             "--num-keys", "2", "--output-json", str(out), "--plot", str(tmp_path / "acc.png"), *extra])
     assert ns.func(ns) == 0
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())  # FileNotFoundError when the command wrote no JSON
 
 
 def test_end_to_end_full_attention(tmp_path: Path, capsys: pytest.CaptureFixture, prose: AustenProse) -> None:
@@ -153,6 +153,13 @@ def test_end_to_end_full_attention(tmp_path: Path, capsys: pytest.CaptureFixture
         assert r["budget_fraction"] >= 1
     assert (tmp_path / "acc.png").stat().st_size > 0
     assert "| passkey | 256 | 256 | full |" in capsys.readouterr().out
+    # --from-json re-plots earlier results without running anything
+    (tmp_path / "acc.png").unlink()
+    (tmp_path / "longctx.json").rename(tmp_path / "earlier.json")
+    with pytest.raises(FileNotFoundError):
+        _run_cli(tmp_path, "--from-json", str(tmp_path / "earlier.json"))  # no new JSON is written
+    assert (tmp_path / "acc.png").stat().st_size > 0
+    assert "| multidoc | 256 | 256 | full |" in capsys.readouterr().out
 
 
 def test_cli_refuses_engine_wide_retention(tmp_path: Path) -> None:
