@@ -80,6 +80,44 @@ def run_one(context: int, mode: str, steps: int, warmup: int, seed: int, threads
             "attn_calls_per_step": len(calls) / steps}
 
 
+def attention_only(contexts: list[int], modes: list[str], calls: int) -> None:
+    """One layer's attention call (backend.forward of one decode token: K/V write, summary update, selection,
+    kernel) on SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64, float16 cache of random keys, blocks of
+    16), one thread, in CPU time (thread_time: a shared machine's waits left out); median of 5 runs of `calls`."""
+    import torch
+
+    from loom.attention import build_attention_metadata
+    from loom.attention.cpu_paged import CpuPagedBackend
+    from loom.attention.sparse import SparseAttentionConfig
+
+    torch.set_num_threads(1)
+    print("| context | mode | attention call us (CPU) |\n|---|---|---|")
+    for context in contexts:
+        num_blocks = context // 16 + 8
+        g = torch.Generator().manual_seed(0)
+        cache = torch.randn(2, num_blocks, 16, 3, 64, generator=g).to(torch.float16)
+        table = list(range(num_blocks))
+        prefill = build_attention_metadata([context], [context], [table], 16, torch.device("cpu"))
+        step = build_attention_metadata([1], [context + 1], [table], 16, torch.device("cpu"))
+        q, k, v = torch.randn(1, 9, 64, generator=g), torch.randn(1, 3, 64, generator=g), torch.randn(1, 3, 64,
+                                                                                                      generator=g)
+        for mode in modes:
+            if mode == "dense-layers":
+                continue
+            sparse = SparseAttentionConfig(topk=int(mode.split("-")[1])) if mode.startswith("topk-") else None
+            backend = CpuPagedBackend(True, sparse)
+            if sparse is not None:  # the summaries of the prompt's blocks, as a prefill would leave them
+                keys = cache[0].view(-1, 3, 64)[:context]
+                backend.sparse.record_keys(cache, keys, prefill.slot_mapping, False)
+            runs = []
+            for _ in range(5):
+                t = time.thread_time()
+                for _ in range(calls):
+                    backend.forward(q, k, v, cache, step, 0.125, None)
+                runs.append((time.thread_time() - t) / calls * 1e6)
+            print(f"| {context} | {mode} | {statistics.median(runs):.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2000, 4000, 8000])
@@ -89,8 +127,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of the timed decode steps (default: every core; prefill uses every core)")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="time one layer's attention call on synthetic caches instead (one thread, CPU time)")
     parser.add_argument("--one", nargs=2, metavar=("CONTEXT", "MODE"), help="run one configuration (internal)")
     args = parser.parse_args()
+    if args.attention_only:
+        attention_only(args.contexts, args.modes, calls=50)
+        return
     if args.one:
         print(json.dumps(run_one(int(args.one[0]), args.one[1], args.steps, args.warmup, seed=0,
                                   threads=args.threads)), flush=True)

@@ -21,9 +21,10 @@ Differences from the paper (the price of paging, one block table per request):
     the output is bit-identical to dense attention.
   * Prefill rows (and speculative verification, several query tokens per request) stay dense.
 
-Summaries are kept per layer as float32 tensors [num_blocks, num_kv_heads, head_dim] (min and max), i.e.
+Summaries are kept per layer as one float32 tensor [num_kv_heads, num_blocks, 2, head_dim] (max, then min), i.e.
 2 x 4 B x num_kv_heads x head_dim per block and layer (1.5 KiB for SmolLM2-135M's 3 x 64, next to 12 KiB of
-float16 K/V for a 16-token block: +12.5 %). They are updated when K is written through the backend (a block
+float16 K/V for a 16-token block: +12.5 %; 3 MB per 1,000 blocks over its 30 layers), allocated on top of the
+KV cache budget. Every decode query reads all of its request's summaries (1/8 of its K/V bytes in float16). They are updated when K is written through the backend (a block
 whose offset-0 row is written starts fresh; other rows widen the min/max), and a block whose rows arrive any other
 way (host-tier restore, copy-on-write, pulled KV, tree-candidate copies) must be marked stale with
 `BlockSparseSelector.invalidate` (the model runner does it through `stale_key_summaries`); a stale block's summary
