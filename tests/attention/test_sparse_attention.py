@@ -168,19 +168,17 @@ def test_sparse_decode_attends_exactly_the_selected_blocks(kernel_mode: bool) ->
     q, k, v = torch.randn(4, H, D, generator=g), torch.randn(4, H_KV, D, generator=g), torch.randn(4, H_KV, D,
                                                                                                     generator=g)
     out = backend.forward(q, k, v, cache, meta, SCALE, None)
-    block_ids = torch.tensor([tables[0]], dtype=torch.int64)
     chosen = _reference_selection(q[:1], cache, tables[:1], [38], cfg)[0]
     assert len(chosen) == 4 and chosen[0] == 0 and chosen[-1] == 9
     rows = torch.cat([cache[:, b, : min(BS, 38 - tables[0].index(b) * BS)] for b in chosen], dim=1)  # [2, n, H_KV, D]
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[0].view(H_KV, H // H_KV, D), rows[0].transpose(0, 1), rows[1].transpose(0, 1), scale=SCALE)
     torch.testing.assert_close(out[0], ref.reshape(H, D), rtol=1e-5, atol=1e-5)
-    del block_ids
     dense_out = CpuPagedBackend(kernel_mode).forward(q, k, v, cache.clone(), meta, SCALE, None)
     torch.testing.assert_close(out[1:], dense_out[1:], rtol=0, atol=0)  # the prefill rows stay dense
 
 
-def _assert_summaries_bound(selector: BlockSparseSelector, cache: torch.Tensor, blocks: dict[int, int]) -> bool:
+def _summaries_bound(selector: BlockSparseSelector, cache: torch.Tensor, blocks: dict[int, int]) -> bool:
     """Whether every valid summary of `blocks` (block id -> filled rows) bounds the block's keys in the cache."""
     summaries, valid = selector.summaries(cache)
     for block, rows in blocks.items():
@@ -234,15 +232,14 @@ def test_blocks_filled_by_copy_get_fresh_summaries(kind: str) -> None:
     backend.sparse.invalidate([3])
     output = _copy_blocks(kind, [cache], 3, 10, BS)
     rows = 2 if kind == "branch" else BS
-    assert not _assert_summaries_bound(backend.sparse, cache, {10: rows}), "the copy should leave block 10 stale"
+    assert not _summaries_bound(backend.sparse, cache, {10: rows}), "the copy should leave block 10 stale"
     stale_key_summaries(backend, copied_block_ids(output, BS))  # what ModelRunner.execute_model does
-    assert _assert_summaries_bound(backend.sparse, cache, {10: rows})
+    assert _summaries_bound(backend.sparse, cache, {10: rows})
     # a decode over a table holding block 10 recomputes its summary from the cache, and selects like the reference
     table = [0, 1, 2, 10, 4, 5, 6, 7]
     q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(2))
     meta = build_attention_metadata([1], [32 if kind != "branch" else 14], [table], BS, CPU)
     seq_len = meta.seq_lens_cpu[0]
-    cache_before = cache.clone()
     backend.forward(q, torch.randn(1, H_KV, D), torch.randn(1, H_KV, D), cache, meta, SCALE, None)
     summaries, valid = backend.sparse.summaries(cache)
     assert valid[10]
@@ -251,19 +248,16 @@ def test_blocks_filled_by_copy_get_fresh_summaries(kind: str) -> None:
     block_ids = torch.tensor([table[: -(-seq_len // BS)]], dtype=torch.int64)
     selected, _ = backend.sparse.select(q, cache, block_ids, torch.tensor([seq_len]))
     assert selected[0].tolist() == _reference_selection(q, cache, [table], [seq_len], cfg)[0]
-    del cache_before
 
 
 def test_keys_written_from_a_block_start_replace_its_old_summary() -> None:
     backend = CpuPagedBackend(sparse=SparseAttentionConfig(topk=1))
     cache = _cache()
     _prefill(backend, cache, [8], [[5, 6]], seed=0)
-    cache_scale = cache[0, 5].abs().max()
     _prefill(backend, cache, [2], [[5]], seed=9)  # block 5 reused by another request: rows 0-1 rewritten
     summaries, valid = backend.sparse.summaries(cache)
     mn, mx = _true_summaries(cache, 5, 2)
     assert valid[5] and torch.equal(summaries[:, 5, 1], mn) and torch.equal(summaries[:, 5, 0], mx)
-    assert cache_scale > 0
 
 
 def test_engine_greedy_tokens_equal_dense_when_k_covers_everything_and_small_k_keeps_invariants() -> None:
@@ -282,7 +276,6 @@ def test_engine_greedy_tokens_equal_dense_when_k_covers_everything_and_small_k_k
     tok = llm.tokenizer
     prompts = [tok.encode("The history of the city " * 14), tok.encode("def fibonacci(n):\n" * 8), tok.encode("Hi")]
     covering = run_engine_checked(llm.engine, prompts, params)
-    sparse = backend.sparse
     backend.sparse = None
     assert run_engine_checked(llm.engine, prompts, params) == covering  # dense: the same greedy tokens
     small = BlockSparseSelector(SparseAttentionConfig(topk=1, sink_blocks=1, recent_blocks=1))
@@ -298,7 +291,6 @@ def test_engine_greedy_tokens_equal_dense_when_k_covers_everything_and_small_k_k
     out = run_engine_checked(llm.engine, prompts, params)
     assert [len(o) for o in out] == [8, 8, 8]
     assert any(s is not None for s in selected)  # the long prompts decoded over 3 of their 5-6 blocks
-    del sparse
 
 
 def test_sliding_window_models_are_refused() -> None:
