@@ -139,18 +139,24 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
-        retention = request.kv_retention
-        if retention is not None and retention.policy == "h2o":
-            return [], 0  # H2O accumulates the attention of every query of the prompt: all are computed
         self.update_block_hashes(request)
-        last = request.num_tokens - 1
-        if retention is not None and retention.policy == "snapkv":
-            last = max(0, request.num_tokens - retention.window)  # the observation window's queries are computed
-        blocks = self.longest_cache_hit(request, last // self.block_size)
+        blocks = self.longest_cache_hit(request, self._max_hit_blocks(request))
         num_computed = len(blocks) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed
         return blocks, num_computed
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        """Most leading full blocks a prefix hit (device or host tier) may cover: all but the last token's, fewer
+        under a KV retention policy that scores the prompt's queries (H2O: none, every query is computed;
+        SnapKV: the observation window's queries are computed)."""
+        last = request.num_tokens - 1
+        retention = request.kv_retention
+        if retention is not None and retention.policy == "h2o":
+            return 0
+        if retention is not None and retention.policy == "snapkv":
+            last = max(0, request.num_tokens - retention.window)
+        return last // self.block_size
 
     def longest_cache_hit(self, request: Request, max_blocks: int) -> list[KVBlock | None]:
         """The request's longest cached prefix of at most `max_blocks` full blocks, one entry per block (its hashes
@@ -196,7 +202,7 @@ class KVCacheManager:
             return ComputedPrefix(blocks, swapped.host_slots[len(blocks) : end], swapped.num_computed_tokens)
         slots: list[int] = []
         if self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None:
-            max_blocks = (request.num_tokens - 1) // self.block_size
+            max_blocks = self._max_hit_blocks(request)
             for block_hash in request.block_hashes[len(blocks) : max_blocks]:
                 slot = self.host.lookup(block_hash)
                 if slot is None:

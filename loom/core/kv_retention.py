@@ -101,8 +101,9 @@ class KVRetentionPolicy(Protocol):
     name: str
     needs_scores: bool  # the runner must score the kept blocks with attention weights (ScheduledRequest.kv_score_rows)
 
-    def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
-        """How many of this step's last query rows the runner scores (0 = none, -1 = all)."""
+    def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
+        """How many of this step's last query rows (positions start..end-1 of a request of num_tokens known tokens)
+        the runner scores: 0 = none, -1 = a sample of all (loom.attention.kv_scores.ROW_STRIDE)."""
         ...
 
     def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
@@ -135,7 +136,7 @@ class FullRetention:
     name = "full"
     needs_scores = False
 
-    def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
+    def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         return 0
 
     def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
@@ -148,7 +149,7 @@ class SinkRetention:
     name = "sinks"
     needs_scores = False
 
-    def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
+    def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         return 0
 
     def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
@@ -167,7 +168,7 @@ class HeavyHitterRetention:
     name = "h2o"
     needs_scores = True
 
-    def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
+    def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         return -1
 
     def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
@@ -183,10 +184,11 @@ class SnapKVRetention:
     name = "snapkv"
     needs_scores = True
 
-    def score_rows(self, state: RetentionState, num_query_tokens: int, prompt_done_this_step: bool) -> int:
-        if state.cut_prompt or not prompt_done_this_step:
+    def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
+        if state.cut_prompt:
             return 0
-        return min(num_query_tokens, state.config.window)
+        # the observation window: the last `window` known tokens, scored in whichever chunks hold them
+        return max(0, end - max(start, num_tokens - state.config.window))
 
     def select_drops(self, state: RetentionState, kept_tokens: int, block_size: int, prompt_done: bool) -> list[int]:
         if not prompt_done:

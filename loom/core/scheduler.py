@@ -104,6 +104,7 @@ class Scheduler:
         draft_grammar: DraftGrammar | None = None,
         kv_group_windows: list[int | None] | None = None,
         kv_transfer_timeout_s: float = 120.0,
+        kv_retention_refused: str | None = None,
     ) -> None:
         """Args:
         num_blocks: KV blocks in the pool (from the runner's memory budget or cache_config).
@@ -118,6 +119,8 @@ class Scheduler:
         kv_group_windows: each KV cache group's sliding window (loom/core/kv_groups.py), two or more groups: a
             hybrid KV cache (HybridKVCacheManager; sliding_window and num_host_blocks must then be unset);
             None = one group.
+        kv_retention_refused: what makes lossy KV retention impossible on this engine (e.g. "a model with
+            sliding-window layers"), named in the error a request asking for it gets; None = nothing.
         kv_transfer_timeout_s: seconds a finished request's blocks stay pinned for a decode replica to pull
             (requests with kv_transfer_id; prefill/decode disaggregation) before they are freed unread.
         """
@@ -166,6 +169,7 @@ class Scheduler:
         # KV retention (loom/core/kv_retention.py): the engine's setting, each policy once, and the state of every
         # running request under a lossy policy (made at admission, dropped at preemption and finish)
         self.kv_retention: KVRetentionConfig = cache_config.kv_retention
+        self.kv_retention_refused = kv_retention_refused
         self._retention_policies: dict[str, KVRetentionPolicy] = {}
         self._retention: dict[str, RetentionState] = {}
 
@@ -216,10 +220,14 @@ class Scheduler:
         params = request.sampling_params
         policy = params.kv_retention or self.kv_retention.policy
         if policy == "full":
+            if params.kv_retention_budget is not None:
+                raise ValueError("kv_retention_budget has no effect under kv_retention 'full': name a lossy "
+                                 "kv_retention (sinks, h2o, snapkv) too")
             return None
         budget = params.kv_retention_budget if params.kv_retention_budget is not None else self.kv_retention.budget
         config = KVRetentionConfig(policy, budget, self.kv_retention.sink_tokens, self.kv_retention.window)
-        conflicts = (("a sliding-window model", self.kv_cache_manager.__class__ is HybridKVCacheManager
+        conflicts = ((self.kv_retention_refused or "", self.kv_retention_refused is not None),
+                     ("a sliding-window model", isinstance(self.kv_cache_manager, HybridKVCacheManager)
                       or getattr(self.kv_cache_manager, "sliding_window", None) is not None),
                      ("speculative decoding", self.proposer is not None),
                      ("kv_transfer_params", request.kv_transfer_id is not None or request.remote_kv is not None),
@@ -514,7 +522,7 @@ class Scheduler:
                     config, [], [], budget_tokens=config.budget_tokens(request.num_prompt_tokens))
             num_dropped_tokens = state.num_dropped_blocks * self.cache_config.block_size
             score_rows = self._retention_policy(state.config.policy).score_rows(
-                state, num_new, end == request.num_tokens)
+                state, start, end, request.num_tokens)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, end) + (drafts or []),
@@ -646,7 +654,8 @@ class Scheduler:
         elif request.max_tokens == 0 and request.num_computed_tokens >= request.num_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is None and rid in self._retention:
-            self._apply_retention(request, self._retention[rid], runner_output.kv_block_scores.get(rid))
+            self._apply_retention(request, self._retention[rid], runner_output.kv_block_scores.get(rid),
+                                  sched.sample)
         logprobs = runner_output.logprobs.get(rid)
         if logprobs is not None:
             logprobs = logprobs[: len(new_token_ids)]
@@ -671,9 +680,11 @@ class Scheduler:
             kv_pinned=kv_pinned,
         )
 
-    def _apply_retention(self, request: Request, state: RetentionState, scores: list[float] | None) -> None:
+    def _apply_retention(self, request: Request, state: RetentionState, scores: list[float] | None,
+                         sampled: bool) -> None:
         """After a step of a request under a lossy KV retention policy: bring its state up to its table (blocks
-        appended since), add the step's attention scores, and drop the blocks the policy gives up."""
+        appended since), add the step's attention scores, and, once a step reached its last known token and
+        sampled (the prompt is computed exactly), drop the blocks the policy gives up."""
         manager = self.kv_cache_manager
         assert isinstance(manager, KVCacheManager)
         table_len = len(manager.req_to_blocks.get(request.request_id, []))
@@ -685,7 +696,7 @@ class Scheduler:
                 state.scores[i] += score
         bs = self.cache_config.block_size
         # the prompt (everything known at admission) is computed and the request decodes: the policy may cut
-        caught_up = request.num_computed_tokens >= request.num_tokens - 1
+        caught_up = sampled and request.num_computed_tokens >= request.num_tokens - 1
         kept_tokens = request.num_computed_tokens - state.num_dropped_blocks * bs
         drops = self._retention_policy(state.config.policy).select_drops(state, kept_tokens, bs, caught_up)
         if not drops:

@@ -72,6 +72,16 @@ class EngineStats:
     kv_retention_blocks_dropped: int = 0  # cumulative KV blocks KV retention policies dropped (docs/long_context.md)
 
 
+def _retention_refused(arch: Any, args: EngineArgs) -> str | None:
+    """What makes lossy KV retention impossible on this engine (None: nothing): a compacted block table breaks a
+    sliding window's position arithmetic, and the other ranks of a model-parallel engine do not get the offsets."""
+    if any(arch.layer_sliding_window(i) is not None for i in range(arch.num_layers)):
+        return "a model with sliding-window layers"
+    if args.parallel_config().world_size > 1:
+        return "tensor_parallel_size / pipeline_parallel_size > 1"
+    return None
+
+
 def attention_setting(cache_config: CacheConfig) -> str:
     """The engine's lossy attention settings as one string for its model identity ("exact" when none): two
     engines answer alike only when their KV retention and block-sparse decode settings agree too."""
@@ -131,6 +141,7 @@ class LLMEngine:
             spec_tree_width=spec.tree_width if spec is not None else 1,
             draft_grammar=self.structured,
             kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+            kv_retention_refused=_retention_refused(arch, args),
         )
         self.kv_transfer = self._make_kv_transfer(args)
         if spec is not None:

@@ -351,7 +351,7 @@ class ModelRunner:
             dropped = req.num_dropped_tokens  # KV retention: its table lists the kept blocks only
             base = add_tokens(req.token_ids, start, tables, dropped)
             if req.kv_score_rows:
-                scored.append((req.request_id, len(seq_lens), n if req.kv_score_rows < 0 else req.kv_score_rows))
+                scored.append((req.request_id, len(seq_lens), req.kv_score_rows))  # -1: KVScoreCollector samples
             if req.spec_token_ids:
                 # Verifying drafts: each query token is a decode row of its own, so the batched decode path,
                 # and the one-call C step, compute it exactly as they would compute that token decoded alone.

@@ -67,12 +67,14 @@ def test_snapkv_pools_neighbouring_scores_and_cuts_once() -> None:
     scores = [0.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     state = _state("snapkv", 12, 0.5, window=16, scores=scores)  # 6 blocks kept
     policy = get_retention_policy("snapkv")
-    assert policy.score_rows(state, 100, prompt_done_this_step=True) == 16
-    assert policy.score_rows(state, 100, prompt_done_this_step=False) == 0
+    assert policy.score_rows(state, 0, 192, 192) == 16  # the last 16 known tokens, in one chunk
+    assert policy.score_rows(state, 0, 100, 192) == 0  # a chunk before the window
+    assert policy.score_rows(state, 100, 184, 192) == 8  # a chunk holding the window's first 8 rows
+    assert policy.score_rows(state, 184, 192, 192) == 8  # and the one holding the rest
     drops = policy.select_drops(state, 12 * BS, BS, prompt_done=True)
     kept = [i for i in range(12) if i not in drops]
     assert kept == [0, 3, 4, 5, 10, 11]  # the hot block 4 with its pooled neighbours 3 and 5
-    assert state.cut_prompt and policy.score_rows(state, 1, prompt_done_this_step=True) == 0
+    assert state.cut_prompt and policy.score_rows(state, 192, 193, 193) == 0
 
 
 # ---- the engine: compaction against a masked Hugging Face reference --------------------------------------------
@@ -125,13 +127,15 @@ def _hf_masked_greedy(model_dir: str, prompt: list[int], output: list[int],
     return logits[len(prompt) - 1 :].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("policy", ["sinks", "h2o", "snapkv"])
-def test_engine_matches_masked_reference(tiny_llama: str, policy: str) -> None:
+@pytest.mark.parametrize("policy,chunk", [("sinks", 512), ("h2o", 512), ("snapkv", 512), ("sinks", 199),
+                                          ("h2o", 64), ("snapkv", 190)])
+def test_engine_matches_masked_reference(tiny_llama: str, policy: str, chunk: int) -> None:
     """The compacted table (slots, context lengths, original positions) attends exactly over the kept blocks:
-    greedy tokens equal a dense reference whose mask hides the dropped blocks, float32."""
+    greedy tokens equal a dense reference whose mask hides the dropped blocks, float32; with a chunked prefill
+    (a chunk ending one token before the prompt's end included) the cut still follows the whole prompt."""
     rng = random.Random(7)
     prompt = [rng.randrange(10, 4000) for _ in range(200)]
-    engine = _engine(tiny_llama, kv_retention=policy, kv_retention_budget=64)
+    engine = _engine(tiny_llama, kv_retention=policy, kv_retention_budget=64, max_num_batched_tokens=chunk)
     log = _record_drops(engine)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     (output,) = run_engine_checked(engine, [prompt], params)
@@ -230,6 +234,8 @@ def test_per_request_policy_and_refused_combinations(tiny_llama: str) -> None:
     engine = _engine(tiny_llama, speculative_method="ngram")
     with pytest.raises(ValueError, match="kv_retention='sinks' with speculative decoding"):
         engine.add_request("x", [1, 2, 3], SamplingParams(kv_retention="sinks"))
+    with pytest.raises(ValueError, match="kv_retention_budget has no effect"):
+        _engine(tiny_llama).add_request("y", [1, 2, 3], SamplingParams(kv_retention_budget=0.5))
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
         EngineArgs(model=tiny_llama, kv_retention="h2o", speculative_method="ngram")
     with pytest.raises(ValueError, match="kv_retention must be one of"):
@@ -309,3 +315,37 @@ def test_snapkv_keeps_its_selection_while_decode_grows() -> None:
     state.scores += [0.0, 0.0, 0.0]
     drops = policy.select_drops(state, 9 * BS, BS, prompt_done=True)
     assert [state.block_positions[i] for i in drops] == [12]
+
+
+def test_sliding_window_model_is_refused_even_without_the_hybrid_cache(tmp_path, hf_tokenizer) -> None:
+    """Gemma 2's local layers mask by position distance: a compacted table would break that, hybrid cache or not."""
+    model = str(save_tiny_model(tmp_path / "gemma2", "gemma2", hf_tokenizer))
+    for hybrid in (True, False):
+        engine = _engine(model, hybrid_kv_cache=hybrid)
+        with pytest.raises(ValueError, match="sliding-window"):
+            engine.add_request("x", [1, 2, 3], SamplingParams(kv_retention="snapkv"))
+
+
+def test_h2o_scores_a_strided_sample_of_prompt_rows() -> None:
+    """kv_score_rows = -1 scores every ROW_STRIDE-th row of the chunk, ending at its last (not all rows)."""
+    from loom.attention.kv_scores import ROW_STRIDE, KVScoreCollector
+    from loom.attention.metadata import build_attention_metadata
+
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim = 40, 4, 2, 8
+    kv_cache = torch.randn(2, 3, BS, kv_heads, dim)
+    meta = build_attention_metadata([n], [n], [[0, 1, 2]], BS, torch.device("cpu"))
+    query = torch.randn(n, heads, dim)
+    sampled, explicit = KVScoreCollector(), KVScoreCollector()
+    sampled.add("a", 0, -1)
+    sampled.observe(query, kv_cache, meta, 0.3)
+    rows = list(range(n - 1, -1, -ROW_STRIDE))[::-1]
+    keys = kv_cache[0].reshape(-1, kv_heads, dim)[:n].repeat_interleave(heads // kv_heads, dim=1)
+    logits = torch.einsum("rhd,shd->rhs", query[rows], keys) * 0.3
+    future = torch.arange(n)[None, :] > torch.tensor(rows)[:, None]
+    weights = torch.softmax(logits.masked_fill(future[:, None, :], float("-inf")), dim=-1).sum(dim=(0, 1))
+    expected = torch.nn.functional.pad(weights, (0, 3 * BS - n)).view(3, BS).sum(1)
+    torch.testing.assert_close(sampled.scores["a"], expected, rtol=1e-5, atol=1e-5)
+    explicit.add("a", 0, n)
+    explicit.observe(query, kv_cache, meta, 0.3)
+    assert not torch.allclose(explicit.scores["a"], expected)  # all rows differ from the sample
