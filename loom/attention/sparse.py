@@ -260,6 +260,23 @@ class BlockSparseSelector:
         for valid in self._valid.values():
             valid[torch.tensor(ids, dtype=torch.int64, device=valid.device)] = False
 
+    def refresh_stale(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Recompute the stale summaries of the blocks a decode step's requests read, in every layer (before loom's
+        one-call C decode step, which widens and reads the summaries itself).
+
+        Args:
+            kv_caches: each layer's [2, num_blocks, block_size, num_kv_heads, row] cache.
+            block_ids: [num_reqs, max_blocks] int64 the requests' block ids in position order.
+            seq_lens: [num_reqs] int64 keys of each context, this step's included.
+        """
+        if block_ids.shape[1] <= self.config.max_blocks:
+            return  # nothing is selected: every block is read
+        tables = self._step_tables(block_ids, seq_lens, kv_caches[0].shape[2])
+        for kv_cache in kv_caches:
+            summaries, valid = self.summaries(kv_cache)
+            if not bool(valid.index_select(0, tables.real_ids).all()):
+                self._refresh(summaries, valid, kv_cache, tables)
+
     def select(self, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The block table and key count each decode query reads.

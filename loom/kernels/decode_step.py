@@ -39,7 +39,7 @@ class _Layer(ctypes.Structure):
                 ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
                 ("post_attn_norm", ctypes.c_void_p), ("post_ffw_norm", ctypes.c_void_p), ("window", ctypes.c_int64),
                 ("local_rope", ctypes.c_int64), ("block_table", ctypes.c_void_p), ("slot_mapping", ctypes.c_void_p),
-                ("bt_stride", ctypes.c_int64)]
+                ("bt_stride", ctypes.c_int64), ("summaries", ctypes.c_void_p), ("summary_valid", ctypes.c_void_p)]
 
 
 class _Dims(ctypes.Structure):
@@ -47,7 +47,8 @@ class _Dims(ctypes.Structure):
                 ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("block_size", ctypes.c_int64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("is_bf16", ctypes.c_int), ("torch_lanes", ctypes.c_int), ("num_threads", ctypes.c_int),
-                ("kv_type", ctypes.c_int), ("act", ctypes.c_int)]
+                ("kv_type", ctypes.c_int), ("act", ctypes.c_int), ("sparse_topk", ctypes.c_int64),
+                ("sparse_sink", ctypes.c_int64), ("sparse_recent", ctypes.c_int64), ("num_blocks", ctypes.c_int64)]
 
 _ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # LoomDims.act
 
@@ -75,6 +76,9 @@ class ModelDecodeStep:
         attn = layer0.self_attn
         self.dtype = model.norm.weight.dtype
         self.backend = attn.attn.backend
+        # block-sparse decode attention (loom/attention/sparse.py): the backend's selector, whose per-layer key
+        # summaries the C step widens and reads; None = dense
+        self.sparse: Any = getattr(self.backend, "sparse", None)
         self.sliding_window = attn.attn.sliding_window
         self.dims = _Dims(len(model.layers), model.norm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
                           attn.head_dim, layer0.mlp.down_proj.input_size, 0, layer0.input_layernorm.eps,
@@ -141,6 +145,13 @@ class ModelDecodeStep:
         if id(kv_caches) != self._caches_id:
             for entry, cache in zip(self.layers, kv_caches, strict=True):
                 entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+                if self.sparse is not None:
+                    summaries, valid = self.sparse.summaries(cache)
+                    entry.summaries, entry.summary_valid = summaries.data_ptr(), valid.data_ptr()
+            if self.sparse is not None:
+                config = self.sparse.config
+                self.dims.sparse_topk, self.dims.sparse_sink = config.topk, config.sink_blocks
+                self.dims.sparse_recent, self.dims.num_blocks = config.recent_blocks, cache0.shape[1]
             self.dims.block_size = cache0.shape[2]
             self.dims.kv_type = 0 if cache0.dtype == self.dtype else _KV_TYPES[cache0.dtype]
             self._caches_id = id(kv_caches)
@@ -154,12 +165,17 @@ class ModelDecodeStep:
         hidden = hidden.contiguous()
         slots = attn_metadata.slot_mapping
         table = decode.block_ids
+        if self.sparse is not None:  # the stale summaries the selection will read, recomputed first
+            # (the rows before this step's: the step writes its own keys and widens the summaries itself)
+            self.sparse.refresh_stale(kv_caches, table, decode.seq_lens - 1)
         rc = self.kernel._fn(ctypes.byref(self.dims), self.layers, self.final_norm.data_ptr(), hidden.data_ptr(),
                              cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), table.stride(0),
                              decode.seq_lens.data_ptr(), batch, out.data_ptr(), residual.data_ptr(), normed.data_ptr(),
                              h.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(),
                              gate_up.data_ptr(), act.data_ptr(), _torch_chunk(batch * self.dims.inter),
                              cos_local.data_ptr(), sin_local.data_ptr())
+        if rc == -2:
+            raise RuntimeError("loom_decode_step found a stale key summary (block-sparse attention)")
         if rc != 0:
             raise MemoryError("loom_decode_step could not allocate its scratch memory")
         return out.clone()  # the scratch is reused by the next step

@@ -443,7 +443,8 @@ class LlamaModel(nn.Module):
 
     def prepare_decode_step(self) -> None:
         """Record the packed weights for loom's one-call C decode step (loom/kernels/decode_step.py) when every
-        layer is what it runs; else keep the per-layer path. LOOM_DECODE_STEP=0 keeps the per-layer path."""
+        layer is what it runs; else keep the per-layer path. LOOM_DECODE_STEP=0 keeps the per-layer path;
+        LOOM_SPARSE_DECODE_STEP=0 keeps it for block-sparse decode attention only."""
         import os
 
         from loom.kernels.decode_step import ModelDecodeStep, supports_model
@@ -453,8 +454,9 @@ class LlamaModel(nn.Module):
         self.decode_step = None
         if self.pp is not None or self.embed_tokens.tp is not None:  # the C step has no collectives
             return
-        if getattr(self.layers[0].self_attn.attn.backend, "sparse", None) is not None:
-            return  # block-sparse decode selects each layer's blocks from its query: the per-layer path
+        if getattr(self.layers[0].self_attn.attn.backend, "sparse", None) is not None \
+                and os.environ.get("LOOM_SPARSE_DECODE_STEP", "1") == "0":
+            return  # block-sparse decode on the per-layer path (selection in torch); default: inside the C step
         if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self):
             return
         kernel = get_kernel("decode_step")

@@ -353,3 +353,26 @@ def test_summaries_follow_the_runners_copy_on_write(monkeypatch) -> None:
     other = llm.tokenizer.encode("Numbers: one two three four five six seven eight nine ten. " * 4)
     llm.beam_search([other], params, use_tqdm=False)
     assert violations, "a stale summary should have been caught without the runner's hook"
+
+
+def test_selection_inside_the_one_call_c_step_equals_the_per_layer_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the bundled GGUF the C decode step widens the summaries and selects the blocks itself: its greedy tokens
+    at a small k equal those of the per-layer path (selection in torch), and differ from dense attention."""
+    from pathlib import Path
+
+    from loom import LLM, SamplingParams
+
+    text = (Path(__file__).parents[2] / "README.md").read_text()[:1500]  # ~350 tokens: 22 blocks, 7 read
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for name, env, sparse in (("c_step", "1", True), ("per_layer", "0", True), ("dense", "1", False)):
+        monkeypatch.setenv("LOOM_SPARSE_DECODE_STEP", env)
+        kwargs = dict(sparse_attention="topk-blocks", sparse_attention_topk=4) if sparse else {}
+        llm = LLM(num_kv_blocks=128, **kwargs)
+        has_c_step = llm.engine.runner.model.model.decode_step is not None
+        if name == "c_step" and not has_c_step:
+            pytest.skip("no C decode step on this machine (no compiler, or LOOM_CPU_KERNELS=0)")
+        assert has_c_step == (env == "1")
+        outputs[name] = llm.generate([text], params)[0].outputs[0].token_ids
+    assert outputs["c_step"] == outputs["per_layer"]
+    assert outputs["c_step"] != outputs["dense"]

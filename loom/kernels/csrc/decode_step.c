@@ -23,6 +23,7 @@
  * (`kv_type` 3: group-32 codes with float16 scale and minimum, quantized exactly as
  * loom.attention.kv_quant.quantize_rows does). Scratch buffers are the caller's (reused every step). Returns 0, or -1 when a kernel failed to allocate scratch (out undefined).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,6 +75,12 @@ typedef struct {
      * mapping [B], or NULL for the step's own */
     const int64_t *block_table, *slot_mapping;
     int64_t bt_stride;
+    /* block-sparse decode attention (Quest, arXiv:2406.10774; loom/attention/sparse.py), or NULL: per KV head and
+     * block the channel-wise max then min of the block's keys, float32 [Hkv, num_blocks, 2, D], and a validity
+     * flag per block [num_blocks] (bool bytes). The step widens them with the keys it writes and each request's
+     * query reads its sink, recent and top-k blocks by the bound sum_d max(q_d min_d, q_d max_d) */
+    float *summaries;
+    unsigned char *summary_valid;
 } LoomLayer;
 
 typedef struct {
@@ -82,6 +89,9 @@ typedef struct {
     int is_bf16, torch_lanes, num_threads;
     int kv_type; /* cache elements: 0 the model dtype, 1 bfloat16, 2 float16, 3 int8 rows */
     int act;     /* the gated MLP's activation: 0 SiLU (SwiGLU), 1 GELU-tanh (GeGLU, Gemma) */
+    /* block-sparse decode (layers with summaries): blocks read per query besides sink_blocks first and recent_blocks
+     * last; num_blocks of the cache (the summaries' stride) */
+    int64_t sparse_topk, sparse_sink, sparse_recent, num_blocks;
 } LoomDims;
 
 /* one (token, KV head) row of D values (float32, or bfloat16 when src_bf16) as loom's int8 KV row: per group of
@@ -165,6 +175,84 @@ static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void
     return 0;
 }
 
+/* Fold the key rows just written (k [B, Hkv, D] model dtype, at slots) into their blocks' summaries: a block
+ * whose first row is written starts over (and becomes valid); other rows widen its max / min. */
+static void update_summaries(const LoomDims *d, const LoomLayer *L, const void *k, const int64_t *slots, int64_t B) {
+    const int64_t D = d->head_dim, Hkv = d->kv_heads, bs = d->block_size, nb = d->num_blocks;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t slot = slots[b];
+        if (slot < 0) continue;
+        const int64_t block = slot / bs, off = slot - block * bs;
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+            float *mx = L->summaries + ((hk * nb + block) * 2) * D, *mn = mx + D;
+            if (off == 0)
+                for (int64_t i = 0; i < D; ++i) mx[i] = -INFINITY, mn[i] = INFINITY;
+            for (int64_t i = 0; i < D; ++i) {
+                const int64_t at = (b * Hkv + hk) * D + i;
+                const float v = d->is_bf16 ? loom_bf16_to_f32(((const uint16_t *)k)[at]) : ((const float *)k)[at];
+                mx[i] = v > mx[i] ? v : mx[i];
+                mn[i] = v < mn[i] ? v : mn[i];
+            }
+        }
+        if (off == 0) L->summary_valid[block] = 1;
+    }
+}
+
+typedef struct { float score; int64_t pos; } ScoredBlock;
+
+static int by_score_desc(const void *a, const void *b) { /* higher score first; ties: the older block first */
+    const ScoredBlock *x = (const ScoredBlock *)a, *y = (const ScoredBlock *)b;
+    if (x->score != y->score) return x->score < y->score ? 1 : -1;
+    return (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+/* Each request's selected blocks in position order into sel [B, width] (width = sink + recent + topk) and their
+ * key counts into sel_lens [B]: every block when the context has at most width blocks, else its sink and recent
+ * blocks and the topk others of the largest bound (the max over query heads). scored: scratch [max blocks].
+ * Returns 0, or -1 when a needed summary is stale (the caller refreshes summaries before the step). */
+static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, const int64_t *table, int64_t stride,
+                         const int64_t *seq_lens, int64_t B, int64_t *sel, int64_t *sel_lens, ScoredBlock *scored,
+                         unsigned char *chosen) {
+    const int64_t D = d->head_dim, Hq = d->heads, Hkv = d->kv_heads, bs = d->block_size, nb_cache = d->num_blocks;
+    const int64_t sink = d->sparse_sink, recent = d->sparse_recent, width = sink + recent + d->sparse_topk;
+    const int64_t group = Hq / Hkv;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t *row = table + b * stride;
+        const int64_t nb = (seq_lens[b] + bs - 1) / bs;
+        int64_t *out = sel + b * width;
+        if (nb <= width) {
+            for (int64_t j = 0; j < width; ++j) out[j] = row[j < nb ? j : nb - 1];
+            sel_lens[b] = seq_lens[b];
+            continue;
+        }
+        int64_t n = 0;
+        for (int64_t j = sink; j < nb - recent; ++j) {
+            const int64_t block = row[j];
+            if (!L->summary_valid[block]) return -1;
+            float best = -INFINITY;
+            for (int64_t h = 0; h < Hq; ++h) {
+                const float *mx = L->summaries + (((h / group) * nb_cache + block) * 2) * D, *mn = mx + D;
+                float acc = 0.0f;
+                for (int64_t i = 0; i < D; ++i) {
+                    const int64_t at = (b * Hq + h) * D + i;
+                    const float qv = d->is_bf16 ? loom_bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
+                    acc += qv > 0.0f ? qv * mx[i] : qv * mn[i];
+                }
+                best = acc > best ? acc : best;
+            }
+            scored[n].score = best, scored[n].pos = j, ++n;
+        }
+        qsort(scored, (size_t)n, sizeof(ScoredBlock), by_score_desc);
+        memset(chosen, 0, (size_t)nb);
+        for (int64_t i = 0; i < d->sparse_topk && i < n; ++i) chosen[scored[i].pos] = 1;
+        int64_t m = 0;
+        for (int64_t j = 0; j < nb; ++j)
+            if (j < sink || j >= nb - recent || chosen[j]) out[m++] = row[j];
+        sel_lens[b] = seq_lens[b] - (nb - width) * bs; /* the partial last block is among the recent ones */
+    }
+    return 0;
+}
+
 /*
  * hidden [B, hidden] (the embedding rows, read only); cos / signed_sin float32 [B, D] (cos_local / signed_sin_local:
  * the tables of layers with local_rope, or NULL when none has it); slot_mapping int64 [B];
@@ -189,6 +277,20 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
     char *qkn = NULL;
     for (int64_t l = 0; l < d->num_layers && !qkn; ++l)
         if (layers[l].q_norm && !(qkn = (char *)malloc((size_t)(B * (Hq + Hkv) * D) * es))) return -1;
+    /* block-sparse decode scratch: each request's selected blocks and key counts, the scored blocks */
+    int64_t *sel = NULL, *sel_lens = NULL, max_nb = 1;
+    ScoredBlock *scored = NULL;
+    unsigned char *chosen = NULL;
+    const int64_t width = d->sparse_sink + d->sparse_recent + d->sparse_topk;
+    if (layers[0].summaries) {
+        for (int64_t b = 0; b < B; ++b) max_nb = (seq_lens[b] + d->block_size - 1) / d->block_size > max_nb
+                                                     ? (seq_lens[b] + d->block_size - 1) / d->block_size : max_nb;
+        sel = (int64_t *)malloc((size_t)(B * width) * sizeof(int64_t));
+        sel_lens = (int64_t *)malloc((size_t)B * sizeof(int64_t));
+        scored = (ScoredBlock *)malloc((size_t)max_nb * sizeof(ScoredBlock));
+        chosen = (unsigned char *)malloc((size_t)max_nb);
+        if (!sel || !sel_lens || !scored || !chosen) goto fail;
+    }
     for (int64_t l = 0; l < d->num_layers; ++l) {
         const LoomLayer *L = &layers[l];
         if (l == 0) {
@@ -233,7 +335,17 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
                 store_kv(vd, vs, row, bf16, kv);
             }
         }
-        loom_paged_decode(q, L->k_cache, L->v_cache, table, table_stride, seq_lens, attn, B, Hq, Hkv, D,
+        const int64_t *read_table = table, *read_lens = seq_lens;
+        int64_t read_stride = table_stride;
+        if (L->summaries) {
+            update_summaries(d, L, k, slots, B);
+            if (select_blocks(d, L, q, table, table_stride, seq_lens, B, sel, sel_lens, scored, chosen)) {
+                free(qkn), free(sel), free(sel_lens), free(scored), free(chosen);
+                return -2; /* a stale summary: the caller refreshes them first */
+            }
+            read_table = sel, read_lens = sel_lens, read_stride = width;
+        }
+        loom_paged_decode(q, L->k_cache, L->v_cache, read_table, read_stride, read_lens, attn, B, Hq, Hkv, D,
                           d->block_size, d->scale, L->window, threads, bf16, cache_kv);
         if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) goto fail;
         /* in place: the norm reads a row's sum of squares before it writes the row, element by element */
@@ -247,10 +359,10 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) goto fail;
         if (L->post_ffw_norm) loom_add_rmsnorm(h, NULL, L->post_ffw_norm, h, NULL, B, H, d->eps, bf16);
     }
-    free(qkn);
+    free(qkn), free(sel), free(sel_lens), free(scored), free(chosen);
     loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16);
     return 0;
 fail: /* a kernel could not allocate its scratch */
-    free(qkn);
+    free(qkn), free(sel), free(sel_lens), free(scored), free(chosen);
     return -1;
 }
