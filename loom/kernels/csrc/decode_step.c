@@ -208,11 +208,12 @@ static int by_score_desc(const void *a, const void *b) { /* higher score first; 
 
 /* Each request's selected blocks in position order into sel [B, width] (width = sink + recent + topk) and their
  * key counts into sel_lens [B]: every block when the context has at most width blocks, else its sink and recent
- * blocks and the topk others of the largest bound (the max over query heads). scored: scratch [max blocks].
+ * blocks and the topk others of the largest bound (the max over query heads). Scratch: scored [max blocks],
+ * chosen [max blocks], qpm [2 Hq D] float32 (a query's positive and negative parts).
  * Returns 0, or -1 when a needed summary is stale (the caller refreshes summaries before the step). */
 static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, const int64_t *table, int64_t stride,
                          const int64_t *seq_lens, int64_t B, int64_t *sel, int64_t *sel_lens, ScoredBlock *scored,
-                         unsigned char *chosen) {
+                         unsigned char *chosen, float *qpm) {
     const int64_t D = d->head_dim, Hq = d->heads, Hkv = d->kv_heads, bs = d->block_size, nb_cache = d->num_blocks;
     const int64_t sink = d->sparse_sink, recent = d->sparse_recent, width = sink + recent + d->sparse_topk;
     const int64_t group = Hq / Hkv;
@@ -225,6 +226,14 @@ static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, c
             sel_lens[b] = seq_lens[b];
             continue;
         }
+        /* max(q m, q M) = max(q, 0) M + min(q, 0) m for m <= M: two branch-free dot products per head */
+        float *qp = qpm, *qm = qpm + Hq * D;
+        for (int64_t i = 0; i < Hq * D; ++i) {
+            const int64_t at = b * Hq * D + i;
+            const float v = d->is_bf16 ? loom_bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
+            qp[i] = v > 0.0f ? v : 0.0f;
+            qm[i] = v < 0.0f ? v : 0.0f;
+        }
         int64_t n = 0;
         for (int64_t j = sink; j < nb - recent; ++j) {
             const int64_t block = row[j];
@@ -232,12 +241,14 @@ static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, c
             float best = -INFINITY;
             for (int64_t h = 0; h < Hq; ++h) {
                 const float *mx = L->summaries + (((h / group) * nb_cache + block) * 2) * D, *mn = mx + D;
+                const float *hp = qp + h * D, *hm = qm + h * D;
+                float lane[16] = {0}; /* 16 partial sums, so that the loop vectorizes without reordering */
+                int64_t i = 0;
+                for (; i + 16 <= D; i += 16)
+                    for (int t = 0; t < 16; ++t) lane[t] += hp[i + t] * mx[i + t] + hm[i + t] * mn[i + t];
                 float acc = 0.0f;
-                for (int64_t i = 0; i < D; ++i) {
-                    const int64_t at = (b * Hq + h) * D + i;
-                    const float qv = d->is_bf16 ? loom_bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at];
-                    acc += qv > 0.0f ? qv * mx[i] : qv * mn[i];
-                }
+                for (; i < D; ++i) acc += hp[i] * mx[i] + hm[i] * mn[i];
+                for (int t = 0; t < 16; ++t) acc += lane[t];
                 best = acc > best ? acc : best;
             }
             scored[n].score = best, scored[n].pos = j, ++n;
@@ -281,6 +292,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
     int64_t *sel = NULL, *sel_lens = NULL, max_nb = 1;
     ScoredBlock *scored = NULL;
     unsigned char *chosen = NULL;
+    float *qpm = NULL;
     const int64_t width = d->sparse_sink + d->sparse_recent + d->sparse_topk;
     if (layers[0].summaries) {
         for (int64_t b = 0; b < B; ++b) max_nb = (seq_lens[b] + d->block_size - 1) / d->block_size > max_nb
@@ -289,7 +301,8 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         sel_lens = (int64_t *)malloc((size_t)B * sizeof(int64_t));
         scored = (ScoredBlock *)malloc((size_t)max_nb * sizeof(ScoredBlock));
         chosen = (unsigned char *)malloc((size_t)max_nb);
-        if (!sel || !sel_lens || !scored || !chosen) goto fail;
+        qpm = (float *)malloc((size_t)(2 * Hq * D) * sizeof(float));
+        if (!sel || !sel_lens || !scored || !chosen || !qpm) goto fail;
     }
     for (int64_t l = 0; l < d->num_layers; ++l) {
         const LoomLayer *L = &layers[l];
@@ -339,8 +352,8 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         int64_t read_stride = table_stride;
         if (L->summaries) {
             update_summaries(d, L, k, slots, B);
-            if (select_blocks(d, L, q, table, table_stride, seq_lens, B, sel, sel_lens, scored, chosen)) {
-                free(qkn), free(sel), free(sel_lens), free(scored), free(chosen);
+            if (select_blocks(d, L, q, table, table_stride, seq_lens, B, sel, sel_lens, scored, chosen, qpm)) {
+                free(qkn), free(sel), free(sel_lens), free(scored), free(chosen), free(qpm);
                 return -2; /* a stale summary: the caller refreshes them first */
             }
             read_table = sel, read_lens = sel_lens, read_stride = width;
@@ -359,10 +372,10 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         if (gemm(&L->down, act, d->inter, B, h, bf16, threads)) goto fail;
         if (L->post_ffw_norm) loom_add_rmsnorm(h, NULL, L->post_ffw_norm, h, NULL, B, H, d->eps, bf16);
     }
-    free(qkn), free(sel), free(sel_lens), free(scored), free(chosen);
+    free(qkn), free(sel), free(sel_lens), free(scored), free(chosen), free(qpm);
     loom_add_rmsnorm(h, residual, final_norm, out, residual, B, H, d->eps, bf16);
     return 0;
 fail: /* a kernel could not allocate its scratch */
-    free(qkn), free(sel), free(sel_lens), free(scored), free(chosen);
+    free(qkn), free(sel), free(sel_lens), free(scored), free(chosen), free(qpm);
     return -1;
 }
