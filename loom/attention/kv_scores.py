@@ -29,6 +29,7 @@ class _Scored:
     request_id: str
     req_index: int  # row of the request in the step's AttentionMetadata
     num_rows: int  # its last num_rows query rows are scored; -1 = every ROW_STRIDE-th row, ending at the last
+    reduce: str  # over query heads and layers: "sum" (accumulated attention) or "max" (the head that wants it most)
 
 
 @dataclass(slots=True)
@@ -38,10 +39,18 @@ class KVScoreCollector:
     requests: list[_Scored] = field(default_factory=list)
     scores: dict[str, torch.Tensor] = field(default_factory=dict)  # request_id -> [num_table_blocks] float32
 
-    def add(self, request_id: str, req_index: int, num_rows: int) -> None:
+    def add(self, request_id: str, req_index: int, num_rows: int, reduce: str = "sum") -> None:
         """Score the last `num_rows` (>= 1) query rows of request `req_index` of the step; -1 = a sample of all
-        its rows, every ROW_STRIDE-th one ending at the last (H2O's accumulated attention, estimated)."""
-        self.requests.append(_Scored(request_id, req_index, num_rows))
+        its rows, every ROW_STRIDE-th one ending at the last (H2O's accumulated attention, estimated). reduce: how
+        the per-head block scores combine over query heads and layers, "sum" or "max" (SnapKV selects per head: a
+        block one head attends to strongly counts as much as that head's attention, not diluted by the others).
+
+        Raises:
+            ValueError: an unknown reduce.
+        """
+        if reduce not in ("sum", "max"):
+            raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
+        self.requests.append(_Scored(request_id, req_index, num_rows, reduce))
 
     def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                 scale: float) -> None:
@@ -69,7 +78,7 @@ class KVScoreCollector:
             group = num_heads // num_kv_heads
             keys_t = key.float().permute(1, 2, 0)  # [H_kv, d, seq_len]
             k_pos = torch.arange(seq_len, device=query.device)
-            total = torch.zeros(seq_len, dtype=torch.float32, device=query.device)
+            total = torch.zeros(num_heads, seq_len, dtype=torch.float32, device=query.device)
             for c in range(0, len(rows), ROW_CHUNK):
                 chunk = torch.tensor(rows[c : c + ROW_CHUNK], dtype=torch.int64, device=query.device)
                 r = chunk.numel()
@@ -81,11 +90,17 @@ class KVScoreCollector:
                 future = k_pos[None, :] > q_pos[:, None]  # [r, seq_len]
                 if bool(future.any()):
                     logits.masked_fill_(future[None, :, None, :], float("-inf"))
-                total += torch.softmax(logits, dim=-1).view(-1, seq_len).sum(0)
+                total += torch.softmax(logits, dim=-1).sum(1).view(num_heads, seq_len)  # [H, seq_len], head-major
             num_blocks = -(-seq_len // bs)
-            per_block = torch.nn.functional.pad(total, (0, num_blocks * bs - seq_len)).view(num_blocks, bs).sum(1)
+            per_head = torch.nn.functional.pad(total, (0, num_blocks * bs - seq_len)).view(
+                num_heads, num_blocks, bs).sum(2)  # [H, num_blocks]
             acc = self.scores.get(item.request_id)
-            self.scores[item.request_id] = per_block if acc is None else acc + per_block
+            if item.reduce == "max":
+                per_block = per_head.amax(0)
+                self.scores[item.request_id] = per_block if acc is None else torch.maximum(acc, per_block)
+            else:
+                per_block = per_head.sum(0)
+                self.scores[item.request_id] = per_block if acc is None else acc + per_block
 
     def result(self) -> dict[str, list[float]]:
         """request_id -> attention received by each entry of its block table, summed over the layers seen."""

@@ -20,8 +20,10 @@ Policies (the field's names):
     blocks, and keep the best within the budget plus the window itself; the selection then stays, and the blocks
     decode adds are dropped once they leave the recent window (the budget is exceeded by at most that window).
 
-The scores are per block, summed over layers, heads and queries (one block table serves every layer, so one
-decision is made for all of them; the papers choose per head and layer — the coarsening is the price of paging).
+The scores are per block (one block table serves every layer, so one decision is made for all of them; the papers
+choose per head and layer — the coarsening is the price of paging): H2O sums the attention over layers, heads and
+queries; SnapKV takes, over layers and heads, the largest of each head's window attention to the block, so a block
+one head needs is not outvoted by the many heads that look elsewhere.
 
 Plain Python, no torch.
 """
@@ -100,6 +102,7 @@ class KVRetentionPolicy(Protocol):
 
     name: str
     needs_scores: bool  # the runner must score the kept blocks with attention weights (ScheduledRequest.kv_score_rows)
+    score_reduce: str  # how per-head block scores combine over heads and layers: "sum" or "max"
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         """How many of this step's last query rows (positions start..end-1 of a request of num_tokens known tokens)
@@ -135,6 +138,7 @@ class FullRetention:
 
     name = "full"
     needs_scores = False
+    score_reduce = "sum"
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         return 0
@@ -148,6 +152,7 @@ class SinkRetention:
 
     name = "sinks"
     needs_scores = False
+    score_reduce = "sum"
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         return 0
@@ -167,6 +172,7 @@ class HeavyHitterRetention:
 
     name = "h2o"
     needs_scores = True
+    score_reduce = "sum"  # attention accumulated over every query and head
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         return -1
@@ -183,6 +189,7 @@ class SnapKVRetention:
 
     name = "snapkv"
     needs_scores = True
+    score_reduce = "max"  # SnapKV selects per head: a block counts as much as the head that attends to it most
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
         if state.cut_prompt:

@@ -37,6 +37,7 @@ class ScheduledRequest:
     # rows whose attention the runner sums per kept block for the policy (ModelRunnerOutput.kv_block_scores): the
     # last kv_score_rows query rows of this request's chunk; -1 = all; 0 = none
     kv_score_rows: int = 0
+    kv_score_reduce: str = "sum"  # how head and layer scores combine: "sum" (h2o) or "max" (snapkv)
 
 
 @dataclass(slots=True)

@@ -514,6 +514,7 @@ class Scheduler:
         request.spec_token_ids = drafts or []
         request.num_computed_tokens = end + len(request.spec_token_ids)
         num_dropped_tokens = score_rows = 0
+        score_reduce = "sum"
         if request.kv_retention is not None:
             state = self._retention.get(request.request_id)
             if state is None:
@@ -521,8 +522,9 @@ class Scheduler:
                 state = self._retention[request.request_id] = RetentionState(
                     config, [], [], budget_tokens=config.budget_tokens(request.num_prompt_tokens))
             num_dropped_tokens = state.num_dropped_blocks * self.cache_config.block_size
-            score_rows = self._retention_policy(state.config.policy).score_rows(
-                state, start, end, request.num_tokens)
+            policy = self._retention_policy(state.config.policy)
+            score_rows = policy.score_rows(state, start, end, request.num_tokens)
+            score_reduce = policy.score_reduce
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, end) + (drafts or []),
@@ -539,6 +541,7 @@ class Scheduler:
             if isinstance(self.kv_cache_manager, HybridKVCacheManager) else None,
             num_dropped_tokens=num_dropped_tokens,
             kv_score_rows=score_rows,
+            kv_score_reduce=score_reduce,
         )
 
     def _blocks_needed(self, num_tokens: int) -> int:

@@ -319,7 +319,8 @@ class ModelRunner:
         lp_owners: list[tuple[str, int, int, int]] = []
         bs = self.block_size
         attn_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]  # per group: each row group's table
-        scored: list[tuple[str, int, int]] = []  # KV retention: (request_id, its row in the metadata, rows to score)
+        # KV retention: (request_id, its row in the metadata, rows to score, how heads and layers combine)
+        scored: list[tuple[str, int, int, str]] = []
 
         def add_tokens(ids: list[int], start: int, tables: list[list[int]], dropped: int = 0) -> int:
             """Append tokens at positions start.. with their slots in each group's table (whose first `dropped`
@@ -351,7 +352,8 @@ class ModelRunner:
             dropped = req.num_dropped_tokens  # KV retention: its table lists the kept blocks only
             base = add_tokens(req.token_ids, start, tables, dropped)
             if req.kv_score_rows:
-                scored.append((req.request_id, len(seq_lens), req.kv_score_rows))  # -1: KVScoreCollector samples
+                # -1: KVScoreCollector samples the rows
+                scored.append((req.request_id, len(seq_lens), req.kv_score_rows, req.kv_score_reduce))
             if req.spec_token_ids:
                 # Verifying drafts: each query token is a decode row of its own, so the batched decode path,
                 # and the one-call C step, compute it exactly as they would compute that token decoded alone.
@@ -412,13 +414,13 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _score_collector(scored: list[tuple[str, int, int]]) -> KVScoreCollector | None:
+    def _score_collector(scored: list[tuple[str, int, int, str]]) -> KVScoreCollector | None:
         """The step's collector of attention weights per KV block (KV retention), or None when nothing is scored."""
         if not scored:
             return None
         collector = KVScoreCollector()
-        for request_id, req_index, rows in scored:
-            collector.add(request_id, req_index, rows)
+        for request_id, req_index, rows, reduce in scored:
+            collector.add(request_id, req_index, rows, reduce)
         return collector
 
     def _add_prompt_logprobs(self, logits: torch.Tensor, inputs: _StepInputs, output: ModelRunnerOutput) -> None:

@@ -159,17 +159,18 @@ def test_full_retention_and_a_budget_above_the_context_change_nothing(tiny_llama
 
 
 @torch.inference_mode()
-def _reference_block_scores(model_dir: str, prompt: list[int], rows: list[int]) -> torch.Tensor:
-    """Attention each block of the prompt receives from query rows `rows`, summed over layers and heads (Hugging
-    Face eager attention weights)."""
+def _reference_block_scores(model_dir: str, prompt: list[int], rows: list[int], reduce: str) -> torch.Tensor:
+    """Attention each block of the prompt receives from query rows `rows` (summed), per layer and head, then summed
+    (reduce "sum") or maxed ("max") over layers and heads (Hugging Face eager attention weights)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
     out = model(input_ids=torch.tensor([prompt]), output_attentions=True)
     weights = torch.stack(out.attentions)[:, 0]  # [layers, heads, q, k]
-    per_key = weights[:, :, rows].sum(dim=(0, 1, 2))
+    per_key = weights[:, :, rows].sum(dim=2)  # [layers, heads, k]
     nb = -(-len(prompt) // BS)
-    return torch.nn.functional.pad(per_key, (0, nb * BS - len(prompt))).view(nb, BS).sum(1)
+    per_block = torch.nn.functional.pad(per_key, (0, nb * BS - len(prompt))).view(*per_key.shape[:2], nb, BS).sum(3)
+    return per_block.sum(dim=(0, 1)) if reduce == "sum" else per_block.amax(dim=(0, 1))
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
@@ -190,7 +191,7 @@ def test_kept_set_matches_reference_from_attention_weights(tiny_llama: str, poli
         log = _record_drops(engine)
         run_engine_checked(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     rows = list(range(n - 1, -1, -ROW_STRIDE))[::-1] if policy == "h2o" else list(range(n - 16, n))
-    scores = _reference_block_scores(tiny_llama, prompt, rows).tolist()
+    scores = _reference_block_scores(tiny_llama, prompt, rows, get_retention_policy(policy).score_reduce).tolist()
     state = _state(policy, len(scores), 80, window=16, scores=scores)
     expected = get_retention_policy(policy).select_drops(state, n, BS, prompt_done=True)
     assert log[0][2] == expected
