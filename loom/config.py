@@ -219,13 +219,6 @@ class EngineArgs:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         parallel = self.parallel_config()
         self.cache_config()  # validates the KV retention and sparse attention options
-        if self.kv_retention == "full":
-            defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
-            unused = [n for n in ("kv_retention_budget", "kv_retention_sink_tokens", "kv_retention_window")
-                      if getattr(self, n) != defaults[n]]
-            if unused:
-                logger.warning("%s: no effect without a lossy kv_retention (requests may still name one)",
-                               ", ".join(unused))
         if self.kv_retention != "full":
             for conflict, on in (("preemption_mode='swap'", self.preemption_mode == "swap"),
                                  ("kv_transfer_role", self.kv_transfer_role is not None),

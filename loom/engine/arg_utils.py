@@ -69,7 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cut to --kv-retention-budget (default: %(default)s)")
     g.add_argument("--kv-retention-budget", type=float, default=defaults.kv_retention_budget,
                    help="KV kept per request under a lossy --kv-retention: <= 1 = a fraction of the prompt's "
-                        "tokens, > 1 = tokens (default: %(default)s)")
+                        "tokens, > 1 = tokens, in whole blocks; never less than the sink block and the recent "
+                        "window, which every policy keeps (default: %(default)s)")
     g.add_argument("--kv-retention-sink-tokens", type=int, default=defaults.kv_retention_sink_tokens,
                    help="first tokens always kept by sinks and h2o, rounded up to whole blocks (default: %(default)s)")
     g.add_argument("--kv-retention-window", type=int, default=defaults.kv_retention_window,

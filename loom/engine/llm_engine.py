@@ -107,6 +107,14 @@ class LLMEngine:
         model_config = args.model_config()
         cache_config = args.cache_config()
         self.attention_setting = attention_setting(cache_config)  # part of the model identity (result cache key)
+        if args.kv_retention == "full":
+            defaults = EngineArgs()
+            unused = [f"--{n.replace('_', '-')}" for n in ("kv_retention_budget", "kv_retention_sink_tokens",
+                                                             "kv_retention_window")
+                      if getattr(args, n) != getattr(defaults, n)]
+            if unused:
+                logger.warning("%s: no effect without a lossy --kv-retention (the engine's default for requests that "
+                               "name a policy themselves)", ", ".join(unused))
         started = time.perf_counter()
         self.executor: Executor = make_executor(model_config, cache_config, args.parallel_config(), device,
                                                 args.num_threads)
