@@ -101,7 +101,6 @@ class KVRetentionPolicy(Protocol):
     """Chooses which of a request's full blocks to drop. Registered by name in KV_RETENTION_REGISTRY."""
 
     name: str
-    needs_scores: bool  # the runner must score the kept blocks with attention weights (ScheduledRequest.kv_score_rows)
     score_reduce: str  # how per-head block scores combine over heads and layers: "sum" or "max"
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
@@ -137,7 +136,6 @@ class FullRetention:
     """Keep every block (no state is made for it)."""
 
     name = "full"
-    needs_scores = False
     score_reduce = "sum"
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
@@ -151,7 +149,6 @@ class SinkRetention:
     """StreamingLLM: attention sinks (the first tokens) plus the recent window; drops the oldest others first."""
 
     name = "sinks"
-    needs_scores = False
     score_reduce = "sum"
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
@@ -171,7 +168,6 @@ class HeavyHitterRetention:
     the sinks and the recent window; ties go to the older block."""
 
     name = "h2o"
-    needs_scores = True
     score_reduce = "sum"  # attention accumulated over every query and head
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
@@ -188,7 +184,6 @@ class SnapKVRetention:
     `window` prompt queries, pooled over neighbouring blocks); then decode's blocks beyond the recent window go."""
 
     name = "snapkv"
-    needs_scores = True
     score_reduce = "max"  # SnapKV selects per head: a block counts as much as the head that attends to it most
 
     def score_rows(self, state: RetentionState, start: int, end: int, num_tokens: int) -> int:
