@@ -204,6 +204,11 @@ class BlockSparseSelector:
         self._valid: dict[int, torch.Tensor] = {}  # kv_cache data_ptr -> [num_blocks] bool
         self._tables: _StepTables | None = None
         self._slots: _StepSlots | None = None
+        # blocks marked stale by invalidate() and not yet seen valid again in every layer. Every other block a
+        # decode query reads was written through record_keys or the C step (a block's first row starts its
+        # summary over), so while this is empty the per-step validity check is skipped; the C step still
+        # refuses a stale summary (a RuntimeError, never a wrong selection)
+        self._stale: set[int] = set()
 
     def summaries(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summaries [num_kv_heads, num_blocks, 2, head_dim] float32 max / min, valid [num_blocks] bool) of the
@@ -257,8 +262,18 @@ class BlockSparseSelector:
         ids = sorted(set(block_ids))
         if not ids:
             return
+        self._stale.update(ids)
         for valid in self._valid.values():
             valid[torch.tensor(ids, dtype=torch.int64, device=valid.device)] = False
+
+    def _prune_stale(self) -> None:
+        """Forget the stale marks of blocks valid again in every layer (rewritten from their first row, or
+        recomputed)."""
+        ids = torch.tensor(sorted(self._stale), dtype=torch.int64)
+        still = torch.zeros(len(ids), dtype=torch.bool)
+        for valid in self._valid.values():
+            still |= ~valid.index_select(0, ids.to(valid.device)).cpu()
+        self._stale = set(ids[still].tolist())
 
     def refresh_stale(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Recompute the stale summaries of the blocks a decode step's requests read, in every layer (before loom's
@@ -269,8 +284,8 @@ class BlockSparseSelector:
             block_ids: [num_reqs, max_blocks] int64 the requests' block ids in position order.
             seq_lens: [num_reqs] int64 keys of each context, this step's included.
         """
-        if block_ids.shape[1] <= self.config.max_blocks:
-            return  # nothing is selected: every block is read
+        if block_ids.shape[1] <= self.config.max_blocks or not self._stale:
+            return  # nothing is selected (every block is read), or nothing is stale
         tables = self._step_tables(block_ids, seq_lens, kv_caches[0].shape[2])
         for kv_cache in kv_caches:
             summaries, valid = self.summaries(kv_cache)
@@ -299,7 +314,7 @@ class BlockSparseSelector:
             return None
         tables = self._step_tables(block_ids, seq_lens, kv_cache.shape[2])
         summaries, valid = self.summaries(kv_cache)
-        if not bool(valid.index_select(0, tables.real_ids).all()):
+        if self._stale and not bool(valid.index_select(0, tables.real_ids).all()):
             self._refresh(summaries, valid, kv_cache, tables)
         if num_reqs * max_blocks * 2 >= summaries.shape[1]:  # the tables cover much of the cache: score every block
             scores = block_scores(query, summaries[None]).amax(dim=(1, 3)).gather(1, block_ids)
@@ -313,6 +328,8 @@ class BlockSparseSelector:
         tables = self._tables
         if tables is not None and tables.block_ids is block_ids and tables.seq_lens is seq_lens:
             return tables
+        if self._stale:  # a new step: blocks rewritten or recomputed since are no longer stale
+            self._prune_stale()
         max_blocks = block_ids.shape[1]
         num_blocks = torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")
         bias = _position_bias(num_blocks, max_blocks, self.config)

@@ -200,15 +200,39 @@ static void update_summaries(const LoomDims *d, const LoomLayer *L, const void *
 
 typedef struct { float score; int64_t pos; } ScoredBlock;
 
-static int by_score_desc(const void *a, const void *b) { /* higher score first; ties: the older block first */
-    const ScoredBlock *x = (const ScoredBlock *)a, *y = (const ScoredBlock *)b;
-    if (x->score != y->score) return x->score < y->score ? 1 : -1;
-    return (x->pos > y->pos) - (x->pos < y->pos);
+/* Whether block x ranks below block y: a lower score, or the same score and the newer position (a strict total
+ * order, so the top k are one set however they are found). */
+static inline int ranks_below(const ScoredBlock *x, const ScoredBlock *y) {
+    return x->score < y->score || (x->score == y->score && x->pos > y->pos);
+}
+
+/* heap[0..n) is a min-heap by rank (its root the lowest-ranked block): move heap[at] down to its place. */
+static void sift_down(ScoredBlock *heap, int64_t n, int64_t at) {
+    const ScoredBlock item = heap[at];
+    for (int64_t child; (child = 2 * at + 1) < n; at = child) {
+        if (child + 1 < n && ranks_below(&heap[child + 1], &heap[child])) ++child;
+        if (!ranks_below(&heap[child], &item)) break;
+        heap[at] = heap[child];
+    }
+    heap[at] = item;
+}
+
+/* Keep in heap[0..k) the k highest-ranked of the n blocks streamed through `top_k_push` (n log k, where sorting
+ * all n took n log n: at 8k tokens 500 blocks per request and layer, k = 16). Returns the heap's new size. */
+static int64_t top_k_push(ScoredBlock *heap, int64_t size, int64_t k, ScoredBlock item) {
+    if (size < k) { /* sift up */
+        int64_t at = size;
+        for (; at > 0 && ranks_below(&item, &heap[(at - 1) / 2]); at = (at - 1) / 2) heap[at] = heap[(at - 1) / 2];
+        heap[at] = item;
+        return size + 1;
+    }
+    if (ranks_below(&heap[0], &item)) { heap[0] = item; sift_down(heap, size, 0); }
+    return size;
 }
 
 /* Each request's selected blocks in position order into sel [B, width] (width = sink + recent + topk) and their
  * key counts into sel_lens [B]: every block when the context has at most width blocks, else its sink and recent
- * blocks and the topk others of the largest bound (the max over query heads). Scratch: scored [max blocks],
+ * blocks and the topk others of the largest bound (the max over query heads). Scratch: scored [topk] (a heap),
  * chosen [max blocks], qpm [2 Hq D] float32 (a query's positive and negative parts).
  * Returns 0, or -1 when a needed summary is stale (the caller refreshes summaries before the step). */
 static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, const int64_t *table, int64_t stride,
@@ -251,11 +275,10 @@ static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, c
                 for (int t = 0; t < 16; ++t) acc += lane[t];
                 best = acc > best ? acc : best;
             }
-            scored[n].score = best, scored[n].pos = j, ++n;
+            n = top_k_push(scored, n, d->sparse_topk, (ScoredBlock){best, j});
         }
-        qsort(scored, (size_t)n, sizeof(ScoredBlock), by_score_desc);
         memset(chosen, 0, (size_t)nb);
-        for (int64_t i = 0; i < d->sparse_topk && i < n; ++i) chosen[scored[i].pos] = 1;
+        for (int64_t i = 0; i < n; ++i) chosen[scored[i].pos] = 1;
         int64_t m = 0;
         for (int64_t j = 0; j < nb; ++j)
             if (j < sink || j >= nb - recent || chosen[j]) out[m++] = row[j];
