@@ -21,10 +21,12 @@ Differences from the paper (the price of paging, one block table per request):
     the output is bit-identical to dense attention.
   * Prefill rows (and speculative verification, several query tokens per request) stay dense.
 
-Summaries are kept per layer as one float32 tensor [num_kv_heads, num_blocks, 2, head_dim] (max, then min), i.e.
-2 x 4 B x num_kv_heads x head_dim per block and layer (1.5 KiB for SmolLM2-135M's 3 x 64, next to 12 KiB of
-float16 K/V for a 16-token block: +12.5 %; 3 MB per 1,000 blocks over its 30 layers), allocated on top of the
-KV cache budget. Every decode query reads all of its request's summaries (1/8 of its K/V bytes in float16). They are updated when K is written through the backend (a block
+Summaries are kept per layer as one bfloat16 tensor [num_kv_heads, num_blocks, 2, head_dim] (max, then min),
+rounded outward (the max up, the min down, so they still bound every key), i.e. 2 x 2 B x num_kv_heads x head_dim
+per block and layer (768 B for SmolLM2-135M's 3 x 64, next to 12 KiB of float16 K/V for a 16-token block: +6.25 %;
+23 MB at 8k tokens over its 30 layers), allocated on top of the KV cache budget. Every decode query reads all of
+its request's summaries (1/16 of its K/V bytes in float16), so their width is part of every sparse step's bytes;
+in float32 they were 1/8, and a step at 8k read ~3 ms more of them on one thread (benchmarks/NOTES.md). They are updated when K is written through the backend (a block
 whose offset-0 row is written starts fresh; other rows widen the min/max), and a block whose rows arrive any other
 way (host-tier restore, copy-on-write, pulled KV, tree-candidate copies) must be marked stale with
 `BlockSparseSelector.invalidate` (the model runner does it through `stale_key_summaries`); a stale block's summary
@@ -84,15 +86,33 @@ class SparseAttentionConfig:
                    recent_blocks=cache_config.sparse_attention_recent_blocks)
 
 
+def _bf16_outward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    bits = x.contiguous().view(torch.int32)
+    inexact = (bits & 0xFFFF) != 0  # truncation moves toward zero: away from zero is one bf16 step out
+    away = inexact & ((bits >= 0) if up else (bits < 0))
+    return ((bits >> 16) + away.to(torch.int32)).to(torch.int16).view(torch.bfloat16)
+
+
+def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded toward +inf to bfloat16: the least bfloat16 >= x (finite values past the largest
+    bfloat16 become +inf; NaN is not handled). The C step rounds the same way (decode_step.c, bf16_up)."""
+    return _bf16_outward(x, up=True)
+
+
+def bf16_round_down(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded toward -inf to bfloat16: the greatest bfloat16 <= x (see bf16_round_up)."""
+    return _bf16_outward(x, up=False)
+
+
 def block_scores(query: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     """Quest's upper bound of q . k over each block's keys, per query head.
 
     Args:
         query: [num_reqs, num_heads, head_dim] (any float dtype; computed in float32); num_heads is a multiple
             of num_kv_heads (grouped-query attention: query head h reads KV head h // (num_heads // num_kv_heads)).
-        summaries: [num_reqs or 1, num_kv_heads, num_blocks, 2, head_dim] float32: per KV head and block, the
-            channel-wise max ([..., 0, :]) and min ([..., 1, :]) of the block's keys (1 = the same blocks for
-            every request).
+        summaries: [num_reqs or 1, num_kv_heads, num_blocks, 2, head_dim] float32 or bfloat16: per KV head and
+            block, the channel-wise max ([..., 0, :]) and min ([..., 1, :]) of the block's keys (or bounds of
+            them; 1 = the same blocks for every request).
 
     Returns:
         [num_reqs, num_kv_heads, num_blocks, group] float32, group = num_heads // num_kv_heads (query head
@@ -107,7 +127,7 @@ def block_scores(query: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     positive = q.clamp(min=0)
     qq = torch.cat([positive, q - positive], dim=2)  # [R, H, 2d]
     qq = qq.view(num_reqs, num_kv_heads, num_heads // num_kv_heads, 2 * head_dim).transpose(2, 3)
-    return torch.matmul(summaries.view(-1, num_kv_heads, rows, 2 * head_dim), qq)
+    return torch.matmul(summaries.reshape(-1, num_kv_heads, rows, 2 * head_dim).float(), qq)
 
 
 def block_bounds(query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor) -> torch.Tensor:
@@ -193,9 +213,9 @@ class BlockSparseSelector:
     """Per-layer key summaries and the top-k block selection of decode queries (Quest, arXiv:2406.10774).
 
     One instance serves every layer of a backend; a layer is told apart by its cache tensor (the model runner
-    hands each layer the same tensor every step). A layer's summaries are allocated on its first write: float32
-    [num_kv_heads, num_blocks, 2, head_dim] (per KV head and block, the channel-wise max then min of its keys)
-    plus a [num_blocks] bool validity flag.
+    hands each layer the same tensor every step). A layer's summaries are allocated on its first write: bfloat16
+    [num_kv_heads, num_blocks, 2, head_dim] (per KV head and block, the channel-wise max then min of its keys,
+    rounded outward: `bf16_round_up` / `bf16_round_down`) plus a [num_blocks] bool validity flag.
     """
 
     def __init__(self, config: SparseAttentionConfig) -> None:
@@ -211,14 +231,15 @@ class BlockSparseSelector:
         self._stale: set[int] = set()
 
     def summaries(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summaries [num_kv_heads, num_blocks, 2, head_dim] float32 max / min, valid [num_blocks] bool) of the
+        """(summaries [num_kv_heads, num_blocks, 2, head_dim] bfloat16 max / min, valid [num_blocks] bool) of the
         layer whose cache is kv_cache [2, num_blocks, block_size, num_kv_heads, row]; created, every block
         stale, on first use."""
         key = kv_cache.data_ptr()
         summaries = self._summaries.get(key)
         if summaries is None or summaries.shape[1] != kv_cache.shape[1]:
             _, num_blocks, _, num_kv_heads, _ = kv_cache.shape
-            summaries = torch.zeros(num_kv_heads, num_blocks, 2, kv_head_dim(kv_cache), device=kv_cache.device)
+            summaries = torch.zeros(num_kv_heads, num_blocks, 2, kv_head_dim(kv_cache), dtype=torch.bfloat16,
+                                    device=kv_cache.device)
             self._summaries[key] = summaries
             self._valid[key] = torch.zeros(num_blocks, dtype=torch.bool, device=kv_cache.device)
         return summaries, self._valid[key]
@@ -243,8 +264,9 @@ class BlockSparseSelector:
             valid.index_fill_(0, slots.fresh, True)
         k = (key if slots.keep is None else key[slots.keep]).float().transpose(0, 1)  # [H_kv, written, d]
         index = slots.blocks[None, :, None].expand(k.shape)
-        summaries[:, :, 0].scatter_reduce_(1, index, k, "amax", include_self=True)
-        summaries[:, :, 1].scatter_reduce_(1, index, k, "amin", include_self=True)
+        # rounding is monotone: the max of the rounded-up keys is the rounded-up max
+        summaries[:, :, 0].scatter_reduce_(1, index, bf16_round_up(k), "amax", include_self=True)
+        summaries[:, :, 1].scatter_reduce_(1, index, bf16_round_down(k), "amin", include_self=True)
 
     def _step_slots(self, slot_mapping: torch.Tensor, has_pad_slots: bool, block_size: int) -> _StepSlots:
         slots = self._slots
@@ -356,8 +378,8 @@ class BlockSparseSelector:
         keys = kv_cache[0, unique]  # [S, block_size, H_kv, row]
         keys = dequantize_rows(keys, torch.float32) if is_quantized(keys.dtype) else keys.float()
         empty = (torch.arange(block_size, device=ids.device)[None, :] >= rows[:, None])[:, :, None, None]
-        summaries[:, unique, 0] = keys.masked_fill(empty, float("-inf")).amax(dim=1).transpose(0, 1)
-        summaries[:, unique, 1] = keys.masked_fill(empty, float("inf")).amin(dim=1).transpose(0, 1)
+        summaries[:, unique, 0] = bf16_round_up(keys.masked_fill(empty, float("-inf")).amax(dim=1).transpose(0, 1))
+        summaries[:, unique, 1] = bf16_round_down(keys.masked_fill(empty, float("inf")).amin(dim=1).transpose(0, 1))
         valid[unique] = True
 
 
@@ -382,5 +404,5 @@ def stale_key_summaries(backend: Any, block_ids: Iterable[int]) -> None:
         sparse.invalidate(block_ids)
 
 
-__all__ = ["BlockSparseSelector", "SparseAttentionConfig", "block_bounds", "block_scores", "copied_block_ids",
-           "select_blocks", "stale_key_summaries"]
+__all__ = ["BlockSparseSelector", "SparseAttentionConfig", "bf16_round_down", "bf16_round_up", "block_bounds",
+           "block_scores", "copied_block_ids", "select_blocks", "stale_key_summaries"]

@@ -13,6 +13,8 @@ from loom.attention.cpu_paged import CpuPagedBackend
 from loom.attention.sparse import (
     BlockSparseSelector,
     SparseAttentionConfig,
+    bf16_round_down,
+    bf16_round_up,
     block_bounds,
     copied_block_ids,
     select_blocks,
@@ -53,6 +55,19 @@ def _true_summaries(cache: torch.Tensor, block: int, rows: int) -> tuple[torch.T
     """(min, max) [H_KV, D] of the first `rows` keys of a block, from the cache itself."""
     keys = cache[0, block, :rows].float()
     return keys.amin(dim=0), keys.amax(dim=0)
+
+
+def test_summaries_round_outward_to_the_nearest_bfloat16_on_that_side() -> None:
+    """The bfloat16 summaries still bound the keys: the max is rounded up and the min down, each to the nearest
+    bfloat16 on its side (a reference from torch's round-to-nearest and nextafter)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g) * torch.logspace(-20, 38, 20000)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 3.4e38, -3.4e38])])
+    near = x.bfloat16()
+    up = torch.where(near.float() >= x, near, torch.nextafter(near, torch.full_like(near, float("inf"))))
+    down = torch.where(near.float() <= x, near, torch.nextafter(near, torch.full_like(near, float("-inf"))))
+    assert torch.equal(bf16_round_up(x), up) and torch.equal(bf16_round_down(x), down)
+    assert (bf16_round_up(x).float() >= x).all() and (bf16_round_down(x).float() <= x).all()
 
 
 def test_bound_is_above_every_key_of_the_block() -> None:
@@ -244,7 +259,8 @@ def test_blocks_filled_by_copy_get_fresh_summaries(kind: str) -> None:
     summaries, valid = backend.sparse.summaries(cache)
     assert valid[10]
     mn, mx = _true_summaries(cache, 10, min(BS, seq_len - 3 * BS))
-    assert torch.equal(summaries[:, 10, 1], mn) and torch.equal(summaries[:, 10, 0], mx)
+    assert torch.equal(summaries[:, 10, 1], bf16_round_down(mn))
+    assert torch.equal(summaries[:, 10, 0], bf16_round_up(mx))
     block_ids = torch.tensor([table[: -(-seq_len // BS)]], dtype=torch.int64)
     selected, _ = backend.sparse.select(q, cache, block_ids, torch.tensor([seq_len]))
     assert selected[0].tolist() == _reference_selection(q, cache, [table], [seq_len], cfg)[0]
@@ -257,7 +273,8 @@ def test_keys_written_from_a_block_start_replace_its_old_summary() -> None:
     _prefill(backend, cache, [2], [[5]], seed=9)  # block 5 reused by another request: rows 0-1 rewritten
     summaries, valid = backend.sparse.summaries(cache)
     mn, mx = _true_summaries(cache, 5, 2)
-    assert valid[5] and torch.equal(summaries[:, 5, 1], mn) and torch.equal(summaries[:, 5, 0], mx)
+    assert valid[5] and torch.equal(summaries[:, 5, 1], bf16_round_down(mn))
+    assert torch.equal(summaries[:, 5, 0], bf16_round_up(mx))
 
 
 def test_engine_greedy_tokens_equal_dense_when_k_covers_everything_and_small_k_keeps_invariants() -> None:
@@ -364,7 +381,7 @@ def test_selection_inside_the_one_call_c_step_equals_the_per_layer_path(monkeypa
 
     text = (Path(__file__).parents[2] / "README.md").read_text()[:1500]  # ~350 tokens: 22 blocks, 7 read
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outputs = {}
+    outputs, summaries = {}, {}
     for name, env, sparse in (("c_step", "1", True), ("per_layer", "0", True), ("dense", "1", False)):
         monkeypatch.setenv("LOOM_SPARSE_DECODE_STEP", env)
         kwargs = dict(sparse_attention="topk-blocks", sparse_attention_topk=4) if sparse else {}
@@ -374,5 +391,12 @@ def test_selection_inside_the_one_call_c_step_equals_the_per_layer_path(monkeypa
             pytest.skip("no C decode step on this machine (no compiler, or LOOM_CPU_KERNELS=0)")
         assert has_c_step == (env == "1")
         outputs[name] = llm.generate([text], params)[0].outputs[0].token_ids
+        if sparse:  # every layer's summaries, as the C step (or record_keys) left them
+            selector = llm.engine.runner.attn_backend.sparse
+            summaries[name] = [selector.summaries(cache) for cache in llm.engine.runner.kv_caches]
     assert outputs["c_step"] == outputs["per_layer"]
+    # the C step's outward bfloat16 rounding is record_keys', bit for bit (the same blocks in the same order)
+    for (c_sum, c_valid), (p_sum, p_valid) in zip(summaries["c_step"], summaries["per_layer"], strict=True):
+        assert torch.equal(c_valid, p_valid) and c_valid.any()
+        assert torch.equal(c_sum[:, c_valid], p_sum[:, p_valid])
     assert outputs["c_step"] != outputs["dense"]

@@ -76,10 +76,11 @@ typedef struct {
     const int64_t *block_table, *slot_mapping;
     int64_t bt_stride;
     /* block-sparse decode attention (Quest, arXiv:2406.10774; loom/attention/sparse.py), or NULL: per KV head and
-     * block the channel-wise max then min of the block's keys, float32 [Hkv, num_blocks, 2, D], and a validity
+     * block the channel-wise max then min of the block's keys, bfloat16 rounded outward [Hkv, num_blocks, 2, D]
+     * (bit patterns), and a validity
      * flag per block [num_blocks] (bool bytes). The step widens them with the keys it writes and each request's
      * query reads its sink, recent and top-k blocks by the bound sum_d max(q_d min_d, q_d max_d) */
-    float *summaries;
+    uint16_t *summaries;
     unsigned char *summary_valid;
 } LoomLayer;
 
@@ -175,23 +176,39 @@ static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void
     return 0;
 }
 
-/* Fold the key rows just written (k [B, Hkv, D] model dtype, at slots) into their blocks' summaries: a block
- * whose first row is written starts over (and becomes valid); other rows widen its max / min. */
+/* float32 -> bfloat16 rounded toward +inf (bf16_up) or -inf (bf16_down): truncation moves toward zero, so an
+ * inexact value moves one step away from zero on the side it rounds to (loom/attention/sparse.py's
+ * bf16_round_up / bf16_round_down, bit for bit). */
+static inline uint16_t bf16_up(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u >> 16) + ((u & 0xFFFFu) && !(u >> 31)));
+}
+static inline uint16_t bf16_down(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (uint16_t)((u >> 16) + ((u & 0xFFFFu) && (u >> 31)));
+}
+
+/* Fold the key rows just written (k [B, Hkv, D] model dtype, at slots) into their blocks' summaries (bfloat16,
+ * the max rounded up and the min down): a block whose first row is written starts over (and becomes valid);
+ * other rows widen its max / min. */
 static void update_summaries(const LoomDims *d, const LoomLayer *L, const void *k, const int64_t *slots, int64_t B) {
     const int64_t D = d->head_dim, Hkv = d->kv_heads, bs = d->block_size, nb = d->num_blocks;
+    const uint16_t minus_inf = 0xFF80u, plus_inf = 0x7F80u;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t slot = slots[b];
         if (slot < 0) continue;
         const int64_t block = slot / bs, off = slot - block * bs;
         for (int64_t hk = 0; hk < Hkv; ++hk) {
-            float *mx = L->summaries + ((hk * nb + block) * 2) * D, *mn = mx + D;
+            uint16_t *mx = L->summaries + ((hk * nb + block) * 2) * D, *mn = mx + D;
             if (off == 0)
-                for (int64_t i = 0; i < D; ++i) mx[i] = -INFINITY, mn[i] = INFINITY;
+                for (int64_t i = 0; i < D; ++i) mx[i] = minus_inf, mn[i] = plus_inf;
             for (int64_t i = 0; i < D; ++i) {
                 const int64_t at = (b * Hkv + hk) * D + i;
                 const float v = d->is_bf16 ? loom_bf16_to_f32(((const uint16_t *)k)[at]) : ((const float *)k)[at];
-                mx[i] = v > mx[i] ? v : mx[i];
-                mn[i] = v < mn[i] ? v : mn[i];
+                if (v > loom_bf16_to_f32(mx[i])) mx[i] = bf16_up(v);
+                if (v < loom_bf16_to_f32(mn[i])) mn[i] = bf16_down(v);
             }
         }
         if (off == 0) L->summary_valid[block] = 1;
@@ -264,14 +281,15 @@ static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, c
             if (!L->summary_valid[block]) return -1;
             float best = -INFINITY;
             for (int64_t h = 0; h < Hq; ++h) {
-                const float *mx = L->summaries + (((h / group) * nb_cache + block) * 2) * D, *mn = mx + D;
+                const uint16_t *mx = L->summaries + (((h / group) * nb_cache + block) * 2) * D, *mn = mx + D;
                 const float *hp = qp + h * D, *hm = qm + h * D;
                 float lane[16] = {0}; /* 16 partial sums, so that the loop vectorizes without reordering */
                 int64_t i = 0;
                 for (; i + 16 <= D; i += 16)
-                    for (int t = 0; t < 16; ++t) lane[t] += hp[i + t] * mx[i + t] + hm[i + t] * mn[i + t];
+                    for (int t = 0; t < 16; ++t)
+                        lane[t] += hp[i + t] * loom_bf16_to_f32(mx[i + t]) + hm[i + t] * loom_bf16_to_f32(mn[i + t]);
                 float acc = 0.0f;
-                for (; i < D; ++i) acc += hp[i] * mx[i] + hm[i] * mn[i];
+                for (; i < D; ++i) acc += hp[i] * loom_bf16_to_f32(mx[i]) + hm[i] * loom_bf16_to_f32(mn[i]);
                 for (int t = 0; t < 16; ++t) acc += lane[t];
                 best = acc > best ? acc : best;
             }
