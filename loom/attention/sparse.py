@@ -24,7 +24,7 @@ Differences from the paper (the price of paging, one block table per request):
 Summaries are kept per layer as one bfloat16 tensor [num_kv_heads, num_blocks, 2, head_dim] (max, then min),
 rounded outward (the max up, the min down, so they still bound every key), i.e. 2 x 2 B x num_kv_heads x head_dim
 per block and layer (768 B for SmolLM2-135M's 3 x 64, next to 12 KiB of float16 K/V for a 16-token block: +6.25 %;
-23 MB at 8k tokens over its 30 layers), allocated on top of the KV cache budget. Every decode query reads all of
+11.8 MB at 8k tokens over its 30 layers), allocated on top of the KV cache budget. Every decode query reads all of
 its request's summaries (1/16 of its K/V bytes in float16), so their width is part of every sparse step's bytes;
 in float32 they were 1/8, and a step at 8k read ~3 ms more of them on one thread (benchmarks/NOTES.md). They are updated when K is written through the backend (a block
 whose offset-0 row is written starts fresh; other rows widen the min/max), and a block whose rows arrive any other
@@ -87,6 +87,8 @@ class SparseAttentionConfig:
 
 
 def _bf16_outward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        raise ValueError(f"bfloat16 outward rounding takes float32 values, got {x.dtype}")
     bits = x.contiguous().view(torch.int32)
     inexact = (bits & 0xFFFF) != 0  # truncation moves toward zero: away from zero is one bf16 step out
     away = inexact & ((bits >= 0) if up else (bits < 0))
@@ -224,11 +226,13 @@ class BlockSparseSelector:
         self._valid: dict[int, torch.Tensor] = {}  # kv_cache data_ptr -> [num_blocks] bool
         self._tables: _StepTables | None = None
         self._slots: _StepSlots | None = None
-        # blocks marked stale by invalidate() and not yet seen valid again in every layer. Every other block a
-        # decode query reads was written through record_keys or the C step (a block's first row starts its
-        # summary over), so while this is empty the per-step validity check is skipped; the C step still
-        # refuses a stale summary (a RuntimeError, never a wrong selection)
+        # blocks marked stale by invalidate() and not yet seen valid again in every layer, and layers whose
+        # summaries were just allocated (every block stale) and not yet checked against a step's tables. Every
+        # other block a decode query reads was written through record_keys or the C step (a block's first row
+        # starts its summary over), so while both are empty the per-step validity check is skipped; the C step
+        # still refuses a stale summary (loom/kernels/decode_step.py then refreshes every layer and reruns it)
         self._stale: set[int] = set()
+        self._unchecked: set[int] = set()  # kv_cache data_ptr of layers not checked since allocation
 
     def summaries(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summaries [num_kv_heads, num_blocks, 2, head_dim] bfloat16 max / min, valid [num_blocks] bool) of the
@@ -242,6 +246,7 @@ class BlockSparseSelector:
                                     device=kv_cache.device)
             self._summaries[key] = summaries
             self._valid[key] = torch.zeros(num_blocks, dtype=torch.bool, device=kv_cache.device)
+            self._unchecked.add(key)
         return summaries, self._valid[key]
 
     def record_keys(self, kv_cache: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor,
@@ -291,13 +296,16 @@ class BlockSparseSelector:
     def _prune_stale(self) -> None:
         """Forget the stale marks of blocks valid again in every layer (rewritten from their first row, or
         recomputed)."""
+        if not self._valid:
+            return
         ids = torch.tensor(sorted(self._stale), dtype=torch.int64)
         still = torch.zeros(len(ids), dtype=torch.bool)
         for valid in self._valid.values():
             still |= ~valid.index_select(0, ids.to(valid.device)).cpu()
         self._stale = set(ids[still].tolist())
 
-    def refresh_stale(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    def refresh_stale(self, kv_caches: list[torch.Tensor], block_ids: torch.Tensor, seq_lens: torch.Tensor,
+                      force: bool = False) -> None:
         """Recompute the stale summaries of the blocks a decode step's requests read, in every layer (before loom's
         one-call C decode step, which widens and reads the summaries itself).
 
@@ -305,14 +313,15 @@ class BlockSparseSelector:
             kv_caches: each layer's [2, num_blocks, block_size, num_kv_heads, row] cache.
             block_ids: [num_reqs, max_blocks] int64 the requests' block ids in position order.
             seq_lens: [num_reqs] int64 keys of each context, this step's included.
+            force: check every layer even when no block is known to be stale.
         """
-        if block_ids.shape[1] <= self.config.max_blocks or not self._stale:
-            return  # nothing is selected (every block is read), or nothing is stale
+        if block_ids.shape[1] <= self.config.max_blocks:
+            return  # nothing is selected: every block is read
+        if not (force or self._stale or self._unchecked):
+            return  # nothing is stale
         tables = self._step_tables(block_ids, seq_lens, kv_caches[0].shape[2])
         for kv_cache in kv_caches:
-            summaries, valid = self.summaries(kv_cache)
-            if not bool(valid.index_select(0, tables.real_ids).all()):
-                self._refresh(summaries, valid, kv_cache, tables)
+            self._check(kv_cache, tables)
 
     def select(self, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -335,9 +344,9 @@ class BlockSparseSelector:
         if max_blocks <= self.config.max_blocks:
             return None
         tables = self._step_tables(block_ids, seq_lens, kv_cache.shape[2])
-        summaries, valid = self.summaries(kv_cache)
-        if self._stale and not bool(valid.index_select(0, tables.real_ids).all()):
-            self._refresh(summaries, valid, kv_cache, tables)
+        summaries, _ = self.summaries(kv_cache)
+        if self._stale or kv_cache.data_ptr() in self._unchecked:
+            self._check(kv_cache, tables)
         if num_reqs * max_blocks * 2 >= summaries.shape[1]:  # the tables cover much of the cache: score every block
             scores = block_scores(query, summaries[None]).amax(dim=(1, 3)).gather(1, block_ids)
         else:
@@ -345,6 +354,13 @@ class BlockSparseSelector:
             scores = block_scores(query, rows.transpose(0, 1)).amax(dim=(1, 3))
         positions = _select(scores, tables.bias, tables.num_blocks, self.config)
         return block_ids.gather(1, positions), tables.selected_lens
+
+    def _check(self, kv_cache: torch.Tensor, tables: _StepTables) -> None:
+        """Recompute the layer's stale summaries among the step's blocks; the layer counts as checked after."""
+        summaries, valid = self.summaries(kv_cache)
+        if not bool(valid.index_select(0, tables.real_ids).all()):
+            self._refresh(summaries, valid, kv_cache, tables)
+        self._unchecked.discard(kv_cache.data_ptr())
 
     def _step_tables(self, block_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> _StepTables:
         tables = self._tables

@@ -165,15 +165,20 @@ class ModelDecodeStep:
         hidden = hidden.contiguous()
         slots = attn_metadata.slot_mapping
         table = decode.block_ids
-        if self.sparse is not None:  # the stale summaries the selection will read, recomputed first
-            # (the rows before this step's: the step writes its own keys and widens the summaries itself)
-            self.sparse.refresh_stale(kv_caches, table, decode.seq_lens - 1)
-        rc = self.kernel._fn(ctypes.byref(self.dims), self.layers, self.final_norm.data_ptr(), hidden.data_ptr(),
-                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), table.stride(0),
-                             decode.seq_lens.data_ptr(), batch, out.data_ptr(), residual.data_ptr(), normed.data_ptr(),
-                             h.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(), attn.data_ptr(),
-                             gate_up.data_ptr(), act.data_ptr(), _torch_chunk(batch * self.dims.inter),
-                             cos_local.data_ptr(), sin_local.data_ptr())
+        for forced in (False, True):
+            if self.sparse is not None:  # the stale summaries the selection will read, recomputed first
+                # (the rows before this step's: the step writes its own keys and widens the summaries itself);
+                # after a refused step every layer is checked, and the step runs again: it only rewrites the same
+                # K/V rows and widens the summaries with the same keys, so a rerun gives the same result
+                self.sparse.refresh_stale(kv_caches, table, decode.seq_lens - 1, force=forced)
+            rc = self.kernel._fn(ctypes.byref(self.dims), self.layers, self.final_norm.data_ptr(), hidden.data_ptr(),
+                                 cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), table.stride(0),
+                                 decode.seq_lens.data_ptr(), batch, out.data_ptr(), residual.data_ptr(),
+                                 normed.data_ptr(), h.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                 attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+                                 _torch_chunk(batch * self.dims.inter), cos_local.data_ptr(), sin_local.data_ptr())
+            if rc != -2 or self.sparse is None:
+                break
         if rc == -2:
             raise RuntimeError("loom_decode_step found a stale key summary (block-sparse attention)")
         if rc != 0:

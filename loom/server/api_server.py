@@ -41,7 +41,8 @@ def int_list_json(values: list[int]) -> str:
     json.dumps holds the GIL for the whole list: for the 5 M ids of a 5 MB /tokenize prompt that is ~1 s during
     which the event loop (health probes, streams) cannot run, even from a worker thread. Between chunks the
     interpreter hands the GIL over, so the loop waits ~5 ms at most."""
-    return ",".join(json.dumps(values[i:i + _JSON_CHUNK])[1:-1] for i in range(0, len(values), _JSON_CHUNK))
+    return ",".join(json.dumps(values[i:i + _JSON_CHUNK], separators=(",", ":"))[1:-1]
+                    for i in range(0, len(values), _JSON_CHUNK))
 
 
 CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"

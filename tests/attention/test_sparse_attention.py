@@ -62,12 +62,15 @@ def test_summaries_round_outward_to_the_nearest_bfloat16_on_that_side() -> None:
     bfloat16 on its side (a reference from torch's round-to-nearest and nextafter)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(20000, generator=g) * torch.logspace(-20, 38, 20000)
-    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 3.4e38, -3.4e38])])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 3.4e38, -3.4e38,
+                                    1e-40, -1e-40, 1.4e-45, -1.4e-45, 1.1754942e-38])])  # subnormals
     near = x.bfloat16()
     up = torch.where(near.float() >= x, near, torch.nextafter(near, torch.full_like(near, float("inf"))))
     down = torch.where(near.float() <= x, near, torch.nextafter(near, torch.full_like(near, float("-inf"))))
     assert torch.equal(bf16_round_up(x), up) and torch.equal(bf16_round_down(x), down)
     assert (bf16_round_up(x).float() >= x).all() and (bf16_round_down(x).float() <= x).all()
+    with pytest.raises(ValueError, match="float32"):
+        bf16_round_up(x.double())
 
 
 def test_bound_is_above_every_key_of_the_block() -> None:
@@ -398,5 +401,35 @@ def test_selection_inside_the_one_call_c_step_equals_the_per_layer_path(monkeypa
     # the C step's outward bfloat16 rounding is record_keys', bit for bit (the same blocks in the same order)
     for (c_sum, c_valid), (p_sum, p_valid) in zip(summaries["c_step"], summaries["per_layer"], strict=True):
         assert torch.equal(c_valid, p_valid) and c_valid.any()
-        assert torch.equal(c_sum[:, c_valid], p_sum[:, p_valid])
+        assert torch.equal(c_sum[:, c_valid].view(torch.int16), p_sum[:, p_valid].view(torch.int16))
     assert outputs["c_step"] != outputs["dense"]
+
+
+def test_a_stale_summary_found_by_the_c_step_is_refreshed_and_the_step_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A summary the selector did not know was stale (here: every validity flag cleared behind its back before each
+    step) makes the C step refuse the step; the runner then checks every layer, recomputes the summaries from the
+    cache and runs the step again: the greedy tokens equal an undisturbed run's (a rerun rewrites the same rows)."""
+    from pathlib import Path
+
+    from loom import LLM, SamplingParams
+
+    text = (Path(__file__).parents[2] / "README.md").read_text()[:1500]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    monkeypatch.setenv("LOOM_SPARSE_DECODE_STEP", "1")
+    llm = LLM(num_kv_blocks=128, sparse_attention="topk-blocks", sparse_attention_topk=4)
+    if llm.engine.runner.model.model.decode_step is None:
+        pytest.skip("no C decode step on this machine (no compiler, or LOOM_CPU_KERNELS=0)")
+    expected = llm.generate([text], params)[0].outputs[0].token_ids
+    selector = llm.engine.runner.attn_backend.sparse
+    real, forced = selector.refresh_stale, []
+
+    def forgetful(kv_caches, block_ids, seq_lens, force=False):  # noqa: ANN001, ANN202
+        if not force:
+            for cache in kv_caches:
+                selector.summaries(cache)[1].fill_(False)
+        forced.append(force)
+        return real(kv_caches, block_ids, seq_lens, force)
+
+    monkeypatch.setattr(selector, "refresh_stale", forgetful)
+    assert llm.generate([text], params)[0].outputs[0].token_ids == expected
+    assert True in forced  # the C step refused a step, and it ran again after a forced refresh

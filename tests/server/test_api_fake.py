@@ -536,3 +536,14 @@ def test_streamed_prompt_logprobs_come_whole_in_the_first_chunk() -> None:
         assert events[0]["prompt_logprobs"] == full["prompt_logprobs"] and full["prompt_logprobs"][0] is None
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
         assert not any("prompt_logprobs" in ev for ev in events[1:])
+
+
+@pytest.mark.parametrize("n", [0, 1, 32767, 32768, 32769, 100_000])
+def test_int_list_json_is_the_compact_json_of_the_list(n: int) -> None:
+    """/tokenize's chunked encoding writes the bytes one json.dumps of the whole list writes (compact)."""
+    import json
+
+    from loom.server.api_server import int_list_json
+
+    values = [(i * 7919) % 100_003 - 50_000 for i in range(n)]
+    assert f"[{int_list_json(values)}]" == json.dumps(values, separators=(",", ":"))

@@ -237,6 +237,7 @@ static void sift_down(ScoredBlock *heap, int64_t n, int64_t at) {
 /* Keep in heap[0..k) the k highest-ranked of the n blocks streamed through `top_k_push` (n log k, where sorting
  * all n took n log n: at 8k tokens 500 blocks per request and layer, k = 16). Returns the heap's new size. */
 static int64_t top_k_push(ScoredBlock *heap, int64_t size, int64_t k, ScoredBlock item) {
+    if (k <= 0) return size;
     if (size < k) { /* sift up */
         int64_t at = size;
         for (; at > 0 && ranks_below(&item, &heap[(at - 1) / 2]); at = (at - 1) / 2) heap[at] = heap[(at - 1) / 2];
@@ -249,9 +250,10 @@ static int64_t top_k_push(ScoredBlock *heap, int64_t size, int64_t k, ScoredBloc
 
 /* Each request's selected blocks in position order into sel [B, width] (width = sink + recent + topk) and their
  * key counts into sel_lens [B]: every block when the context has at most width blocks, else its sink and recent
- * blocks and the topk others of the largest bound (the max over query heads). Scratch: scored [topk] (a heap),
+ * blocks and the topk others of the largest bound (the max over query heads). Scratch: scored [max blocks] (a heap
+ * of at most topk),
  * chosen [max blocks], qpm [2 Hq D] float32 (a query's positive and negative parts).
- * Returns 0, or -1 when a needed summary is stale (the caller refreshes summaries before the step). */
+ * Returns 0, or -1 when a needed summary is stale (the caller refreshes every layer's summaries, reruns the step). */
 static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, const int64_t *table, int64_t stride,
                          const int64_t *seq_lens, int64_t B, int64_t *sel, int64_t *sel_lens, ScoredBlock *scored,
                          unsigned char *chosen, float *qpm) {
@@ -395,7 +397,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
             update_summaries(d, L, k, slots, B);
             if (select_blocks(d, L, q, table, table_stride, seq_lens, B, sel, sel_lens, scored, chosen, qpm)) {
                 free(qkn), free(sel), free(sel_lens), free(scored), free(chosen), free(qpm);
-                return -2; /* a stale summary: the caller refreshes them first */
+                return -2; /* a stale summary: the caller refreshes and reruns the step (idempotent) */
             }
             read_table = sel, read_lens = sel_lens, read_stride = width;
         }
