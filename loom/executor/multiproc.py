@@ -15,6 +15,7 @@ engine, every other rank `loom.executor.worker.serve_worker` (docs/distributed.m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -89,9 +90,14 @@ class MultiprocExecutor:
                                         stdout=subprocess.PIPE, start_new_session=True)
                 self._procs.append(proc)
                 assert proc.stdin is not None
-                pickle.dump(WorkerArgs(rank, parallel, init_method, model_config, cache_config, num_threads),
-                            proc.stdin)
-                proc.stdin.close()
+                try:
+                    pickle.dump(WorkerArgs(rank, parallel, init_method, model_config, cache_config, num_threads),
+                                proc.stdin)
+                    proc.stdin.close()
+                except BrokenPipeError:  # it exited before reading its arguments: _wait_ready says so, with its
+                    # exit code, as for a worker that dies a moment later (the same error either way)
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()
             self._wait_ready(timeout_s)
             dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=timeout_s))

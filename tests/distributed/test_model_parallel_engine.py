@@ -237,6 +237,26 @@ def test_a_worker_that_cannot_start_fails_the_start_at_once(tiny_dirs: dict[str,
     assert time.monotonic() - started < 60  # not the 300 s collective timeout
 
 
+def test_a_worker_gone_before_its_arguments_are_written_fails_the_same_way(tiny_dirs: dict[str, str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind a flaky CI run: a worker that exits before rank 0 writes its arguments (a broken pipe)
+    gives the same error, with its exit code, as one that dies a moment later."""
+    import subprocess
+    import sys
+
+    real_popen = subprocess.Popen
+
+    def exited_at_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        proc = real_popen(*args, **kwargs)
+        proc.wait()  # gone before its arguments are written, every time
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", exited_at_once)
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(ExecutorDiedError, match="exited before joining: rank 1 .*exit code 1"):
+        LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2)
+
+
 def test_one_model_parallel_engine_per_process_and_rank0_errors_fail_one_step(tiny_dirs: dict[str, str],
                                                                                hf_tokenizer) -> None:
     tp = LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, tensor_parallel_size=2)
