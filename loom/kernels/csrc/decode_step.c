@@ -250,8 +250,7 @@ static int64_t top_k_push(ScoredBlock *heap, int64_t size, int64_t k, ScoredBloc
 
 /* Each request's selected blocks in position order into sel [B, width] (width = sink + recent + topk) and their
  * key counts into sel_lens [B]: every block when the context has at most width blocks, else its sink and recent
- * blocks and the topk others of the largest bound (the max over query heads). Scratch: scored [max blocks] (a heap
- * of at most topk),
+ * blocks and the topk others of the largest bound (the max over query heads). Scratch: scored [topk] (a heap),
  * chosen [max blocks], qpm [2 Hq D] float32 (a query's positive and negative parts).
  * Returns 0, or -1 when a needed summary is stale (the caller refreshes every layer's summaries, reruns the step). */
 static int select_blocks(const LoomDims *d, const LoomLayer *L, const void *q, const int64_t *table, int64_t stride,
@@ -342,7 +341,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
                                                      ? (seq_lens[b] + d->block_size - 1) / d->block_size : max_nb;
         sel = (int64_t *)malloc((size_t)(B * width) * sizeof(int64_t));
         sel_lens = (int64_t *)malloc((size_t)B * sizeof(int64_t));
-        scored = (ScoredBlock *)malloc((size_t)max_nb * sizeof(ScoredBlock));
+        scored = (ScoredBlock *)malloc((size_t)d->sparse_topk * sizeof(ScoredBlock));
         chosen = (unsigned char *)malloc((size_t)max_nb);
         qpm = (float *)malloc((size_t)(2 * Hq * D) * sizeof(float));
         if (!sel || !sel_lens || !scored || !chosen || !qpm) goto fail;
