@@ -260,7 +260,7 @@ class GemvW16:
         fn = lib.loom_gemv_w16
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                        + [ctypes.c_int])
-        fn.restype = None
+        fn.restype = ctypes.c_int  # 0, or -1 when its scratch could not be allocated
         self._fn = fn
         self.isa = isa
 
@@ -271,6 +271,7 @@ class GemvW16:
         Raises:
             ValueError: wrong dtype, device, layout or shape (the kernel reads raw pointers, so nothing unchecked
                 reaches it).
+            MemoryError: the kernel could not allocate its copy of x.
         """
         # (checks ordered and spelled for speed: this runs once per linear layer per decode step)
         if x.dim() != 2 or weight.dim() != 2:
@@ -290,9 +291,9 @@ class GemvW16:
         if col_stride != 1 and k > 1:
             raise ValueError("x must have unit column stride")
         y = torch.empty(m, n, dtype=torch.float32)
-        if m and n:
-            self._fn(x.data_ptr(), x_stride, weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), m, n, k, torch.get_num_threads())
+        if m and n and self._fn(x.data_ptr(), x_stride, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), m, n, k, torch.get_num_threads()):
+            raise MemoryError("gemv_w16 could not allocate its scratch memory")
         return y
 
 
