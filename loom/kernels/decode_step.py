@@ -30,7 +30,9 @@ class _Packed(ctypes.Structure):
 
 _Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
                     ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                    ("group", ctypes.c_int64), ("is_q8", ctypes.c_int64), ("next", ctypes.POINTER(_Packed))]
+                    ("group", ctypes.c_int64), ("kind", ctypes.c_int64), ("next", ctypes.POINTER(_Packed))]
+# LoomPacked.kind of each weight layout the step reads (bf16: a bf16 checkpoint's weights, float32 models only)
+_KINDS = {"q4g32": 0, "q8g": 1, "bf16": 2}
 
 
 class _Layer(ctypes.Structure):
@@ -54,7 +56,8 @@ _ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # LoomDims.act
 
 
 class DecodeStep:
-    """The compiled decode step (one library per ISA: decode_step.c with qgemm.c, fused_ops.c, paged_decode.c)."""
+    """The compiled decode step (one library per ISA: decode_step.c with qgemm.c, gemv_w16.c, fused_ops.c,
+    paged_decode.c)."""
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         fn = lib.loom_decode_step
@@ -69,8 +72,15 @@ class ModelDecodeStep:
     """A DecodeStep bound to one loaded model (weights recorded once)."""
 
     def __init__(self, kernel: DecodeStep, model: torch.nn.Module, max_rows: int) -> None:
-        """model: a loom LlamaModel whose layers `supports_model` accepted; max_rows: most requests per step."""
+        """model: a loom LlamaModel whose layers `supports_model` accepted; max_rows: most requests per step
+        (at most BF16_GEMV_MAX_ROWS with bf16 weights, where the per-layer path leaves the GEMV kernel)."""
+        from loom.quant.methods import BF16_GEMV_MAX_ROWS, Bf16WeightMethod
+
         self.kernel = kernel
+        if any(isinstance(getattr(lin, "quant_method", None), Bf16WeightMethod) for layer in model.layers
+               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)):
+            max_rows = min(max_rows, BF16_GEMV_MAX_ROWS)
         self.max_rows = max_rows
         layer0 = model.layers[0]
         attn = layer0.self_attn
@@ -186,7 +196,14 @@ class ModelDecodeStep:
         return out.clone()  # the scratch is reused by the next step
 
     def _chain(self, layer: Any) -> _Packed:
-        """The packed weight of one projection; shards of different layouts as a chain of parts."""
+        """The weight of one projection: its bf16 matrix, or its packed shards as a chain of parts (different
+        layouts)."""
+        from loom.quant.methods import Bf16WeightMethod
+
+        if isinstance(layer.quant_method, Bf16WeightMethod):
+            n, k = layer.weight.shape
+            return _Packed(layer.weight.data_ptr(), 0, 0, 0 if layer.bias is None else layer.bias.data_ptr(), n, k, 0,
+                           _KINDS["bf16"])
         parts = [_packed(p, b) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         for part, following in zip(parts, parts[1:], strict=False):
             part.next = ctypes.pointer(following)
@@ -203,16 +220,17 @@ class ModelDecodeStep:
 def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
     n, k = p.shape
     return _Packed(p.qweight.data_ptr(), p.scales.data_ptr(), 0 if p.mins is None else p.mins.data_ptr(),
-                   0 if bias is None else bias.data_ptr(), n, k, p.group_size, int(p.layout == "q8g"))
+                   0 if bias is None else bias.data_ptr(), n, k, p.group_size, _KINDS[p.layout])
 
 
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
-    different layouts as a chain) with float activations, loom's fused ops, cpu_paged attention, float32 or
-    bfloat16; per-head QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
+    different layouts as a chain) with float activations, or bf16 weights (`--quantization bf16`) under float32
+    activations with loom's gemv_w16 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16; per-head
+    QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
     bases included; post-norm layers (OLMo 2), MoE FFNs and soft-capped attention (Gemma 2) not."""
     from loom.attention.cpu_paged import CpuPagedBackend
-    from loom.quant.methods import PackedLinearMethod
+    from loom.quant.methods import Bf16WeightMethod, PackedLinearMethod
 
     if model.norm.weight.dtype not in _DTYPE_FLAGS or model.norm.weight.device.type != "cpu":
         return False
@@ -231,6 +249,11 @@ def supports_model(model: torch.nn.Module) -> bool:
             return False  # per-head QK-norm runs loom's fused RMSNorm in both paths, else the per-layer path alone
         for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
             method = getattr(lin, "quant_method", None)
+            if isinstance(method, Bf16WeightMethod):  # the gemv_w16 kernel the per-layer path runs, float32 x
+                if method.gemv is None or model.norm.weight.dtype != torch.float32 or not lin.weight.is_contiguous() \
+                        or (lin.bias is not None and lin.bias.dtype != torch.float32):
+                    return False
+                continue
             if not isinstance(method, PackedLinearMethod) or method.scheme.activations != "float" \
                     or lin.dense_weight is not None or lin.input_perm is not None:
                 return False

@@ -78,8 +78,8 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("gemv_w16", ("gemv_w16.c",), ("avx2", "generic"), GemvW16),
         KernelSpec("token_bitmask", ("token_bitmask.c",), ("generic",), TokenBitmask),
         KernelSpec("qgemm", ("qgemm.c",), ("avx512_vnni", "avx2", "generic"), lambda lib, isa: QuantKernels(lib, isa)),
-        # a whole decode step over packed weights: the three libraries above, one call per step
-        KernelSpec("decode_step", ("decode_step.c", "qgemm.c", "fused_ops.c", "paged_decode.c"),
+        # a whole decode step over packed (or bf16) weights: the four libraries above, one call per step
+        KernelSpec("decode_step", ("decode_step.c", "qgemm.c", "gemv_w16.c", "fused_ops.c", "paged_decode.c"),
                    ("avx512_vnni", "avx2", "generic"),
                    DecodeStep),
     )

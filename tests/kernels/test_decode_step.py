@@ -211,3 +211,60 @@ def test_decode_step_runs_gemma3_layers(tmp_path, isa: str) -> None:
         _, _, changed, _ = _both_paths(model, loaded.arch, step, prompts)
         setattr(step.layers[0], field, saved)
         assert float((changed - per_layer).norm() / per_layer.norm()) > 1e-3, field
+
+
+@pytest.mark.parametrize("isa", kernel_isas("decode_step"))
+def test_decode_step_runs_bf16_weights(tmp_path, isa: str) -> None:
+    """A bf16 checkpoint under `--quantization bf16` and float32 activations (a Qwen2-shaped model: q/k/v biases,
+    a down projection whose 100 inputs leave a tail past the kernel's 16-wide steps): the one-call step reads the
+    bfloat16 weights with the per-layer path's gemv_w16 kernel, so the two agree bit for bit on the best ISA, and
+    it serves no more rows than the per-layer path runs that kernel for."""
+    from transformers import Qwen2Config
+
+    from loom.kernels.decode_step import ModelDecodeStep
+    from loom.quant.methods import BF16_GEMV_MAX_ROWS, Bf16WeightMethod
+    from tests.model.model_harness import save_tiny_model
+
+    config = Qwen2Config(vocab_size=96, hidden_size=80, intermediate_size=100, num_hidden_layers=2,
+                         num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=128)
+    save_tiny_model(config, tmp_path, seed=7, safe_serialization=True)
+    loaded = load_model(str(tmp_path), torch.float32, CPU, quantization="bf16")
+    model, inner = loaded.model, loaded.model.model
+    if get_kernel("decode_step") is None or get_kernel("gemv_w16") is None:
+        pytest.skip("the kernels do not build here (no compiler)")
+    qkv = inner.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_method, Bf16WeightMethod) and qkv.weight.dtype == torch.bfloat16
+    assert qkv.bias is not None and bool(qkv.bias.abs().sum() > 0)  # the biases reach the step
+    assert inner.decode_step is not None and inner.decode_step.max_rows == BF16_GEMV_MAX_ROWS
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    assert step.max_rows == BF16_GEMV_MAX_ROWS
+    per_layer, per_layer_caches, one_call, caches = _both_paths(model, loaded.arch, step,
+                                                                [[1, 2, 3, 4, 5], [9] * 20, [7] * 17])
+    if isa == kernel_isas("decode_step")[0]:
+        assert torch.equal(one_call, per_layer)
+        assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
+    else:
+        assert float((one_call - per_layer).norm() / per_layer.norm()) < 1e-5
+    # the step does read the weights: with one layer's gate/up weight zeroed its output moves
+    gate_up = inner.layers[1].mlp.gate_up_proj.weight
+    saved = gate_up.clone()
+    gate_up.zero_()
+    try:
+        _, _, zeroed, _ = _both_paths(model, loaded.arch, step, [[1, 2, 3, 4, 5], [9] * 20, [7] * 17])
+    finally:
+        gate_up.copy_(saved)
+    assert float((zeroed - one_call).norm() / one_call.norm()) > 1e-2
+
+
+def test_bf16_weights_under_bfloat16_activations_keep_the_per_layer_path(tmp_path) -> None:
+    """gemv_w16 takes float32 activations only, so a bfloat16 model with bf16 weights is not the C step's."""
+    from transformers import LlamaConfig
+
+    from tests.model.model_harness import save_tiny_model
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_tiny_model(config, tmp_path, seed=3)
+    assert load_model(str(tmp_path), torch.bfloat16, CPU, quantization="bf16").model.model.decode_step is None
+    assert load_model(str(tmp_path), torch.float32, CPU, quantization="bf16").model.model.decode_step is not None \
+        or get_kernel("decode_step") is None

@@ -30,13 +30,15 @@
 
 #include "quant_common.h" /* loom_bf16_to_f32, loom_f32_to_bf16, loom_f32_to_f16 */
 
-/* kernels of the other sources compiled into this library (qgemm.c, fused_ops.c, paged_decode.c) */
+/* kernels of the other sources compiled into this library (qgemm.c, gemv_w16.c, fused_ops.c, paged_decode.c) */
 int loom_gemm_q4g32_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
                       const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
                       int num_threads);
 int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
                     const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
                     int y_bf16, int num_threads);
+int loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N,
+                  int64_t K, int num_threads);
 void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t M,
                       int64_t H, float eps, int is_bf16);
 void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16, int torch_lanes,
@@ -49,7 +51,9 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
                        int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
                        int kv_type);
 
-/* A packed weight [N, K] (loom/quant/layout.py): q4g32 (is_q8 = 0) or q8g with `group`. A projection whose
+/* A weight [N, K] in one of the layouts the step reads (`kind`): 0 q4g32 and 1 q8g with `group`
+ * (loom/quant/layout.py: codes, float16 scales and minimums), 2 bfloat16 values row-major (a bf16 checkpoint
+ * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL). A projection whose
  * shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a chain of parts,
  * each giving the next output columns. */
 typedef struct LoomPacked {
@@ -57,7 +61,7 @@ typedef struct LoomPacked {
     const uint16_t *scales; /* float16 bits [N, K / group] */
     const uint16_t *mins;   /* float16 bits [N, K / group] or NULL */
     const float *bias;      /* float32 [N] or NULL */
-    int64_t n, k, group, is_q8;
+    int64_t n, k, group, kind;
     const struct LoomPacked *next; /* the part for the following output columns, or NULL */
 } LoomPacked;
 
@@ -143,7 +147,10 @@ static void store_kv(void *dst, const void *src, int64_t n, int src_bf16, int kv
 }
 
 static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
-    if (w->is_q8)
+    if (w->kind == 2) /* the binding sets up bf16 weights for float32 models only */
+        return loom_gemv_w16((const float *)x, ldx, (const uint16_t *)w->qweight, w->bias, (float *)y, M, w->n, w->k,
+                             threads);
+    if (w->kind == 1)
         return loom_gemm_q8g_f(x, ldx, bf16, M, w->k, (const int8_t *)w->qweight, w->scales, w->mins, w->group,
                                w->bias, y, w->n, bf16, threads);
     return loom_gemm_q4g32_f(x, ldx, bf16, M, w->k, (const uint8_t *)w->qweight, w->scales, w->mins, w->bias, y,
