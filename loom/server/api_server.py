@@ -86,6 +86,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "extra_forbidden":
         return (f"{where}: unknown parameter; loom does not implement it (docs/serving.md lists the "
                 "parameters)"), param
+    if first.get("type") == "value_error" and first.get("ctx", {}).get("error") is not None:
+        # a validator's own ValueError: its message as written, without pydantic's "Value error, " prefix
+        return f"{where}: {first['ctx']['error']}", param
     return f"{where}: {first.get('msg', 'invalid value')}", param
 
 

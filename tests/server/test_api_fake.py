@@ -547,3 +547,18 @@ def test_int_list_json_is_the_compact_json_of_the_list(n: int) -> None:
 
     values = [(i * 7919) % 100_003 - 50_000 for i in range(n)]
     assert f"[{int_list_json(values)}]" == json.dumps(values, separators=(",", ":"))
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), [
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}], "max_tokens": 1}, "messages",
+     "messages.0: a tool message needs the tool_call_id of the call it answers"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "use_beam_search": True, "n": 2, "early_stopping": 3},
+     "early_stopping", 'early_stopping: early_stopping must be true, false or "never", got 3'),
+])
+def test_a_validators_message_reaches_the_client_as_written(client: httpx.Client, path: str, body: dict,
+                                                            param: str, message: str) -> None:
+    """A field validator's ValueError is the message, named by its field, without pydantic's 'Value error, '
+    prefix (which named an exception class the client never sees)."""
+    r = client.post(path, json=body)
+    assert_error(r, 400, param)
+    assert r.json()["error"]["message"] == message
