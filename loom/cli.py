@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+from typing import NoReturn
 
 from loom.bench.cli import register as register_bench
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
@@ -95,8 +96,16 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error prints the error and where the options are listed, not the whole usage (some
+    subcommands take over 50 options: the mistake scrolled out of sight). Subcommands inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(run '{self.prog} --help' for its options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loom", description="loom: LLM inference engine and OpenAI-compatible server")
+    parser = _Parser(prog="loom", description="loom: LLM inference engine and OpenAI-compatible server")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 

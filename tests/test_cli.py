@@ -45,6 +45,19 @@ def test_bad_options_fail_fast_naming_the_option(args: list[str], name: str) -> 
     assert name in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("argv, name", [(["generate", "hi", "--max-tokens", "abc"], "--max-tokens"),
+                                        (["generate", "hi", "--quantization", "nope"], "--quantization"),
+                                        (["bench", "latency", "--num-runs", "x"], "--num-runs")])
+def test_a_usage_error_is_the_error_not_the_whole_usage(argv: list[str], name: str, capsys) -> None:
+    """argparse printed the full usage (50+ lines for generate) above its one line of error."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and name in lines[0] and "--help" in lines[1], err
+
+
 def test_errors_name_the_flags_not_the_fields() -> None:
     from loom.cli import _flags_of, _name_flags
 
