@@ -53,10 +53,16 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": ns.prompt}])
     elif not ns.raw:
         logging.getLogger("loom.cli").info("the model has no chat template (a base model): the prompt goes in as plain text")
-    for out in llm.stream(prompt, params):
-        sys.stdout.write(out.outputs[0].delta_text)
+    last = None
+    for last in llm.stream(prompt, params):
+        sys.stdout.write(last.outputs[0].delta_text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if last is not None:  # why it stopped, on stderr: a reply cut at --max-tokens reads like a finished one
+        done = last.outputs[0]
+        why = " (the --max-tokens limit)" if done.finish_reason == "length" else ""
+        logging.getLogger("loom.cli").info("%d tokens, finish_reason %s%s", len(done.token_ids), done.finish_reason,
+                                           why)
     return 0
 
 

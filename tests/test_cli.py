@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -19,6 +20,14 @@ def test_generate_answers_paris() -> None:
     result = _loom("generate", "What is the capital of France?", "--max-tokens", "32")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+    assert re.search(r"\d+ tokens, finish_reason stop", result.stderr), result.stderr  # on stderr: stdout is the text
+
+
+def test_generate_says_when_max_tokens_cut_the_reply() -> None:
+    result = _loom("generate", "Write a long poem about the sea.", "--max-tokens", "3")
+    assert result.returncode == 0, result.stderr
+    assert "3 tokens, finish_reason length (the --max-tokens limit)" in result.stderr, result.stderr
+    assert "finish_reason" not in result.stdout
 
 
 def test_chat_is_multi_turn() -> None:
