@@ -47,8 +47,8 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
                   model: str | None = None) -> torch.dtype:
     """Weights/activations dtype of a ModelConfig.dtype name.
 
-    "auto" is bfloat16 where the device multiplies bfloat16 natively (oneDNN reports AVX512_BF16/AMX on
-    CPU, or a CUDA device of compute capability >= 8.0), float32 elsewhere. bfloat16 halves the weight
+    "auto" is bfloat16 where the device multiplies bfloat16 natively (a CPU listing avx512_bf16 or amx_bf16,
+    see bf16_is_fast, or a CUDA device of compute capability >= 8.0), float32 elsewhere. bfloat16 halves the weight
     bytes every decode step reads (the roofline floor in benchmarks/NOTES.md). Logits are cast to float32
     before sampling (as transformers does); RMSNorm statistics and rotary run in float32 and SDPA
     accumulates its softmax in float32. Pass "float32" for exact transformers parity.
@@ -80,11 +80,25 @@ def packed_on_cpu(device: torch.device, quantization: str | None, model: str | N
     return method in PACKED_CPU_METHODS
 
 
+# x86 flags of a CPU that multiplies bfloat16 itself (Zen 4, Cooper Lake, Sapphire Rapids and later)
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
 def bf16_is_fast(device: torch.device) -> bool:
-    """True when bfloat16 matmuls run natively on `device` (not emulated through float32)."""
+    """True when bfloat16 matmuls run natively on `device` (not emulated through float32).
+
+    On an x86 CPU that takes one of _NATIVE_BF16_FLAGS: oneDNN's own check also says yes on plain AVX-512
+    (emulated, by conversion), where bfloat16 activations ran a bf16 checkpoint at 25.7 tok/s against 53 with
+    float32 ones on an Ice Lake-class CPU (the C decode step and gemv_w16 take float32 activations). Where the
+    kernel lists no flags (not Linux x86), oneDNN's check decides."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
+        from loom.kernels.build import cpu_flags
+
+        flags = cpu_flags()
+        if flags and not flags & _NATIVE_BF16_FLAGS:
+            return False
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return False
 

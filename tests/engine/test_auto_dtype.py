@@ -53,3 +53,23 @@ def test_the_engine_runs_the_bundled_model_over_a_float16_cache() -> None:
     assert packed.model.model.decode_step is not None  # the one-call C step serves the float16 cache
     oracle = ModelRunner(ModelConfig(quantization="none", dtype="float32"), CacheConfig(**small), CPU)
     assert oracle.kv_cache_dtype == torch.float32
+
+
+@pytest.mark.parametrize(("flags", "native"), [
+    (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}), False),  # Ice Lake: oneDNN emulates bf16
+    (frozenset({"avx2", "fma"}), False),  # Zen 3
+    (frozenset({"avx512f", "avx512_bf16"}), True),  # Zen 4, Cooper Lake
+    (frozenset({"avx512f", "amx_bf16"}), True),  # Sapphire Rapids
+    (frozenset(), True),  # no flags listed (not Linux x86): oneDNN decides
+])
+def test_bf16_is_native_only_on_a_cpu_that_lists_it(monkeypatch: pytest.MonkeyPatch, flags: frozenset,
+                                                   native: bool) -> None:
+    """oneDNN says bf16 is supported on plain AVX-512 too, where it is emulated; `auto` took bfloat16 there and ran
+    a bf16 checkpoint at half the speed of float32 activations."""
+    from loom.kernels import build
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    assert model_runner.bf16_is_fast(CPU) is native
+    assert resolve_dtype("auto", CPU, "bf16") == (torch.bfloat16 if native else torch.float32)
