@@ -19,6 +19,11 @@ from loom.model.loader import default_model_path
 
 
 def main(out: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        sys.exit("export_bf16: transformers needs `accelerate` to read a GGUF file: pip install accelerate "
+                 "(or the test extra, pip install -e '.[test]')")
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     config = model.config

@@ -102,6 +102,13 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _log_level(value: str) -> str:
+    """A logging level name, any case (argparse type: a bad one is a usage error, not a traceback)."""
+    if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return value.upper()
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error prints the error and where the options are listed, not the whole usage (some
     subcommands take over 50 options: the mistake scrolled out of sight). Subcommands inherit the class."""
@@ -112,7 +119,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="loom", description="loom: LLM inference engine and OpenAI-compatible server")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    parser.add_argument("--log-level", default="INFO", type=_log_level,
+                        help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")

@@ -56,7 +56,8 @@ def test_bad_options_fail_fast_naming_the_option(args: list[str], name: str) -> 
 
 @pytest.mark.parametrize("argv, name", [(["generate", "hi", "--max-tokens", "abc"], "--max-tokens"),
                                         (["generate", "hi", "--quantization", "nope"], "--quantization"),
-                                        (["bench", "latency", "--num-runs", "x"], "--num-runs")])
+                                        (["bench", "latency", "--num-runs", "x"], "--num-runs"),
+                                        (["--log-level", "BOGUS", "generate", "hi"], "--log-level")])
 def test_a_usage_error_is_the_error_not_the_whole_usage(argv: list[str], name: str, capsys) -> None:
     """argparse printed the full usage (50+ lines for generate) above its one line of error."""
     with pytest.raises(SystemExit) as exit_info:
