@@ -77,11 +77,6 @@ class ModelDecodeStep:
         from loom.quant.methods import BF16_GEMV_MAX_ROWS, Bf16WeightMethod
 
         self.kernel = kernel
-        if any(isinstance(getattr(lin, "quant_method", None), Bf16WeightMethod) for layer in model.layers
-               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj)):
-            max_rows = min(max_rows, BF16_GEMV_MAX_ROWS)
-        self.max_rows = max_rows
         layer0 = model.layers[0]
         attn = layer0.self_attn
         self.dtype = model.norm.weight.dtype
@@ -99,6 +94,8 @@ class ModelDecodeStep:
             a, m = layer.self_attn, layer.mlp
             for name, lin in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", m.gate_up_proj), ("down", m.down_proj)):
                 setattr(entry, name, self._chain(lin))
+                if isinstance(lin.quant_method, Bf16WeightMethod):
+                    max_rows = min(max_rows, BF16_GEMV_MAX_ROWS)
             entry.norm1 = layer.input_layernorm.weight.data_ptr()
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's sandwich: two norms more
                 entry.norm2 = layer.pre_feedforward_layernorm.weight.data_ptr()
@@ -110,6 +107,7 @@ class ModelDecodeStep:
                 entry.q_norm, entry.k_norm = a.q_norm.weight.data_ptr(), a.k_norm.weight.data_ptr()
             entry.window = a.attn.sliding_window or 0
             entry.local_rope = int(a.local_rope)
+        self.max_rows = max_rows
         self.final_norm = model.norm.weight
         self._keep = model  # the recorded pointers stay valid while the model lives
         self._caches_id: int | None = None
