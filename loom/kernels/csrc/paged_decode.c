@@ -54,7 +54,10 @@
 
 #define TILE_FLOATS 4096   /* a tile holds about this many floats of one head's K (and of V): 16 KiB each */
 #define MAX_TILE 64        /* keys per tile, a multiple of 8 */
-#define MIN_SPLIT_KEYS 128 /* fewest keys of one split range */
+/* fewest keys of one split range: one tile. At batch 1 and 126-254 keys (SmolLM2, 2 threads, float16 cache) the
+ * attention of a step took 0.94-1.0 ms with 128 (one thread worked, the other waited), 0.55-0.63 ms with 64 and
+ * 0.70 ms with 32 (benchmarks/NOTES.md, "Issue 9: the per-token overhead of a single stream") */
+#define MIN_SPLIT_KEYS 64
 
 
 /* the read-only arguments of one request */
