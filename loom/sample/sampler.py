@@ -72,7 +72,7 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], default_generator:
     masked = [i for i, inp in enumerate(inputs) if inp.token_bitmask is not None]
     if masked:
         apply_token_bitmask(processed, masked, [inputs[i].token_bitmask for i in masked])
-    sampled = processed.argmax(dim=-1)
+    sampled = greedy_argmax(processed)
     random_rows = [i for i, inp in enumerate(inputs) if inp.params.temperature >= MIN_TEMPERATURE]
     if random_rows:
         sub_inputs = [inputs[i] for i in random_rows]
@@ -80,6 +80,17 @@ def sample(logits: torch.Tensor, inputs: list[SamplingInput], default_generator:
         uniforms = row_uniforms(sub_inputs, default_generator)
         sampled[random_rows] = inverse_transform_sample(probs, uniforms.to(probs.device))
     return SamplerOutput(sampled_token_ids=sampled, logprobs=_requested_logprobs(logits, sampled, inputs))
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab_size] -> [rows] int64: the index of each row's largest value, the first one among
+    ties, and the first NaN's where a row has one (torch.argmax's rule).
+
+    On the CPU numpy's vectorized argmax computes it (the same rule): torch's argmax over 49k float32 logits took
+    ~75 us of a ~10 ms single-stream token against numpy's ~5 us (2-core Ice Lake, torch 2.13)."""
+    if logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype("int64", copy=False))
+    return logits.argmax(dim=-1)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

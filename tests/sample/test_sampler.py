@@ -261,3 +261,21 @@ def test_bad_shapes_raise() -> None:
         sample(torch.zeros((2, VOCAB)), [make_input()], gen())
     with pytest.raises(ValueError, match="logits"):
         sample(torch.zeros(VOCAB), [make_input()], gen())
+
+
+def test_greedy_argmax_follows_torch_argmax_on_ties_nans_and_infinities() -> None:
+    """The numpy path on the CPU picks what torch.argmax picks: the first of equal maxima, the first NaN, the
+    first of an all -inf row; float32 rows of the vocabulary's size and odd sizes, and a non-contiguous view."""
+    from loom.sample.sampler import greedy_argmax
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 49152, generator=g)
+    logits[1, [7, 9000, 40000]] = 50.0  # ties: the first wins
+    logits[2, [123, 456]] = float("nan")  # the first NaN wins over every number
+    logits[3] = float("-inf")
+    logits[4, 10] = float("inf")
+    logits[5, -1] = 99.0
+    for rows in (logits, logits[:, :1001], logits[:, ::2], logits.double(), logits.bfloat16()):
+        got = greedy_argmax(rows)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, rows.argmax(dim=-1)), rows.dtype
