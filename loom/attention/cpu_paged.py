@@ -42,10 +42,26 @@ class _DecodePlan:
     token_rows: torch.Tensor | None  # [num_decode] int64 rows of the flattened batch; None = every row, in order
     block_ids: torch.Tensor  # [num_decode, max_blocks] int64 block ids (padding repeats a valid id)
     seq_lens: torch.Tensor  # [num_decode] int64 keys per request, the new token's included
-    # [num_decode, 1, 1, max_blocks * block_size] in the query dtype: 0 = may attend, -inf = masked. Additive,
-    # because SDPA turns a bool mask into this with two extra ops in every layer (measured 141 -> 81 us/call).
-    mask: torch.Tensor
+    block_size: int  # tokens per block
+    sliding_window: int | None  # tokens each query may look back, itself included; None = unlimited
+    dtype: torch.dtype  # the query dtype, the mask's
     serial: bool  # run the gather + SDPA on one intra-op thread (small contexts; see _SERIAL_MAX_TOKENS)
+    _mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[num_decode, 1, 1, max_blocks * block_size] in the query dtype: 0 = may attend, -inf = masked. Additive,
+        because SDPA turns a bool mask into this with two extra ops in every layer (measured 141 -> 81 us/call).
+        Built on first use: the C kernels and the C decode step need none (its arange, compare and fill were
+        ~0.1 ms of a 10 ms single-stream token)."""
+        if self._mask is None:
+            key_pos = torch.arange(self.block_ids.shape[1] * self.block_size, device=self.block_ids.device)[None, :]
+            allowed = key_pos < self.seq_lens[:, None]
+            if self.sliding_window is not None:
+                allowed &= key_pos >= (self.seq_lens[:, None] - self.sliding_window)
+            additive = torch.zeros(allowed.shape, dtype=self.dtype, device=self.block_ids.device)
+            self._mask = additive.masked_fill_(~allowed, float("-inf"))[:, None, None, :]
+        return self._mask
 
 
 @dataclass(slots=True)
@@ -126,15 +142,10 @@ def _plan_decode(
 
 def _decode_plan(token_rows: torch.Tensor | None, block_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                  sliding_window: int | None, dtype: torch.dtype) -> _DecodePlan:
-    """The decode plan over block_ids [num_decode, max_blocks] int64 and seq_lens [num_decode] int64, with its
-    additive key mask in dtype."""
-    key_pos = torch.arange(block_ids.shape[1] * block_size, device=block_ids.device)[None, :]
-    mask = key_pos < seq_lens[:, None]
-    if sliding_window is not None:
-        mask &= key_pos >= (seq_lens[:, None] - sliding_window)
-    additive = torch.zeros(mask.shape, dtype=dtype, device=block_ids.device).masked_fill_(~mask, float("-inf"))
-    serial = mask.numel() < _SERIAL_MAX_TOKENS
-    return _DecodePlan(token_rows, block_ids, seq_lens, additive[:, None, None, :], serial)
+    """The decode plan over block_ids [num_decode, max_blocks] int64 and seq_lens [num_decode] int64 (its additive
+    key mask in dtype made when first read)."""
+    serial = block_ids.shape[0] * block_ids.shape[1] * block_size < _SERIAL_MAX_TOKENS
+    return _DecodePlan(token_rows, block_ids, seq_lens, block_size, sliding_window, dtype, serial)
 
 
 def decode_attention(
@@ -294,9 +305,7 @@ class CpuPagedBackend:
         kernel = self._decode_kernel(query, kv_cache)
         if self.sparse is not None:
             selected = self.sparse.select(query, kv_cache, plan.block_ids, plan.seq_lens)
-            if selected is not None and kernel is not None:  # the kernel needs no mask
-                plan = _DecodePlan(plan.token_rows, *selected, plan.mask, plan.serial)
-            elif selected is not None:
+            if selected is not None:  # (the mask, made only if the gather path reads it, over the selected blocks)
                 plan = _decode_plan(plan.token_rows, *selected, kv_cache.shape[2], sliding_window, query.dtype)
         if kernel is not None:
             # decode requests have their new token's key written, so every seq_len >= 1: no check per layer.
