@@ -24,6 +24,7 @@ from loom.distributed.pipeline_parallel import PipelineParallel
 from loom.distributed.tensor_parallel import TensorParallel, head_shard, partition, shard_range
 from loom.kernels.registry import fused_kernels_for
 from loom.model.arch import ModelArchConfig
+from loom.model.huge_pages import place_weights_on_huge_pages
 from loom.quant.config import NoQuantConfig, QuantizationConfig
 from loom.model.layers import (
     Linear,
@@ -653,6 +654,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+        place_weights_on_huge_pages(self)  # before the decode step records where the weights are
         self.model.prepare_decode_step()
 
     def _holds(self, module_name: str) -> bool:

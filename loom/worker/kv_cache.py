@@ -10,6 +10,7 @@ import torch
 
 from loom.attention.kv_quant import kv_row_bytes, kv_row_width
 from loom.model.arch import ModelArchConfig
+from loom.model.huge_pages import zeros_on_huge_pages
 
 
 def kv_cache_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
@@ -59,10 +60,15 @@ def allocate_kv_caches(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     shape = (2, num_blocks, block_size, arch.num_kv_heads, kv_row_width(arch.head_dim, dtype))
+
+    def zeros() -> torch.Tensor:  # on the CPU on 2 MB pages where the OS has them (loom/model/huge_pages.py)
+        return zeros_on_huge_pages(shape, dtype) if torch.device(device).type == "cpu" else torch.zeros(shape, dtype=dtype,
+                                                                                              device=device)
+
     if layer_slots is None:
-        return [torch.zeros(shape, dtype=dtype, device=device) if held is None or i in held
+        return [zeros() if held is None or i in held
                 else torch.empty(0, dtype=dtype, device=device) for i in range(arch.num_layers)]
-    physical = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(max(layer_slots) + 1)]
+    physical = [zeros() for _ in range(max(layer_slots) + 1)]
     return [physical[slot] for slot in layer_slots]
 
 

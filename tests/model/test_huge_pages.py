@@ -1,0 +1,116 @@
+"""Weights and KV caches on 2 MB-aligned memory advised MADV_HUGEPAGE (loom/model/huge_pages.py)."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+from torch import nn
+
+from loom.model.huge_pages import (
+    HUGE_PAGE,
+    HugePageArena,
+    huge_pages_available,
+    place_weights_on_huge_pages,
+    zeros_on_huge_pages,
+)
+from loom.quant.layout import PackedWeight
+
+linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps; 'hg' = MADV_HUGEPAGE)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(300, 128), requires_grad=False)  # 150 KiB
+        self.head = nn.Linear(128, 300, bias=False)
+        self.head.weight = self.embed  # tied
+        self.norm = nn.Parameter(torch.ones(128), requires_grad=False)  # 512 B: stays
+        self.register_buffer("table", torch.randn(200, 100), persistent=False)  # 78 KiB
+        codes = torch.randint(0, 255, (512, 256), dtype=torch.uint8)
+        scales = torch.rand(512, 16).half()
+        self.lin = nn.Module()
+        self.lin.packed = [PackedWeight("q4g32", codes, scales, scales.clone(), 32)]
+
+
+@linux_only
+def test_arena_copies_keep_values_and_live_on_advised_aligned_memory() -> None:
+    arena = HugePageArena(chunk_bytes=4 << 20)
+    sources = [torch.randn(1000, 300), torch.randint(-128, 127, (3, 70000), dtype=torch.int8),
+               torch.rand(5, 7).half(), torch.randn(2 << 20).bfloat16()]  # the last one outgrows the first mapping
+    copies = [arena.copy_of(t) for t in sources]
+    assert copies[0].data_ptr() % HUGE_PAGE == 0  # a mapping starts on a huge page
+    for src, copy in zip(sources, copies, strict=True):
+        assert copy.dtype == src.dtype and copy.shape == src.shape and torch.equal(copy, src)
+        assert copy.data_ptr() % 64 == 0 and copy.data_ptr() != src.data_ptr()
+        assert "hg" in vm_flags(copy.data_ptr())
+    assert arena.mapped >= 2 * (4 << 20)
+    zeros = zeros_on_huge_pages((3, 1000, 16), torch.float16)
+    assert not zeros.any() and zeros.data_ptr() % HUGE_PAGE == 0 and "hg" in vm_flags(zeros.data_ptr())
+    zeros[1, 5] = 2.0
+    assert float(zeros.sum()) == 32.0
+
+
+@linux_only
+def test_place_moves_large_weights_once_and_leaves_small_ones() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    packed = model.lin.packed[0]
+    codes, mins = packed.qweight.clone(), packed.mins.clone()
+    norm_ptr, scales_ptr = model.norm.data_ptr(), packed.scales.data_ptr()
+    moved = place_weights_on_huge_pages(model)
+    assert moved == 300 * 128 * 4 + 200 * 100 * 4 + 512 * 256  # embed (once, tied), table, codes
+    assert model.head.weight is model.embed and "hg" in vm_flags(model.embed.data_ptr())
+    assert model.norm.data_ptr() == norm_ptr and packed.scales.data_ptr() == scales_ptr  # under 64 KiB
+    assert "hg" in vm_flags(model.table.data_ptr()) and "hg" in vm_flags(packed.qweight.data_ptr())
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    assert torch.equal(packed.qweight, codes) and torch.equal(packed.mins, mins)
+
+
+def test_place_moves_nothing_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "0")
+    assert not huge_pages_available()
+    model = Tiny()
+    ptr = model.embed.data_ptr()
+    assert place_weights_on_huge_pages(model) == 0 and model.embed.data_ptr() == ptr
+    assert zeros_on_huge_pages((4, 4), torch.float32).equal(torch.zeros(4, 4))
+
+
+@linux_only
+def test_real_model_runs_from_advised_memory_with_the_same_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundled model, packed (the default): every packed matrix and KV cache on advised memory, and the greedy
+    tokens those weights give equal the ones from ordinary memory (a feature on vs off changes no output)."""
+    from loom import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    llm = LLM(num_threads=2, kv_cache_memory_gb=0.05)
+    runner = llm.engine.runner
+    model = runner.model
+    held = [getattr(m, "packed", None) for m in model.modules()]  # a Linear's list, the embedding's one
+    packed = [p for h in held for p in (h if isinstance(h, list) else [h]) if isinstance(p, PackedWeight)]
+    assert packed and all("hg" in vm_flags(p.qweight.data_ptr()) for p in packed)
+    assert all("hg" in vm_flags(c.data_ptr()) for c in runner.kv_caches)
+    on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    del llm, runner, model, packed
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "0")
+    off_llm = LLM(num_threads=2, kv_cache_memory_gb=0.05)
+    assert "hg" not in vm_flags(off_llm.engine.runner.kv_caches[0].data_ptr())
+    assert on == [o.outputs[0].token_ids for o in off_llm.generate(prompts, params)]
