@@ -45,8 +45,12 @@ class _DecodePlan:
     block_size: int  # tokens per block
     sliding_window: int | None  # tokens each query may look back, itself included; None = unlimited
     dtype: torch.dtype  # the query dtype, the mask's
-    serial: bool  # run the gather + SDPA on one intra-op thread (small contexts; see _SERIAL_MAX_TOKENS)
     _mask: torch.Tensor | None = None
+
+    @property
+    def serial(self) -> bool:
+        """Run the gather + SDPA on one intra-op thread (small contexts; see _SERIAL_MAX_TOKENS)."""
+        return self.block_ids.shape[0] * self.block_ids.shape[1] * self.block_size < _SERIAL_MAX_TOKENS
 
     @property
     def mask(self) -> torch.Tensor:
@@ -144,8 +148,7 @@ def _decode_plan(token_rows: torch.Tensor | None, block_ids: torch.Tensor, seq_l
                  sliding_window: int | None, dtype: torch.dtype) -> _DecodePlan:
     """The decode plan over block_ids [num_decode, max_blocks] int64 and seq_lens [num_decode] int64 (its additive
     key mask in dtype made when first read)."""
-    serial = block_ids.shape[0] * block_ids.shape[1] * block_size < _SERIAL_MAX_TOKENS
-    return _DecodePlan(token_rows, block_ids, seq_lens, block_size, sliding_window, dtype, serial)
+    return _DecodePlan(token_rows, block_ids, seq_lens, block_size, sliding_window, dtype)
 
 
 def decode_attention(

@@ -64,7 +64,7 @@ class HugePageArena:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of `shape` and `dtype` inside the arena (64-byte aligned): zeros where the arena's memory was
         not written before (a fresh mapping reads as zeros; its pages are committed as they are first written)."""
-        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
             self._map(nbytes)
         assert self._chunk is not None
