@@ -167,7 +167,7 @@ static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void
         total += p->n;
         widest = p->n > widest ? p->n : widest;
     }
-    char *tmp = M > 1 ? (char *)malloc((size_t)(M * widest) * es) : NULL;
+    char *tmp = M > 1 ? (char *)loom_alloc64((size_t)(M * widest) * es) : NULL;
     if (M > 1 && !tmp) return -1;
     int64_t off = 0;
     for (const LoomPacked *p = w; p; p = p->next) {
@@ -336,7 +336,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
     /* QK-norm scratch: the normed q and k heads of every row, [B, (Hq + Hkv) D] */
     char *qkn = NULL;
     for (int64_t l = 0; l < d->num_layers && !qkn; ++l)
-        if (layers[l].q_norm && !(qkn = (char *)malloc((size_t)(B * (Hq + Hkv) * D) * es))) return -1;
+        if (layers[l].q_norm && !(qkn = (char *)loom_alloc64((size_t)(B * (Hq + Hkv) * D) * es))) return -1;
     /* block-sparse decode scratch: each request's selected blocks and key counts, the scored blocks */
     int64_t *sel = NULL, *sel_lens = NULL, max_nb = 1;
     ScoredBlock *scored = NULL;
@@ -350,7 +350,7 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
         sel_lens = (int64_t *)malloc((size_t)B * sizeof(int64_t));
         scored = (ScoredBlock *)malloc((size_t)d->sparse_topk * sizeof(ScoredBlock));
         chosen = (unsigned char *)malloc((size_t)max_nb);
-        qpm = (float *)malloc((size_t)(2 * Hq * D) * sizeof(float));
+        qpm = (float *)loom_alloc64((size_t)(2 * Hq * D) * sizeof(float));
         if (!sel || !sel_lens || !scored || !chosen || !qpm) goto fail;
     }
     for (int64_t l = 0; l < d->num_layers; ++l) {

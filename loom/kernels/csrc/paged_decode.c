@@ -523,7 +523,7 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
         if (splits < 1) splits = 1;
     }
     const int64_t part_floats = H * D + 2 * H; /* m, l, acc of one (request, range) */
-    float *parts = splits > 1 ? (float *)malloc(sizeof(float) * (size_t)(B * splits * part_floats)) : NULL;
+    float *parts = splits > 1 ? (float *)loom_alloc64(sizeof(float) * (size_t)(B * splits * part_floats)) : NULL;
     if (!parts) splits = 1;
     const int64_t items = B * splits;
 #pragma omp parallel num_threads(num_threads)

@@ -1217,14 +1217,14 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
     const float *gs = xsum;
     float *scratch = NULL;
     if (mn && G != 32) {
-        scratch = (float *)malloc((size_t)(M * ng) * sizeof(float));
+        scratch = (float *)loom_alloc64((size_t)(M * ng) * sizeof(float));
         if (!scratch) return -1;
         q8_group_sums(xq, xs, xsum, M, K, G, scratch);
         gs = scratch;
     }
     int8_t *xp = NULL; /* q4g32 (SIMD builds): the activations in the paired layout of q4_pair_dot */
     if (kind == KIND_Q4 && LOOM_QSIMD) {
-        xp = (int8_t *)malloc((size_t)(M * K));
+        xp = (int8_t *)loom_alloc64((size_t)(M * K));
         if (!xp) {
             free(scratch);
             return -1;
@@ -1366,15 +1366,17 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const int paired = kind == KIND_Q4 && LOOM_QSIMD;
     const int64_t np = (nb + Q4_UNIT - 1) / Q4_UNIT, vw = 4 * Q4_UNIT; /* q4 units per row, floats per unit vector */
     const int64_t xstride = paired ? 32 * Q4_UNIT * np : K; /* int16 codes per row, as the kernel reads them */
-    /* scratch: codes [M, K], unit-laid-out codes [M, xstride], then floats xs [M, nb], h [M, 2 nb], gs [M, ng]
-     * and, paired, the unit scale vectors xv [M, np, vw] (rows16_q4) */
+    /* scratch (64-byte aligned, as the tiles' vector loads want): codes [M, K], unit-laid-out codes [M, xstride],
+     * then floats: paired, the unit scale vectors xv [M, np, vw] (rows16_q4), then xs [M, nb], h [M, 2 nb],
+     * gs [M, ng] (the offsets of the codes and of xv are multiples of 64 bytes: K % 32 == 0) */
     const size_t ncodes = (size_t)(M * K) + (paired ? (size_t)(M * xstride) : 0);
     const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * ng) : 0) + (paired ? (size_t)(M * np * vw) : 0);
-    char *scratch = (char *)malloc(ncodes * sizeof(int16_t) + nfloat * sizeof(float));
+    char *scratch = (char *)loom_alloc64(ncodes * sizeof(int16_t) + nfloat * sizeof(float));
     if (!scratch) return -1;
     int16_t *codes = (int16_t *)scratch, *xc = codes;
-    float *xs = (float *)(scratch + ncodes * sizeof(int16_t)), *h = xs + M * nb, *gs = mn ? h + M * 2 * nb : NULL;
-    float *xv = paired ? h + M * 2 * nb + (mn ? M * ng : 0) : NULL;
+    float *xv = paired ? (float *)(scratch + ncodes * sizeof(int16_t)) : NULL;
+    float *xs = (float *)(scratch + ncodes * sizeof(int16_t)) + (paired ? M * np * vw : 0);
+    float *h = xs + M * nb, *gs = mn ? h + M * 2 * nb : NULL;
     loom_quantize_act16(x, ldx, x_bf16, M, K, codes, xs, h, num_threads);
     if (paired) {
         xc = codes + M * K;
