@@ -11,7 +11,7 @@ stream").
 least 64 KiB) into anonymous mappings aligned to 2 MB and advised MADV_HUGEPAGE (Linux transparent huge pages;
 `/sys/kernel/mm/transparent_hugepage/enabled` must be `always` or `madvise`), in module order, and rebinds each
 tensor to its copy: values, shapes and dtypes are unchanged, only where they live. Elsewhere (no MADV_HUGEPAGE, a
-GPU model) and with LOOM_HUGE_PAGES=0 it moves nothing. Whether the kernel then backs the mappings with huge pages
+GPU model) and with LOOM_HUGE_PAGES=0 (or false, no, off) it moves nothing. Whether the kernel then backs the mappings with huge pages
 is its own decision (free 2 MB frames); /proc/self/smaps shows it (AnonHugePages).
 """
 
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from loom.env import env_flag
 from loom.quant.layout import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -35,9 +35,13 @@ MIN_BYTES = 64 << 10  # tensors smaller than this stay where they are (norm weig
 
 
 def huge_pages_available() -> bool:
-    """Whether this platform can advise huge pages (Python's mmap has MADV_HUGEPAGE: Linux) and
-    LOOM_HUGE_PAGES is not 0."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("LOOM_HUGE_PAGES", "1") != "0"
+    """Whether this platform can advise huge pages (Python's mmap has MADV_HUGEPAGE: Linux) and the switch
+    LOOM_HUGE_PAGES is on (the default; loom/env.py reads it).
+
+    Raises:
+        ValueError: LOOM_HUGE_PAGES is not an on/off value.
+    """
+    return hasattr(mmap, "MADV_HUGEPAGE") and env_flag("LOOM_HUGE_PAGES", True)
 
 
 class HugePageArena:

@@ -116,3 +116,24 @@ def test_real_model_runs_from_advised_memory_with_the_same_greedy_tokens(monkeyp
     # tests/attention carried 'hg' too, set by nothing in loom; what loom decides is whether it advises)
     assert not huge_pages_available() and off_llm.engine.runner.kv_caches[0].any().item() is False
     assert on == [o.outputs[0].token_ids for o in off_llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("value", ["off", "false", "No"])
+def test_every_off_word_turns_huge_pages_off(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """Only exactly "0" used to: "off" left the weights and KV caches on huge pages, silently."""
+    monkeypatch.setenv("LOOM_HUGE_PAGES", value)
+    assert not huge_pages_available()
+    model = Tiny()
+    ptr = model.embed.data_ptr()
+    assert place_weights_on_huge_pages(model) == 0 and model.embed.data_ptr() == ptr
+
+
+@linux_only
+def test_an_empty_switch_is_the_default_and_a_bad_one_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "")
+    assert huge_pages_available()
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "disable")
+    with pytest.raises(ValueError, match="LOOM_HUGE_PAGES='disable'"):
+        huge_pages_available()
+    with pytest.raises(ValueError, match="LOOM_HUGE_PAGES"):
+        zeros_on_huge_pages((4, 4), torch.float32)
