@@ -97,7 +97,8 @@ def place_weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) ->
     """Move the model's CPU weights of at least `min_bytes` onto 2 MB-aligned MADV_HUGEPAGE memory (see the module
     docstring): parameters (`.data`), buffers, and the matrices of PackedWeights held as `module.packed` (one, or a
     list); a tensor reached twice (tied weights) is copied once. Call after `process_weights_after_loading`, before
-    anything records data pointers (the C decode step). Returns the bytes moved (0 when not available)."""
+    anything records data pointers (the C decode step). Returns the bytes moved (0 when not available); the model
+    runner logs them with its KV caches' (`log_placement`)."""
     if not huge_pages_available():
         return 0
     arena = HugePageArena()
@@ -126,7 +127,12 @@ def place_weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) ->
             for pw in packed if isinstance(packed, list) else [packed]:
                 if isinstance(pw, PackedWeight):
                     pw.qweight, pw.scales, pw.mins = place(pw.qweight), place(pw.scales), place(pw.mins)
-    if arena.placed:
-        logger.info("weights: %.1f MB on 2 MB-aligned memory advised MADV_HUGEPAGE (transparent huge pages)",
-                    arena.placed / 1e6)
     return arena.placed
+
+
+def log_placement(weight_bytes: int, kv_cache_bytes: int) -> None:
+    """Log in one INFO line what a model runner put on 2 MB-aligned memory advised MADV_HUGEPAGE: `weight_bytes` of
+    weights (what place_weights_on_huge_pages returned) and `kv_cache_bytes` of KV caches; nothing when both are 0."""
+    if weight_bytes or kv_cache_bytes:
+        logger.info("weights %.1f MB and KV caches %.1f MB on 2 MB-aligned memory advised MADV_HUGEPAGE (transparent "
+                    "huge pages)", weight_bytes / 1e6, kv_cache_bytes / 1e6)

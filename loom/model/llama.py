@@ -559,6 +559,7 @@ class LlamaForCausalLM(nn.Module):
         tied = self.model.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied, quant_config=quant_config,
                               tp=tp) if pp is None or pp.is_last else None
+        self.huge_page_bytes = 0  # weight bytes load_weights placed on huge pages (loom/model/huge_pages.py)
 
     def forward(
         self,
@@ -657,7 +658,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        place_weights_on_huge_pages(self)  # before the decode step records where the weights are
+        self.huge_page_bytes = place_weights_on_huge_pages(self)  # before the decode step records where they are
         self.model.prepare_decode_step()
 
     def _holds(self, module_name: str) -> bool:
