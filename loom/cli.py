@@ -47,6 +47,8 @@ def _sampling_params(ns: argparse.Namespace):  # noqa: ANN202
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from loom.engine.llm import LLM
 
+    if not ns.prompt:  # the engine refuses it, but only --raw reached it empty: the chat template wraps it in a turn
+        raise ValueError("prompt must not be empty")
     params = _sampling_params(ns)
     llm = LLM(**dataclasses.asdict(engine_args_from_namespace(ns)))
     prompt: str | list[int] = ns.prompt

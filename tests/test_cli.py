@@ -100,6 +100,23 @@ def test_an_unknown_option_before_a_subcommand_stays_its_parents(argv: list[str]
     assert f"(run '{prog} --help' for its options)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("raw", [[], ["--raw"]], ids=["chat-template", "raw"])
+def test_an_empty_prompt_is_refused_before_the_model_loads(raw: list[str], monkeypatch, capsys) -> None:
+    """`loom generate ""` ran an empty chat turn (the template made it a non-empty prompt) while `--raw ""` was
+    refused by the engine after loading the model: both stop at once with the same error."""
+    import loom.cli
+    import loom.engine.llm
+
+    def no_load(**kwargs):  # noqa: ANN003, ANN202
+        raise AssertionError("the model was loaded for an empty prompt")
+
+    monkeypatch.setattr(loom.engine.llm, "LLM", no_load)
+    with pytest.raises(SystemExit) as exit_info:
+        loom.cli.main(["generate", "", *raw])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "loom: error: prompt must not be empty\n"
+
+
 def test_errors_name_the_flags_not_the_fields() -> None:
     from loom.cli import _flags_of, _name_flags
 
