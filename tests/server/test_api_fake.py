@@ -88,6 +88,35 @@ def test_malformed_json_unknown_model_and_routes(client: httpx.Client) -> None:
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_body_without_a_json_content_type_is_415_saying_so(client: httpx.Client, path: str,
+                                                             content_type: str | None) -> None:
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: FastAPI then does not parse the body, and the answer
+    was "body: Input should be a valid dictionary or object to extract fields from"."""
+    body = json.dumps({"messages": CHAT, "max_tokens": 2} if "chat" in path else
+                      {"prompt": "x"} if path == "/tokenize" else {"prompt": "x", "max_tokens": 2}).encode()
+    r = client.post(path, content=body, headers={} if content_type is None else {"content-type": content_type})
+    assert_error(r, 415, None)
+    message = r.json()["error"]["message"]
+    assert "must be JSON" in message and "Content-Type: application/json" in message, message
+    assert (content_type or "no Content-Type") in message
+    assert ("curl -d" in message) == (content_type == "application/x-www-form-urlencoded")
+    r = client.post(path, content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text  # the same bytes as JSON
+
+
+def test_a_body_that_is_no_json_object_or_empty_says_so(client: httpx.Client) -> None:
+    for body, words in ((["x"], "must be a JSON object, not a JSON array"), ("x", "not a JSON string"),
+                        (3, "not a JSON number")):
+        r = client.post("/v1/completions", json=body)
+        assert_error(r, 400, None)
+        assert words in r.json()["error"]["message"]
+    r = client.post("/v1/completions", headers={"content-type": "application/json"})
+    assert_error(r, 400, None)
+    assert r.json()["error"]["message"].startswith("The request body is empty")
+
+
 def test_completion_echo_logprobs_usage_and_clamped_inf(client: httpx.Client) -> None:
     r = client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 3, "echo": True, "logprobs": 2,
                                              "temperature": 0})
