@@ -69,6 +69,24 @@ def test_chat_bad_input_is_400_naming_the_param(client: httpx.Client, body: dict
     assert_error(client.post("/v1/chat/completions", json=body), 400, param)
 
 
+@pytest.mark.parametrize("path,body,param,shapes", [
+    *[("/v1/completions", {"prompt": p}, "prompt", "a string, a list of strings, a list of token ids (integers) or a "
+       "list of lists of token ids") for p in (["a", 1], 5, [[1], "a"], [[1, "x"]], [1.5], [True], {"text": "a"})],
+    *[("/v1/completions", {"prompt": "x", "stop": s}, "stop", "a string or a list of strings") for s in (5, ["a", 1])],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages",
+     'a string, a list of content parts ({"type": "text", "text": ...}) or null'),
+])
+def test_a_value_of_no_accepted_shape_names_the_shapes(client: httpx.Client, path: str, body: dict, param: str,
+                                                       shapes: str) -> None:
+    """A union's error named one branch of it as if the value had to be that: `"prompt": ["a", 1]` got
+    "prompt.str: Input should be a valid string"."""
+    r = client.post(path, json=body)
+    assert_error(r, 400, param)
+    message = r.json()["error"]["message"]
+    assert message.endswith(f": must be {shapes}") and message.split(":")[0].split(".")[0] == param, message
+    assert ".str" not in message
+
+
 def test_malformed_json_unknown_model_and_routes(client: httpx.Client) -> None:
     r = client.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert_error(r, 400, None)
