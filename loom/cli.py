@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
 from loom.bench.cli import register as register_bench
@@ -46,6 +47,8 @@ def _sampling_params(ns: argparse.Namespace):  # noqa: ANN202
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from loom.engine.llm import LLM
 
+    if not ns.prompt:  # the engine refuses it, but only --raw reached it empty: the chat template wraps it in a turn
+        raise ValueError("prompt must not be empty")
     params = _sampling_params(ns)
     llm = LLM(**dataclasses.asdict(engine_args_from_namespace(ns)))
     prompt: str | list[int] = ns.prompt
@@ -111,17 +114,31 @@ def _log_level(value: str) -> str:
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error prints the error and where the options are listed, not the whole usage (some
-    subcommands take over 50 options: the mistake scrolled out of sight). Subcommands inherit the class."""
+    subcommands take over 50 options: the mistake scrolled out of sight). Subcommands get _Subcommand."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n(run '{self.prog} --help' for its options)\n")
+
+
+class _Subcommand(_Parser):
+    """A subcommand's parser (`loom generate`, `loom bench latency`): it reports the arguments it does not know itself,
+    naming its own --help. argparse hands them back to the top-level parser instead, whose error pointed
+    `loom generate --bogus` at `loom --help`. (argparse parses a subcommand's arguments with its parser's
+    parse_known_args; unknown arguments given before the subcommand stay the top-level parser's to report.)"""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns, extras
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="loom", description="loom: LLM inference engine and OpenAI-compatible server")
     parser.add_argument("--log-level", default="INFO", type=_log_level,
                         help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default: %(default)s)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Subcommand)  # nested ones inherit it
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
     gen.add_argument("prompt", help="the prompt (sent through the chat template unless --raw)")

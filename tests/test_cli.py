@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -66,6 +67,54 @@ def test_a_usage_error_is_the_error_not_the_whole_usage(argv: list[str], name: s
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 2 and name in lines[0] and "--help" in lines[1], err
+
+
+def _subcommands(parser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every runnable subcommand of `parser` as its words (("generate",), ("bench", "latency"), ...)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [path]
+    return [found for name, sub in subs[0].choices.items() for found in _subcommands(sub, (*path, name))]
+
+
+_REQUIRED = {("generate",): ["hi"], ("quantize",): ["--output", "out"]}  # what each needs besides its options
+
+
+@pytest.mark.parametrize("words", _subcommands(build_parser()), ids=" ".join)
+def test_an_unknown_option_points_at_the_help_of_its_subcommand(words: tuple[str, ...], capsys) -> None:
+    """`loom generate --bogus` said to run `loom --help`, whose list has no option of generate's."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*words, *_REQUIRED.get(words, []), "--bogus-option"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    prog = " ".join(("loom", *words))
+    assert lines == [f"{prog}: error: unrecognized arguments: --bogus-option",
+                     f"(run '{prog} --help' for its options)"], lines
+
+
+@pytest.mark.parametrize("argv, prog", [(["--bogus", "generate", "hi"], "loom"),
+                                        (["bench", "--bogus", "latency"], "loom bench")])
+def test_an_unknown_option_before_a_subcommand_stays_its_parents(argv: list[str], prog: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert f"(run '{prog} --help' for its options)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raw", [[], ["--raw"]], ids=["chat-template", "raw"])
+def test_an_empty_prompt_is_refused_before_the_model_loads(raw: list[str], monkeypatch, capsys) -> None:
+    """`loom generate ""` ran an empty chat turn (the template made it a non-empty prompt) while `--raw ""` was
+    refused by the engine after loading the model: both stop at once with the same error."""
+    import loom.cli
+    import loom.engine.llm
+
+    def no_load(**kwargs):  # noqa: ANN003, ANN202
+        raise AssertionError("the model was loaded for an empty prompt")
+
+    monkeypatch.setattr(loom.engine.llm, "LLM", no_load)
+    with pytest.raises(SystemExit) as exit_info:
+        loom.cli.main(["generate", "", *raw])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "loom: error: prompt must not be empty\n"
 
 
 def test_errors_name_the_flags_not_the_fields() -> None:

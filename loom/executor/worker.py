@@ -16,6 +16,7 @@ import torch.distributed as dist
 from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.distributed.pipeline_parallel import PipelineParallel, build_groups
 from loom.distributed.tensor_parallel import TensorParallel
+from loom.env import env_flag
 from loom.executor.step_message import StepDecoder
 from loom.worker.model_runner import ModelRunner
 
@@ -96,6 +97,7 @@ def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig,
     Raises:
         whatever loading or a step raises (the caller exits; rank 0's collectives then fail).
     """
+    profile = env_flag("LOOM_PIPELINE_PROFILE", False)  # benchmarks/parallel_bench.py: a stage's busy time at exit
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     loaded = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)
     agree_on_options((model_config, cache_config, parallel), loaded)
@@ -107,7 +109,7 @@ def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig,
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0, group=control)
         if box[0] is None:
-            if runner.pp is not None and os.environ.get("LOOM_PIPELINE_PROFILE"):  # benchmarks/parallel_bench.py
+            if runner.pp is not None and profile:
                 print(f"pipeline stage {runner.pp.stage} rank {rank}: busy {runner.pipeline_busy_s:.4f} s of "
                       f"{runner.pipeline_step_s:.4f} s in steps", file=sys.stderr, flush=True)
             return

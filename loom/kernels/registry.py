@@ -7,7 +7,7 @@ pick the code), and `generic` is the portable build with no ISA flag (any CPU th
 included). `get_kernel` picks the best ISA this CPU has, builds it on first use (loom/kernels/build.py)
 and caches the binding; the dispatch happens once, where a layer is set up, never per call.
 
-Nothing is required: with `LOOM_CPU_KERNELS=0`, without a compiler, or on a CPU without any of the
+Nothing is required: with `LOOM_CPU_KERNELS=0` (or false, no, off: loom/env.py), without a compiler, or on a CPU without any of the
 kernel's ISAs, `get_kernel` returns None (logging why once) and callers keep their torch path.
 `LOOM_CPU_ISA=avx2` (or `generic`) caps the choice, e.g. to run the AVX2 variants on an AVX-512 machine.
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from loom.env import env_flag
 from loom.kernels import build
 from loom.kernels.cpu import GemvBf16
 from loom.kernels.cpu_generic import FusedOps, GemvW16, PagedDecode, TokenBitmask
@@ -108,7 +109,8 @@ def get_kernel(name: str, isa: str | None = None) -> Any:
     (switched off, no compiler, the CPU lacks the ISA); the reason is logged once.
 
     Raises:
-        ValueError: unknown kernel or ISA name.
+        ValueError: unknown kernel or ISA name, LOOM_CPU_KERNELS is not an on/off value, or LOOM_CPU_ISA names no
+            ISA.
     """
     spec = _spec(name)
     if isa is not None and isa not in spec.isas:
@@ -118,7 +120,7 @@ def get_kernel(name: str, isa: str | None = None) -> Any:
 
 @functools.cache
 def _load(name: str, isa: str | None) -> Any:
-    if os.environ.get("LOOM_CPU_KERNELS", "1") == "0":
+    if not env_flag("LOOM_CPU_KERNELS", True):
         return None
     spec = KERNELS[name]
     runnable = kernel_isas(name)

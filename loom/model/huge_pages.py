@@ -11,7 +11,7 @@ stream").
 least 64 KiB) into anonymous mappings aligned to 2 MB and advised MADV_HUGEPAGE (Linux transparent huge pages;
 `/sys/kernel/mm/transparent_hugepage/enabled` must be `always` or `madvise`), in module order, and rebinds each
 tensor to its copy: values, shapes and dtypes are unchanged, only where they live. Elsewhere (no MADV_HUGEPAGE, a
-GPU model) and with LOOM_HUGE_PAGES=0 it moves nothing. Whether the kernel then backs the mappings with huge pages
+GPU model) and with LOOM_HUGE_PAGES=0 (or false, no, off) it moves nothing. Whether the kernel then backs the mappings with huge pages
 is its own decision (free 2 MB frames); /proc/self/smaps shows it (AnonHugePages).
 """
 
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from loom.env import env_flag
 from loom.quant.layout import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -35,9 +35,13 @@ MIN_BYTES = 64 << 10  # tensors smaller than this stay where they are (norm weig
 
 
 def huge_pages_available() -> bool:
-    """Whether this platform can advise huge pages (Python's mmap has MADV_HUGEPAGE: Linux) and
-    LOOM_HUGE_PAGES is not 0."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("LOOM_HUGE_PAGES", "1") != "0"
+    """Whether this platform can advise huge pages (Python's mmap has MADV_HUGEPAGE: Linux) and the switch
+    LOOM_HUGE_PAGES is on (the default; loom/env.py reads it).
+
+    Raises:
+        ValueError: LOOM_HUGE_PAGES is not an on/off value.
+    """
+    return hasattr(mmap, "MADV_HUGEPAGE") and env_flag("LOOM_HUGE_PAGES", True)
 
 
 class HugePageArena:
@@ -93,7 +97,8 @@ def place_weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) ->
     """Move the model's CPU weights of at least `min_bytes` onto 2 MB-aligned MADV_HUGEPAGE memory (see the module
     docstring): parameters (`.data`), buffers, and the matrices of PackedWeights held as `module.packed` (one, or a
     list); a tensor reached twice (tied weights) is copied once. Call after `process_weights_after_loading`, before
-    anything records data pointers (the C decode step). Returns the bytes moved (0 when not available)."""
+    anything records data pointers (the C decode step). Returns the bytes moved (0 when not available); the model
+    runner logs them with its KV caches' (`log_placement`)."""
     if not huge_pages_available():
         return 0
     arena = HugePageArena()
@@ -122,7 +127,12 @@ def place_weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) ->
             for pw in packed if isinstance(packed, list) else [packed]:
                 if isinstance(pw, PackedWeight):
                     pw.qweight, pw.scales, pw.mins = place(pw.qweight), place(pw.scales), place(pw.mins)
-    if arena.placed:
-        logger.info("weights: %.1f MB on 2 MB-aligned memory advised MADV_HUGEPAGE (transparent huge pages)",
-                    arena.placed / 1e6)
     return arena.placed
+
+
+def log_placement(weight_bytes: int, kv_cache_bytes: int) -> None:
+    """Log in one INFO line what a model runner put on 2 MB-aligned memory advised MADV_HUGEPAGE: `weight_bytes` of
+    weights (what place_weights_on_huge_pages returned) and `kv_cache_bytes` of KV caches; nothing when both are 0."""
+    if weight_bytes or kv_cache_bytes:
+        logger.info("weights %.1f MB and KV caches %.1f MB on 2 MB-aligned memory advised MADV_HUGEPAGE (transparent "
+                    "huge pages)", weight_bytes / 1e6, kv_cache_bytes / 1e6)

@@ -445,9 +445,12 @@ class LlamaModel(nn.Module):
     def prepare_decode_step(self) -> None:
         """Record the packed weights for loom's one-call C decode step (loom/kernels/decode_step.py) when every
         layer is what it runs; else keep the per-layer path. LOOM_DECODE_STEP=0 keeps the per-layer path;
-        LOOM_SPARSE_DECODE_STEP=0 keeps it for block-sparse decode attention only."""
-        import os
+        LOOM_SPARSE_DECODE_STEP=0 keeps it for block-sparse decode attention only (both switches are on by default
+        and take 0/false/no/off, loom/env.py).
 
+        Raises:
+            ValueError: either switch is set to a value that is not on/off."""
+        from loom.env import env_flag
         from loom.kernels.decode_step import ModelDecodeStep, supports_model
         from loom.kernels.registry import get_kernel
         from loom.quant.methods import DENSE_MIN_ROWS
@@ -456,9 +459,9 @@ class LlamaModel(nn.Module):
         if self.pp is not None or self.embed_tokens.tp is not None:  # the C step has no collectives
             return
         if getattr(self.layers[0].self_attn.attn.backend, "sparse", None) is not None \
-                and os.environ.get("LOOM_SPARSE_DECODE_STEP", "1") == "0":
+                and not env_flag("LOOM_SPARSE_DECODE_STEP", True):
             return  # block-sparse decode on the per-layer path (selection in torch); default: inside the C step
-        if os.environ.get("LOOM_DECODE_STEP", "1") == "0" or not supports_model(self):
+        if not env_flag("LOOM_DECODE_STEP", True) or not supports_model(self):
             return
         kernel = get_kernel("decode_step")
         if kernel is not None:
@@ -556,6 +559,7 @@ class LlamaForCausalLM(nn.Module):
         tied = self.model.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype, device, tied, quant_config=quant_config,
                               tp=tp) if pp is None or pp.is_last else None
+        self.huge_page_bytes = 0  # weight bytes load_weights placed on huge pages (loom/model/huge_pages.py)
 
     def forward(
         self,
@@ -654,7 +658,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        place_weights_on_huge_pages(self)  # before the decode step records where the weights are
+        self.huge_page_bytes = place_weights_on_huge_pages(self)  # before the decode step records where they are
         self.model.prepare_decode_step()
 
     def _holds(self, module_name: str) -> bool:

@@ -49,7 +49,7 @@ CHAT_PAGE = Path(__file__).with_name("static") / "chat.html"
 MODEL_IDENTITY_HEADER = "x-loom-model-identity"  # the digest of the model that answered (loom_model_identity)
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                500: "internal_server_error", 503: "service_unavailable"}
+                415: "invalid_request_error", 500: "internal_server_error", 503: "service_unavailable"}
 
 
 def escaped(text: str) -> str:
@@ -66,6 +66,16 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def not_json_message(content_type: str | None) -> str:
+    """Why a body sent without a JSON Content-Type was not read (FastAPI parses a body as JSON only under
+    application/json or application/*+json), and what to send instead."""
+    got = "no Content-Type" if not content_type else f"Content-Type {content_type!r}"
+    hint = (" (curl -d sends that one unless given -H 'Content-Type: application/json')"
+            if content_type and content_type.lower().startswith("application/x-www-form-urlencoded") else "")
+    return (f"The request body must be JSON sent with the header 'Content-Type: application/json'; this request has "
+            f"{got}{hint}.")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -74,6 +84,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         return f"Malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if not loc and first.get("type") == "missing":
+        return "The request body is empty: send a JSON object (Content-Type: application/json).", None
+    if not loc and first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
+        return f"The request body must be a JSON object, not {_json_kind(first.get('input'))}.", None
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     if first.get("type") == "string_unicode" and isinstance(first.get("input"), str):
@@ -92,9 +106,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}: {first.get('msg', 'invalid value')}", param
 
 
+def _json_kind(value: Any) -> str:
+    """What JSON value `value` (as json.loads gives it) is, in words: 'a JSON array', 'a JSON string', ..."""
+    kinds = ((bool, "a JSON boolean"), (int, "a JSON number"), (float, "a JSON number"), (str, "a JSON string"),
+             (list, "a JSON array"), (type(None), "JSON null"))
+    return next((word for kind, word in kinds if isinstance(value, kind)), "a JSON object")
+
+
 def _install_error_handlers(app: FastAPI) -> None:
-    async def on_validation(_: Request, exc: Exception) -> Response:
+    async def on_validation(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
+        if isinstance(exc.body, (bytes, bytearray)):  # not parsed: its Content-Type is not JSON's (or is missing)
+            return error_response(415, not_json_message(request.headers.get("content-type")))
         message, param = _validation_message(exc)
         return error_response(400, message, param)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator,
+                      model_validator)
 
 from loom.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from loom.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputParams
@@ -76,6 +77,26 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 Stop = str | list[str] | None
 TokenIdList = list[int]
 
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids (integers) or a list of lists of token ids"
+
+
+def one_of(shapes: str, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """`value` validated by `handler` (a wrap validator's: its field's type, a union of `shapes`, described in words);
+    a value of none of the shapes raises ValueError("must be <shapes>"), where pydantic's own error for a union
+    names one branch as if the value had to be that one ("prompt.str: Input should be a valid string" for
+    ["a", 1]). A validator's error (a lone surrogate in a string of the right shape) passes through as it is.
+
+    Raises:
+        ValueError: `value` has none of the shapes.
+        ValidationError: `value` has one of them but is invalid otherwise.
+    """
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        if any(e["type"] in ("value_error", "assertion_error") for e in exc.errors()):
+            raise
+        raise ValueError(f"must be {shapes}") from None
+
 
 def _admits_none(annotation: Any) -> bool:
     return annotation is None or type(None) in get_args(annotation)
@@ -101,6 +122,11 @@ class _SamplingFields(_Strict):
         if value is True or value is False or value == "never":
             return value
         raise ValueError(f'early_stopping must be true, false or "never", got {value!r}')
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return one_of("a string or a list of strings", value, handler)
 
     model: str | None = None  # served model name; None = the one model served
     n: int = 1  # samples per prompt
@@ -149,6 +175,11 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return one_of(PROMPT_SHAPES, value, handler)
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # None = until max_model_len
     echo: bool = False  # prepend the prompt to each choice's text (and its logprobs)
@@ -174,6 +205,11 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool result: the call it answers
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return one_of('a string, a list of content parts ({"type": "text", "text": ...}) or null', value, handler)
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:

@@ -19,6 +19,7 @@ from loom.distributed.pipeline_parallel import PipelineParallel, split_microbatc
 from loom.distributed.tensor_parallel import TensorParallel, max_kv_heads_per_rank
 from loom.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from loom.model.huge_pages import huge_pages_available, log_placement
 from loom.model.loader import load_model
 from loom.sample.structured import StructuredOutputManager
 from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
@@ -185,6 +186,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(local_arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device,
                                             layer_slots=slots if hybrid else None,
                                             held=None if pp is None else range(pp.layer_start, pp.layer_stop))
+        # allocate_kv_caches put CPU caches on huge pages when they are available (zeros_on_huge_pages)
+        kv_on_huge_pages = torch.device(device).type == "cpu" and huge_pages_available()
+        log_placement(getattr(self.model, "huge_page_bytes", 0), sum(
+            c.nbytes for c in {id(c): c for c in self.kv_caches}.values()) if kv_on_huge_pages else 0)
         self.num_host_blocks = num_host_blocks_for_budget(
             budget_arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
         )

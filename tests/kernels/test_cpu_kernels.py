@@ -110,11 +110,14 @@ def test_a_missing_compiler_is_reported_once(tmp_path, monkeypatch, caplog) -> N
         clear_kernel_cache()
 
 
-def test_kernels_can_be_switched_off(monkeypatch) -> None:
-    monkeypatch.setenv("LOOM_CPU_KERNELS", "0")
+@pytest.mark.parametrize("value", ["0", "off", "False", "no"])
+def test_kernels_can_be_switched_off(monkeypatch, value: str) -> None:
+    """Any off word (only exactly "0" used to switch them off; "off" left them on, silently)."""
+    monkeypatch.setenv("LOOM_CPU_KERNELS", value)
     clear_kernel_cache()
     try:
         assert get_kernel("gemv_bf16") is None
+        assert get_kernel("fused_ops") is None and get_kernel("fused_ops", isa="generic") is None  # built anywhere
         from loom.model.layers.linear import OneDNNPackedLinearMethod, default_linear_method
         method = default_linear_method(torch.bfloat16, torch.device("cpu"))
         assert not isinstance(method, OneDNNPackedLinearMethod) or method.gemv is None
@@ -153,4 +156,15 @@ def test_no_kernel_when_the_cpu_lacks_bf16(monkeypatch) -> None:
         assert get_kernel("gemv_bf16") is None
     finally:
         monkeypatch.undo()
+        clear_kernel_cache()
+
+
+def test_a_kernel_switch_that_is_no_on_off_value_is_an_error(monkeypatch) -> None:
+    monkeypatch.setenv("LOOM_CPU_KERNELS", "torch")
+    clear_kernel_cache()
+    try:
+        with pytest.raises(ValueError, match="LOOM_CPU_KERNELS='torch'"):
+            get_kernel("fused_ops")
+    finally:
+        monkeypatch.delenv("LOOM_CPU_KERNELS")
         clear_kernel_cache()

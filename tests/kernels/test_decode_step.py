@@ -110,6 +110,40 @@ def test_decode_step_declines_what_it_does_not_serve(packed_model) -> None:
                     big) is None  # more rows than it takes
 
 
+@pytest.mark.parametrize("value", ["off", "false", "NO"])
+def test_decode_step_switches_take_every_off_word(packed_model, monkeypatch, value: str) -> None:
+    """LOOM_DECODE_STEP, and under block-sparse decode attention LOOM_SPARSE_DECODE_STEP, keep the per-layer path for
+    any off word (only exactly "0" used to: "off" left the C step on, silently)."""
+    inner = packed_model.model.model
+    try:
+        monkeypatch.setenv("LOOM_DECODE_STEP", value)
+        inner.prepare_decode_step()
+        assert inner.decode_step is None
+        monkeypatch.delenv("LOOM_DECODE_STEP")
+        # the switch asks only whether the backend decodes block-sparse: a stand-in selector is enough
+        monkeypatch.setattr(inner.layers[0].self_attn.attn.backend, "sparse", object())
+        monkeypatch.setenv("LOOM_SPARSE_DECODE_STEP", value)
+        inner.prepare_decode_step()
+        assert inner.decode_step is None
+    finally:
+        monkeypatch.undo()
+        inner.prepare_decode_step()
+    assert inner.decode_step is not None
+
+
+@pytest.mark.parametrize("name", ["LOOM_DECODE_STEP", "LOOM_SPARSE_DECODE_STEP"])
+def test_a_decode_step_switch_that_is_no_on_off_value_is_an_error(packed_model, monkeypatch, name: str) -> None:
+    inner = packed_model.model.model
+    try:
+        monkeypatch.setattr(inner.layers[0].self_attn.attn.backend, "sparse", object())
+        monkeypatch.setenv(name, "per-layer")
+        with pytest.raises(ValueError, match=f"{name}='per-layer'"):
+            inner.prepare_decode_step()
+    finally:
+        monkeypatch.undo()
+        inner.prepare_decode_step()
+
+
 def test_the_oracle_path_never_takes_the_decode_step() -> None:
     loaded = load_model(None, torch.float32, CPU, quantization="none")
     assert loaded.model.model.decode_step is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 
 import pytest
@@ -94,11 +95,14 @@ def test_place_moves_nothing_when_turned_off(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @linux_only
-def test_real_model_runs_from_advised_memory_with_the_same_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bundled model, packed (the default): every packed matrix and KV cache on advised memory, and the greedy
-    tokens those weights give equal the ones from ordinary memory (a feature on vs off changes no output)."""
+def test_real_model_runs_from_advised_memory_with_the_same_greedy_tokens(monkeypatch: pytest.MonkeyPatch,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """The bundled model, packed (the default): every packed matrix and KV cache on advised memory, one log line
+    saying so for both (it used to name only the weights), and the greedy tokens those weights give equal the ones
+    from ordinary memory (a feature on vs off changes no output)."""
     from loom import LLM, SamplingParams
 
+    caplog.set_level(logging.INFO, logger="loom.model.huge_pages")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     llm = LLM(num_threads=2, kv_cache_memory_gb=0.05)
@@ -108,6 +112,11 @@ def test_real_model_runs_from_advised_memory_with_the_same_greedy_tokens(monkeyp
     packed = [p for h in held for p in (h if isinstance(h, list) else [h]) if isinstance(p, PackedWeight)]
     assert packed and all("hg" in vm_flags(p.qweight.data_ptr()) for p in packed)
     assert all("hg" in vm_flags(c.data_ptr()) for c in runner.kv_caches)
+    lines = [r.getMessage() for r in caplog.records if r.name == "loom.model.huge_pages"]
+    kv_mb = sum(c.nbytes for c in runner.kv_caches) / 1e6
+    assert len(lines) == 1 and lines[0].startswith(f"weights {model.huge_page_bytes / 1e6:.1f} MB and KV caches "
+                                                   f"{kv_mb:.1f} MB on 2 MB-aligned memory"), lines
+    caplog.clear()
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     del llm, runner, model, packed
     monkeypatch.setenv("LOOM_HUGE_PAGES", "0")
@@ -115,4 +124,26 @@ def test_real_model_runs_from_advised_memory_with_the_same_greedy_tokens(monkeyp
     # (not the VmFlags of its KV cache: torch.zeros lands in glibc's heap, which in 2 of 3 runs after
     # tests/attention carried 'hg' too, set by nothing in loom; what loom decides is whether it advises)
     assert not huge_pages_available() and off_llm.engine.runner.kv_caches[0].any().item() is False
+    assert not [r for r in caplog.records if r.name == "loom.model.huge_pages"]  # nothing placed, nothing said
     assert on == [o.outputs[0].token_ids for o in off_llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("value", ["off", "false", "No"])
+def test_every_off_word_turns_huge_pages_off(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """Only exactly "0" used to: "off" left the weights and KV caches on huge pages, silently."""
+    monkeypatch.setenv("LOOM_HUGE_PAGES", value)
+    assert not huge_pages_available()
+    model = Tiny()
+    ptr = model.embed.data_ptr()
+    assert place_weights_on_huge_pages(model) == 0 and model.embed.data_ptr() == ptr
+
+
+@linux_only
+def test_an_empty_switch_is_the_default_and_a_bad_one_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "")
+    assert huge_pages_available()
+    monkeypatch.setenv("LOOM_HUGE_PAGES", "disable")
+    with pytest.raises(ValueError, match="LOOM_HUGE_PAGES='disable'"):
+        huge_pages_available()
+    with pytest.raises(ValueError, match="LOOM_HUGE_PAGES"):
+        zeros_on_huge_pages((4, 4), torch.float32)

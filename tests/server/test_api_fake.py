@@ -69,6 +69,24 @@ def test_chat_bad_input_is_400_naming_the_param(client: httpx.Client, body: dict
     assert_error(client.post("/v1/chat/completions", json=body), 400, param)
 
 
+@pytest.mark.parametrize("path,body,param,shapes", [
+    *[("/v1/completions", {"prompt": p}, "prompt", "a string, a list of strings, a list of token ids (integers) or a "
+       "list of lists of token ids") for p in (["a", 1], 5, [[1], "a"], [[1, "x"]], [1.5], [True], {"text": "a"})],
+    *[("/v1/completions", {"prompt": "x", "stop": s}, "stop", "a string or a list of strings") for s in (5, ["a", 1])],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages",
+     'a string, a list of content parts ({"type": "text", "text": ...}) or null'),
+])
+def test_a_value_of_no_accepted_shape_names_the_shapes(client: httpx.Client, path: str, body: dict, param: str,
+                                                       shapes: str) -> None:
+    """A union's error named one branch of it as if the value had to be that: `"prompt": ["a", 1]` got
+    "prompt.str: Input should be a valid string"."""
+    r = client.post(path, json=body)
+    assert_error(r, 400, param)
+    message = r.json()["error"]["message"]
+    assert message.endswith(f": must be {shapes}") and message.split(":")[0].split(".")[0] == param, message
+    assert ".str" not in message
+
+
 def test_malformed_json_unknown_model_and_routes(client: httpx.Client) -> None:
     r = client.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert_error(r, 400, None)
@@ -86,6 +104,35 @@ def test_malformed_json_unknown_model_and_routes(client: httpx.Client) -> None:
     assert client.get("/v1/nothing").status_code == 404
     assert client.get("/health").status_code == 200
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_body_without_a_json_content_type_is_415_saying_so(client: httpx.Client, path: str,
+                                                             content_type: str | None) -> None:
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: FastAPI then does not parse the body, and the answer
+    was "body: Input should be a valid dictionary or object to extract fields from"."""
+    body = json.dumps({"messages": CHAT, "max_tokens": 2} if "chat" in path else
+                      {"prompt": "x"} if path == "/tokenize" else {"prompt": "x", "max_tokens": 2}).encode()
+    r = client.post(path, content=body, headers={} if content_type is None else {"content-type": content_type})
+    assert_error(r, 415, None)
+    message = r.json()["error"]["message"]
+    assert "must be JSON" in message and "Content-Type: application/json" in message, message
+    assert (content_type or "no Content-Type") in message
+    assert ("curl -d" in message) == (content_type == "application/x-www-form-urlencoded")
+    r = client.post(path, content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text  # the same bytes as JSON
+
+
+def test_a_body_that_is_no_json_object_or_empty_says_so(client: httpx.Client) -> None:
+    for body, words in ((["x"], "must be a JSON object, not a JSON array"), ("x", "not a JSON string"),
+                        (3, "not a JSON number")):
+        r = client.post("/v1/completions", json=body)
+        assert_error(r, 400, None)
+        assert words in r.json()["error"]["message"]
+    r = client.post("/v1/completions", headers={"content-type": "application/json"})
+    assert_error(r, 400, None)
+    assert r.json()["error"]["message"].startswith("The request body is empty")
 
 
 def test_completion_echo_logprobs_usage_and_clamped_inf(client: httpx.Client) -> None:

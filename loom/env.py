@@ -1,0 +1,29 @@
+"""On/off switches read from the environment (LOOM_HUGE_PAGES, LOOM_CPU_KERNELS, LOOM_DECODE_STEP, ...), all parsed
+by `env_flag`, so every switch takes the same values and a value it does not know is an error, not silently "on"."""
+
+from __future__ import annotations
+
+import os
+
+TRUE_VALUES = ("1", "true", "yes", "on")
+FALSE_VALUES = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The on/off switch in environment variable `name`: 1, true, yes or on give True; 0, false, no or off give
+    False (any case, surrounding whitespace ignored); unset, empty or only whitespace gives `default`.
+
+    Raises:
+        ValueError: any other value, naming the variable, its value and the accepted values.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value in TRUE_VALUES:
+        return True
+    if value in FALSE_VALUES:
+        return False
+    raise ValueError(f"{name}={raw!r} is not an on/off value: use one of {', '.join(TRUE_VALUES)} (on) or "
+                     f"{', '.join(FALSE_VALUES)} (off), any case, or leave it unset or empty for the default "
+                     f"({'on' if default else 'off'})")

@@ -1,0 +1,42 @@
+"""The on/off switches of the environment (loom/env.py): one parser, the usual words, and an error for the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.env import env_flag
+
+NAME = "LOOM_TEST_SWITCH"
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True", "YES", "on", " On "])
+def test_on_values(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(NAME, value)
+    assert env_flag(NAME, False) is True
+
+
+@pytest.mark.parametrize("value", ["0", "false", "FALSE", "no", "off", "Off\n"])
+def test_off_values(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """"off" and "false" used to leave a switch on: only exactly "0" turned one off."""
+    monkeypatch.setenv(NAME, value)
+    assert env_flag(NAME, True) is False
+
+
+@pytest.mark.parametrize("default", [True, False])
+def test_unset_or_empty_is_the_default(monkeypatch: pytest.MonkeyPatch, default: bool) -> None:
+    monkeypatch.delenv(NAME, raising=False)
+    assert env_flag(NAME, default) is default
+    for empty in ("", "  "):
+        monkeypatch.setenv(NAME, empty)
+        assert env_flag(NAME, default) is default
+
+
+@pytest.mark.parametrize("value", ["2", "enabled", "nope", "0x0", "o"])
+def test_anything_else_is_an_error_naming_the_variable_and_the_values(monkeypatch: pytest.MonkeyPatch,
+                                                                     value: str) -> None:
+    monkeypatch.setenv(NAME, value)
+    with pytest.raises(ValueError) as info:
+        env_flag(NAME, True)
+    message = str(info.value)
+    assert f"{NAME}={value!r}" in message
+    assert all(word in message for word in ("1", "true", "yes", "on", "0", "false", "no", "off")), message
