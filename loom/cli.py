@@ -96,8 +96,14 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
+        try:  # a turn the engine refuses (not valid Unicode, too long) loses that line, not the conversation
+            prompt = llm.engine.apply_chat_template(messages)
+        except ValueError as exc:
+            messages.pop()
+            print(f"loom chat: {exc}; the conversation goes on without that line", file=sys.stderr)
+            continue
         reply = ""
-        for out in llm.stream(llm.engine.apply_chat_template(messages), params):
+        for out in llm.stream(prompt, params):
             sys.stdout.write(out.outputs[0].delta_text)
             sys.stdout.flush()
             reply = out.outputs[0].text

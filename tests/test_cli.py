@@ -32,16 +32,33 @@ def test_generate_says_when_max_tokens_cut_the_reply() -> None:
 
 
 def test_chat_is_multi_turn() -> None:
-    # one process (one model load): the conversation, then /reset and the same question alone
-    result = _loom("chat", "--max-tokens", "24",
-                   stdin="My name is Ada.\nWhat is my name?\n/reset\nWhat is my name?\n/exit\n")
-    assert result.returncode == 0, result.stderr
-    replies = [r.strip() for r in result.stdout.split("> ") if r.strip()]
+    # one process (one model load): the conversation, a line that is not UTF-8 (refused, the conversation kept),
+    # then /reset and the same question alone
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "chat", "--max-tokens", "24"], capture_output=True,
+                          timeout=600, input=b"My name is Ada.\n\xff\xfe\nWhat is my name?\n/reset\nWhat is my name?\n/exit\n")
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, stderr
+    assert "loom chat: messages is not valid Unicode: a lone surrogate U+DCFF" in stderr, stderr
+    assert "Traceback" not in stderr
+    replies = [r.strip() for r in stdout.split("> ") if r.strip()]
     assert len(replies) == 3
     alone = replies[2]
     # Greedy decoding: the second reply differs from the same question asked alone only if the
     # first turn was part of its prompt.
     assert replies[1] != alone
+
+
+@pytest.mark.parametrize("raw", [[], ["--raw"]], ids=["chat-template", "raw"])
+def test_a_prompt_that_is_not_utf8_is_a_clear_error(raw: list[str]) -> None:
+    # bytes that are not UTF-8 reach Python's argv as lone surrogates, which the tokenizer cannot encode: a
+    # TypeError traceback from inside it before the engine checked the text
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "generate", "--max-tokens", "3", *raw, b"caf\xe9"],
+                          capture_output=True, timeout=600)
+    stderr = proc.stderr.decode()
+    assert proc.returncode == 2, stderr
+    name = "prompt" if raw else "messages"
+    assert f"loom: error: {name} is not valid Unicode: a lone surrogate U+DCE9 at character 3" in stderr, stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("args, name", [(["--top-p", "2"], "--top-p"), (["--temperature", "-1"], "temperature"),

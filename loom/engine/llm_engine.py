@@ -299,11 +299,20 @@ class LLMEngine:
         return self.max_model_len * max(longest, 1)
 
     def check_prompt_chars(self, text: str, name: str = "prompt") -> None:
-        """Refuse, before tokenizing it, a text too long to fit max_model_len (see max_prompt_chars).
+        """Refuse, before tokenizing it, a text that is not valid Unicode (a lone UTF-16 surrogate: what Python
+        makes of bytes that are not UTF-8 in argv or stdin, or of a \\ud800 escape; no tokenizer can encode one)
+        or too long to fit max_model_len (see max_prompt_chars).
 
         Raises:
             ValueError: naming `name`.
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            code = ord(text[exc.start])
+            raise ValueError(f"{name} is not valid Unicode: a lone surrogate U+{code:04X} at character {exc.start}"
+                             + (" (a byte that is not UTF-8: is the terminal's encoding UTF-8?)"
+                                if 0xDC80 <= code <= 0xDCFF else "")) from None
         if len(text) > self.max_prompt_chars:
             raise ValueError(f"{name} of {len(text)} characters cannot fit max_model_len={self.max_model_len} "
                              f"tokens (no token of this tokenizer is longer than "

@@ -246,6 +246,21 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(llm: LLM, mo
     assert engine.max_prompt_chars >= engine.max_model_len  # the bound never refuses a prompt that fits
 
 
+def test_a_prompt_that_is_not_valid_unicode_is_refused_naming_it(llm: LLM) -> None:
+    """A lone surrogate (a \\ud800 escape, or a byte that is not UTF-8 in argv) cannot be encoded by any tokenizer:
+    the engine refuses it by name before tokenizing (it raised the tokenizer's TypeError from inside), and the
+    request is not added."""
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"^prompt is not valid Unicode: a lone surrogate U\+D800 at character 2$"):
+        engine.add_request("bad", "ab\ud800", SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"^messages is not valid Unicode: a lone surrogate U\+DCFF at character 0 "):
+        engine.apply_chat_template([{"role": "user", "content": "\udcff"}])
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate(["\ud800"], SamplingParams(max_tokens=1))
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+
+
 def test_chat_template_options_on_the_real_template(llm: LLM) -> None:
     """continue_final_message leaves the assistant turn open (no end token, no new header); without the
     generation prompt the text ends after the last message; reserved template arguments are refused."""
