@@ -7,9 +7,11 @@ num_computed_tokens towards num_tokens; a step gives each request some tokens:
      blocks are freed and it goes back to the front of the waiting queue; in recompute mode its K/V
      are computed again on resumption, in swap mode they are parked in the host tier and copied back
      (recompute when the host tier is full).
-  2. WAITING requests in FIFO order are admitted while budget and seats (max_num_seqs) remain and no
-     preemption happened this step: prefix-cache lookup and allocation go together; a prompt longer
-     than the budget left gets the chunk that fits (chunked prefill).
+  2. WAITING requests are admitted while budget and seats (max_num_seqs) remain and no preemption
+     happened this step, in FIFO order among the user requests holding the fewest seats (the n copies of
+     one request are one user request): prefix-cache lookup and allocation go together; a prompt longer
+     than the budget left gets the chunk that fits (chunked prefill). A user request that holds no seat
+     and finds none free takes one from a request whose copies hold more than their share (_share_seats).
 num_computed_tokens is advanced when a request is scheduled, not when the runner returns: the runner
 computes exactly the scheduled tokens, and the next schedule() can then be built from the request
 alone. Plain Python, no torch.
@@ -18,7 +20,7 @@ alone. Plain Python, no torch.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from loom.config import CacheConfig, SchedulerConfig
@@ -147,6 +149,7 @@ class Scheduler:
         self._prompt_logprobs_sent: dict[str, int] = {}  # request_id -> prompt logprobs passed on so far
         self._prompt_logprobs_seen: dict[str, int] = {}  # request_id -> prompt logprobs received since admission
         self.num_preemptions_total = 0  # cumulative
+        self.num_fair_share_preemptions = 0  # of them, copies preempted to give a waiting request a seat
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.spec_stats = SpecDecodeStats(self.num_speculative_tokens)
@@ -269,6 +272,7 @@ class Scheduler:
         budget = self.scheduler_config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._share_seats(preempted)
         i = 0
         proposed = self._propose_all(budget)
         while i < len(self.running) and budget > 0:
@@ -370,17 +374,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
-        """Admit waiting requests in FIFO order (held ones are passed over). When the head cannot get its
-        blocks while held requests sit in running (beams waiting for a sibling, maybe this very head), held
-        ones are preempted, last first, until it fits: otherwise a beam group whose held beams fill the pool
-        would wait for ever for its last beam."""
+        """Admit waiting requests: each time the first in the queue among those whose user request holds the
+        fewest running seats (FIFO when every request is its own user request; held beams are passed over and
+        keep their place). When it cannot get its blocks while held requests sit in running (beams waiting for
+        a sibling, maybe this very request), held ones are preempted, last first, until it fits: otherwise a
+        beam group whose held beams fill the pool would wait for ever for its last beam."""
         manager = self.kv_cache_manager
-        held: list[Request] = []  # beams waiting for their group: passed over, their place in the queue kept
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
-            if request.hold:
-                held.append(self.waiting.popleft())
-                continue
+        seats = self._seats_by_user()
+        while budget > 0:
+            pick = self._next_to_admit(seats)
+            if pick is None:
+                break
+            request = self.waiting[pick]
             if self.num_seats_used + request.num_seats > self.scheduler_config.max_num_seqs:
                 break
             prefix, num_loaded = self._with_remote_kv(request, manager.find_computed_prefix(request))
@@ -389,9 +394,12 @@ class Scheduler:
             allocated = manager.allocate_slots(request, num_loaded + num_new, prefix.blocks, num_hit,
                                                prefix.restore_slots)
             while allocated is None and (victim := self._pop_held()) is not None:
-                self._preempt(victim)  # idle while its group waits; held beams filling the pool would stall it
-                held.append(self.waiting.popleft())  # the victim, queued in front of the head: keep the head first
+                # idle while its group waits; held beams filling the pool would stall it. The victim, still
+                # held, goes to the front of the queue, where admission passes it over.
+                self._preempt(victim)
+                pick += 1
                 preempted.append(victim.request_id)
+                seats[self._user_of(victim)] -= victim.num_seats
                 # the victim's blocks may have been hits
                 prefix, num_loaded = self._with_remote_kv(request, manager.find_computed_prefix(request))
                 num_hit = prefix.num_tokens
@@ -399,8 +407,8 @@ class Scheduler:
                 allocated = manager.allocate_slots(request, num_loaded + num_new, prefix.blocks, num_hit,
                                                    prefix.restore_slots)
             if allocated is None:
-                break  # FIFO: nothing overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nothing overtakes the request whose turn it is
+            del self.waiting[pick]
             if request.status == RequestStatus.WAITING:  # first admission, not a resumed preemption
                 request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
             request.num_computed_tokens = num_hit
@@ -409,10 +417,77 @@ class Scheduler:
             request.remote_kv = None  # loaded or not needed: a later preemption recomputes
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            seats[self._user_of(request)] += request.num_seats
             scheduled.append(self._schedule_one(request, num_new, is_new=True))
             budget -= num_new
-        self.waiting.extendleft(reversed(held))
         return budget
+
+    @staticmethod
+    def _user_of(request: Request) -> str:
+        """The user request a request belongs to: itself, or the request it is one of n copies of."""
+        return request.group_id or request.request_id
+
+    def _seats_by_user(self) -> Counter[str]:
+        """Running seats held per user request."""
+        seats: Counter[str] = Counter()
+        for r in self.running:
+            seats[self._user_of(r)] += r.num_seats
+        return seats
+
+    def _next_to_admit(self, seats: Counter[str]) -> int | None:
+        """Index in the waiting queue of the first request (held ones passed over) whose user request holds the
+        fewest running seats; None when every waiting request is held."""
+        pick, fewest = None, 0
+        for idx, r in enumerate(self.waiting):
+            if r.hold:
+                continue
+            held = seats[self._user_of(r)]
+            if pick is None or held < fewest:
+                pick, fewest = idx, held
+                if held == 0:
+                    break
+        return pick
+
+    def _share_seats(self, preempted: list[str]) -> None:
+        """Seats shared between user requests. A waiting user request that holds no running seat and finds
+        none free takes one from the user request whose copies (n > 1) hold the most seats, when they hold more
+        than an even share (max_num_seqs // user requests running or waiting, at least 1): that request's
+        most recently admitted copy is preempted (recomputed or swapped as any preemption; its prompt blocks
+        stay in the prefix cache while its siblings run) and admission's order (_next_to_admit) gives the seat
+        to the waiting one in the next step. At most one copy per waiting user request, and only copies are
+        taken: a single request keeps its seat, so without n > 1 this is FCFS as before. Without it, one
+        request with n = 128 and a long max_tokens held every seat until its copies ended, and every request
+        after it waited that long (vLLM and SGLang admit first come, first served)."""
+        cap = self.scheduler_config.max_num_seqs
+        seats = self._seats_by_user()
+        starved: list[Request] = []
+        seen: set[str] = set()
+        for r in self.waiting:
+            user = self._user_of(r)
+            if r.hold or r.beam_group is not None or user in seen or seats[user] > 0:
+                continue
+            seen.add(user)
+            starved.append(r)
+        if not starved:
+            return
+        share = max(1, cap // (len(seats) + len(starved)))
+        free = cap - self.num_seats_used
+        for request in starved:
+            if request.num_seats <= free:
+                free -= request.num_seats  # a seat is free for it: admission gives it
+                continue
+            copies = [r for r in self.running if r.group_id is not None and r.beam_group is None and not r.hold]
+            users = Counter(r.group_id for r in copies)
+            if not users:
+                return
+            user, held = users.most_common(1)[0]
+            if held <= share:
+                return
+            victim = next(r for r in reversed(self.running) if r in copies and r.group_id == user)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            self.num_fair_share_preemptions += 1
 
     def _with_remote_kv(self, request: Request, prefix: ComputedPrefix) -> tuple[ComputedPrefix, int]:
         """A disaggregated decode request's prefix: (what the cache serves, tokens to load from its pulled blocks).

@@ -223,3 +223,101 @@ def test_num_cached_tokens_and_prefix_stats(
     core_outs = sched.update_from_output(out, runner.execute(out))
     assert core_outs[0].num_cached_tokens == 12
     assert sched.prefix_cache_hits == 12 and sched.prefix_cache_queries == 26
+
+
+def _copies(make_request: MakeRequest, user: str, n: int, prompt: list[int], max_tokens: int) -> list[Request]:
+    """The n copies of one user request, as LLMEngine.add_request makes them."""
+    copies = [make_request(f"{i}_{user}", prompt, max_tokens) for i in range(n)]
+    for r in copies:
+        r.group_id = user
+    return copies
+
+
+def test_a_request_with_many_copies_does_not_hold_every_seat_from_a_later_one(
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory,
+    run_until_done: RunUntilDone, reference_output
+) -> None:
+    """n = 8 copies of a long generation on 4 seats, then a short request: before, the short one waited until
+    copies ended (their 60 tokens, ~120 steps with 8 copies); now one copy gives up its seat and the short request
+    runs at once. Every output is still the reference (the preempted copy recomputes), nothing leaks."""
+    sched = make_scheduler(max_num_seqs=4, num_blocks=128)
+    runner = fake_runner(4)
+    for r in _copies(make_request, "big", 8, [5, 6, 7], 60):
+        sched.add_request(r)
+    done_at: dict[str, int] = {}
+
+    def before_step(step: int) -> None:
+        if step == 3:
+            sched.add_request(make_request("late", [9, 8], 3))
+        if step > 3:
+            assert sched.num_running <= 4
+        for rid in ("late",):
+            if step > 3 and rid not in done_at and sched.get_request(rid) is None:
+                done_at[rid] = step
+
+    result = run_until_done(sched, runner, before_step=before_step)
+    assert result.tokens["late"] == reference_output([9, 8], 3)
+    assert done_at["late"] <= 3 + 6  # one step to free a seat, one to admit, three tokens
+    assert sched.num_fair_share_preemptions == 1
+    assert all(result.tokens[f"{i}_big"] == reference_output([5, 6, 7], 60) for i in range(8))
+    assert sched.num_free_blocks == 128
+
+
+def test_copies_use_every_seat_while_nobody_else_waits(
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory
+) -> None:
+    sched = make_scheduler(max_num_seqs=4)
+    runner = fake_runner(4)
+    for r in _copies(make_request, "big", 6, [1, 2], 20):
+        sched.add_request(r)
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+        assert sched.num_running == 4 and not out.preempted_req_ids
+    assert sched.num_fair_share_preemptions == 0
+
+
+def test_single_requests_keep_first_come_first_served(
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory
+) -> None:
+    """A seat is taken only from copies: four single long requests keep their seats, a fifth waits its turn."""
+    sched = make_scheduler(max_num_seqs=4)
+    runner = fake_runner(4)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", [i, 1], 30))
+    out = sched.schedule()
+    sched.update_from_output(out, runner.execute(out))
+    sched.add_request(make_request("r4", [4, 1], 3))
+    for _ in range(5):
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+        assert not out.preempted_req_ids and sched.get_request("r4").status == RequestStatus.WAITING
+    assert sched.num_fair_share_preemptions == 0
+
+
+def test_a_second_request_with_copies_gets_a_seat_and_then_its_turn_first(
+    make_request: MakeRequest, make_scheduler: MakeScheduler, fake_runner: FakeRunnerFactory,
+    run_until_done: RunUntilDone, reference_output
+) -> None:
+    """Two users with 6 copies each on 4 seats: the second gets one seat at once (one copy of the first is
+    preempted), and each seat that frees goes to the user holding fewer, so both run side by side."""
+    sched = make_scheduler(max_num_seqs=4, num_blocks=128)
+    runner = fake_runner(4)
+    for r in _copies(make_request, "a", 6, [1, 2, 3], 12):
+        sched.add_request(r)
+    seen_both: list[bool] = []
+
+    def before_step(step: int) -> None:
+        if step == 2:
+            for r in _copies(make_request, "b", 6, [4, 5], 12):
+                sched.add_request(r)
+        if step >= 4:
+            users = {r.group_id for r in sched.running}
+            seen_both.append(users == {"a", "b"})
+
+    result = run_until_done(sched, runner, before_step=before_step)
+    assert seen_both[0]  # b runs two steps after it arrived, long before a's copies are done
+    assert sched.num_fair_share_preemptions == 1
+    assert all(result.tokens[f"{i}_a"] == reference_output([1, 2, 3], 12) for i in range(6))
+    assert all(result.tokens[f"{i}_b"] == reference_output([4, 5], 12) for i in range(6))
+    assert sched.num_free_blocks == 128
