@@ -63,6 +63,48 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     return y.reshape(x.shape)
 
 
+_GRID_BITS = 15  # rotate_input: |codes| <= 2^15, so a block's sums of up to 512 codes stay below 2^24
+
+
+def rotate_input(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., K] float -> the rotation of `rotate`, computed so that each row's result is the same bits whatever
+    the other rows (float32 result, then x's dtype).
+
+    A BLAS matmul may sum a row's products in another order when the number of rows changes (seen with blocks of
+    32 on an AVX2 CPU), and a token's int8 codes, hence its greedy output, would then depend on its batch. Here
+    each block of x is first put on a grid of 2^15 steps of its max|x| (q = round(x / s), s = max|x| / 2^15:
+    an error of at most max|x| / 2^16 per channel, 256 times below the per-token int8 step that follows), so the
+    rotation multiplies integers |q| <= 2^15 by the unnormalized +-1 Hadamard matrix: every partial sum is an
+    integer below 2^24, exact in float32 in any order; the result is then scaled by s / sqrt(block).
+
+    Raises:
+        ValueError: K is not a multiple of `block`, or block not a power of two.
+    """
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"input size {k} is not a multiple of the rotation block {block}")
+    if block > 1 << (24 - _GRID_BITS):
+        raise ValueError(f"rotation block {block} > {1 << (24 - _GRID_BITS)}: its sums would not be exact")
+    blocks = x.float().reshape(-1, k // block, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    step = torch.where(amax > 0, amax, 1.0) / (1 << _GRID_BITS)
+    q = torch.round(blocks / step)
+    inner = min(block, _FACTOR)
+    outer = block // inner
+    h_in = _unnormalized(inner).to(x.device)
+    y = q.reshape(-1, k // block, outer, inner) @ h_in
+    if outer > 1:
+        y = _unnormalized(outer).to(x.device) @ y
+    y = y.reshape(-1, k // block, block) * (step / block**0.5)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+@functools.cache
+def _unnormalized(n: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix with +-1 entries, float32 [n, n]."""
+    return torch.sign(hadamard_matrix(n))
+
+
 def rotate_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
     """weight [N, K] -> W H^T in float32, so that rotate(x) @ (W H^T)^T == x @ W^T (H is symmetric, so the
     rows rotate exactly as inputs do)."""

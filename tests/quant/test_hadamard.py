@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.quant.hadamard import hadamard_matrix, rotate, rotate_weight, rotation_block
+from loom.quant.hadamard import hadamard_matrix, rotate, rotate_input, rotate_weight, rotation_block
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 512])
@@ -50,6 +50,23 @@ def test_rotation_spreads_an_outlier_channel() -> None:
     x[0, 3] = 100.0
     y = rotate(x, 512)
     assert float(y.abs().max()) < 5.0 and torch.allclose(y.norm(), x.norm(), rtol=1e-5)
+
+
+@pytest.mark.parametrize(("k", "block"), [(96, 32), (128, 128), (576, 64), (1536, 512)])
+def test_rotate_input_gives_each_row_the_same_bits_in_any_batch(k: int, block: int) -> None:
+    """A row's rotated input, hence its int8 codes and its token, cannot depend on the rows beside it: with
+    blocks of 32 a BLAS matmul summed in another order at 64 rows than at one on an AVX2 CPU (Zen 3)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, k) * torch.logspace(-3, 2, k)  # channels of very different sizes, as activations have
+    x[5] = 0.0  # an all-zero row
+    whole = rotate_input(x, block)
+    assert torch.equal(whole, torch.cat([rotate_input(x[i : i + 1], block) for i in range(64)]))
+    assert torch.equal(whole[:7], rotate_input(x[:7], block))
+    assert torch.equal(whole[5], torch.zeros(k))
+    # the grid of 2^15 steps per block: within max|x| * 2^-16 * sqrt(block) of the float64 rotation per block
+    exact = x.double().reshape(64, k // block, block) @ hadamard_matrix(block).double()
+    bound = x.abs().reshape(64, k // block, block).amax(-1, keepdim=True).double() * 2.0**-16 * block**0.5
+    assert ((whole.double().reshape(64, k // block, block) - exact).abs() <= bound * 1.01 + 1e-30).all()
 
 
 def test_rotate_refuses_a_size_the_block_does_not_divide() -> None:

@@ -74,7 +74,7 @@ def test_w8a8_above_the_kernel_rows_is_one_exact_int8_gemm(tiny_models) -> None:
     the per-channel weight codes, times s_w then s_x, bit for bit a float64-checked integer product; per row it equals
     the per-block kernel's result to float32 rounding (the activations stay int8 per token, or a request's tokens
     would depend on its batch: found by a fresh-user trial)."""
-    from loom.quant.hadamard import rotate
+    from loom.quant.hadamard import rotate_input
     from loom.quant.methods import int8_gemm_is_exact
 
     loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
@@ -89,7 +89,7 @@ def test_w8a8_above_the_kernel_rows_is_one_exact_int8_gemm(tiny_models) -> None:
         assert torch.equal(gemm, one_row)
     assert torch.allclose(gemm, one_row, rtol=1e-5, atol=1e-5), (gemm - one_row).abs().max()
     if layer.int_gemm:
-        xa = layer.quant_method.kernels.quantize_activations(rotate(x, layer.rotation_block), per_token=True)
+        xa = layer.quant_method.kernels.quantize_activations(rotate_input(x, layer.rotation_block), per_token=True)
         exact = xa.xq.double() @ w.qweight.double().t()  # integer sums, exact in float64
         want = exact.float() * w.scales.float().t() * xa.xs[:, :1]
         assert torch.equal(gemm, want)
