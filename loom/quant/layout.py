@@ -63,6 +63,12 @@ class PackedWeight:
         total = self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
         return total + (self.mins.numel() * 2 if self.mins is not None else 0)
 
+    def to(self, device: torch.device | str) -> PackedWeight:
+        """The same matrix with every tensor on `device` (a file's blocks are read on the CPU; a CUDA model's
+        packed weights must live on its GPU)."""
+        return PackedWeight(self.layout, self.qweight.to(device), self.scales.to(device),
+                            None if self.mins is None else self.mins.to(device), self.group_size)
+
     def rows(self, index: torch.Tensor | slice) -> PackedWeight:
         """The packed rows `index` (a permutation, a slice), same layout: rows are independent."""
         return PackedWeight(self.layout, self.qweight[index].contiguous(), self.scales[index].contiguous(),

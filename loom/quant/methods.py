@@ -153,7 +153,7 @@ class PackedLinearMethod:
         layer.packed_shards[index] = tensor
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        device = layer.bias.device if layer.bias is not None else None
+        device = layer.device  # a file's packed blocks (and a GPTQ permutation) arrive on the CPU
         if self.scheme.prepacked:
             shards = layer.packed_shards
             if any(s is None for s in shards):
@@ -161,7 +161,7 @@ class PackedLinearMethod:
             if not all(isinstance(s, PackedWeight) for s in shards):
                 # a shard the file keeps in float: the whole stacked layer runs dense
                 dense = [dequantize(s) if isinstance(s, PackedWeight) else s.float() for s in shards]
-                layer.dense_weight = torch.cat(dense).to(layer.dtype)
+                layer.dense_weight = torch.cat(dense).to(device=device, dtype=layer.dtype)
                 layer.packed_shards = []
                 return
             packed = list(shards)
@@ -173,8 +173,9 @@ class PackedLinearMethod:
                 weight = rotate_weight(weight, layer.rotation_block)
             packed = [quantize_for_scheme(self.scheme.name, weight)]
             layer.weight = None  # the dense staging copy is dropped (a tied embedding keeps its own)
-        device = device or packed[0].qweight.device
-        layer.packed = _merge_if_uniform(packed)
+        layer.packed = [p.to(device) for p in _merge_if_uniform(packed)]
+        if layer.input_perm is not None:
+            layer.input_perm = layer.input_perm.to(device)
         layer.int_gemm = self.scheme.activations in ("q8_token", "q8_static") and all(
             p.layout == "q8g" and p.group_size == p.shape[1] and p.mins is None for p in layer.packed) and all(
             p.qweight.device.type == "cpu" for p in layer.packed) and int8_gemm_is_exact()

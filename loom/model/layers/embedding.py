@@ -26,6 +26,7 @@ class VocabEmbedding(nn.Module):
         the ids there; an all-reduce adds the ranks' rows (exactly one is nonzero per token)."""
         super().__init__()
         self.dtype = dtype
+        self.device = device
         self.shape = (vocab_size, hidden_size)  # of the checkpoint's table
         self.tp = tp
         self.vocab_start, self.vocab_end = shard_range(vocab_size, tp)
@@ -50,9 +51,9 @@ class VocabEmbedding(nn.Module):
             rows = slice(self.vocab_start, self.vocab_end)
             tensor = tensor.rows(rows) if isinstance(tensor, PackedWeight) else tensor[rows]
         if self.weight is None:
-            self.packed = tensor if isinstance(tensor, PackedWeight) else None
+            self.packed = tensor.to(self.device) if isinstance(tensor, PackedWeight) else None
             if self.packed is None:  # the file stores it in float after all
-                self.weight = nn.Parameter(tensor.to(self.dtype), requires_grad=False)
+                self.weight = nn.Parameter(tensor.to(device=self.device, dtype=self.dtype), requires_grad=False)
         else:
             if isinstance(tensor, PackedWeight):
                 tensor = dequantize(tensor)
