@@ -211,3 +211,15 @@ def test_quantized_checkpoints_of_moe_and_fused_families_are_refused_by_name(tin
         (dst / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match="not supported yet"):
             load_model(str(dst), torch.float32, CPU)
+
+
+def test_longrope_tables_move_with_the_model() -> None:
+    """Both LongRoPE tables are buffers, so `model.to(device)` moves the long one too: on a GPU it stayed on the
+    CPU and Phi-3's long-context lookup failed (benchmarks/gpu_check.py's CUDA test run on an H200)."""
+    from loom.model.layers.rotary import RotaryEmbedding
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+               "original_max_position_embeddings": 64}
+    rotary = RotaryEmbedding(16, 256, 10000.0, scaling).to(torch.float64)  # .to(dtype) moves buffers as .to(device)
+    assert rotary.cos_sin_cache.dtype == torch.float64 and rotary.cos_sin_cache_long.dtype == torch.float64
+    assert RotaryEmbedding(16, 256, 10000.0, None).cos_sin_cache_long is None

@@ -100,7 +100,8 @@ class RotaryEmbedding(nn.Module):
         # LongRoPE: a second table with the long factors, used for a request's tokens once its positions reach
         # original_max_position_embeddings (long_from); both tables scaled by the attention factor
         self.long_from: int | None = None
-        self.cos_sin_cache_long: torch.Tensor | None = None
+        # a buffer (None unless LongRoPE), so that moving the model to its device moves this table too
+        self.register_buffer("cos_sin_cache_long", None, persistent=False)
         kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
         if kind == "longrope":
             assert rope_scaling is not None
