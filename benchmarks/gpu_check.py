@@ -1,12 +1,16 @@
-"""Device check for a machine with a GPU (issue 5): parity and speed of loom on CUDA, in one short run.
+"""Device check for a machine with a GPU (issues 5, 9 and 14): parity and speed of loom on CUDA, in one short run.
 
 The bundled GGUF (98 MB) is larger than what travels to the device machine, so this script builds its own
 models: tiny random Llama and Qwen2 checkpoints with a generated word-level tokenizer for the parity check
-(greedy tokens equal transformers' in float32 on the same device, TF32 off), and a random-weight model of
-SmolLM2-135M's shape for latency and throughput in bfloat16, loom vs transformers `generate`.
+(greedy tokens equal transformers' in float32 on the same device, TF32 off; the engine's executor recorded),
+and a random-weight model of SmolLM2-135M's shape for latency and throughput in bfloat16, loom vs transformers
+`generate`. The packed checks (issue 9 item 5) read a real GGUF given by --gguf: the bundled model cut to its
+first blocks by benchmarks/gguf_truncate.py travels (about 50 MB for 8 blocks).
 
-Run it anywhere: it uses CUDA when present, else the CPU (smaller shapes, to check the script itself):
-    python benchmarks/gpu_check.py --out results.json
+Each section's result, or its traceback, is written to --out as soon as it ends, so a run cut short still
+reports what it reached. Run it anywhere: it uses CUDA when present, else the CPU (smaller shapes):
+    python benchmarks/gguf_truncate.py /tmp/smollm2-8.gguf --layers 8
+    python benchmarks/gpu_check.py --gguf /tmp/smollm2-8.gguf --out results.json
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -76,6 +81,9 @@ def check_parity(root: Path, device: torch.device) -> dict[str, bool]:
         params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         results[arch] = got == expected
+        results[f"{arch}_tokens_equal"] = sum(g == e for g, e in zip(got, expected))
+        results["executor"] = type(llm.engine.executor).__name__
+        results["runner_device"] = str(llm.engine.runner.device)
         del hf, llm
     return results
 
@@ -136,46 +144,134 @@ def bench(root: Path, device: torch.device, full: bool) -> dict[str, float]:
             "loom_batch_s": loom_batch_s, "hf_batch_s": hf_batch_s, "batch_speedup": hf_batch_s / loom_batch_s}
 
 
-def check_packed(device: torch.device) -> dict[str, float]:
-    """Issue 9 item 5: the bundled GGUF run packed (quantization gguf, torch kernels on a GPU) against its dequantized
-    float32 path on the same device: top-1 agreement and max |logit difference| over one 256-token window."""
+def _prose_tokens(model: str | None, count: int) -> list[int]:
+    """`count` tokens of English prose (this file's docstrings, repeated) in the model's own tokenizer."""
+    from loom.model.loader import load_model
+
+    text = " ".join((__doc__ or "").split()) + " " + " ".join((check_packed.__doc__ or "").split())
+    tokenizer = load_model(model, torch.float32, torch.device("cpu"), quantization="none").tokenizer
+    ids = tokenizer.encode(text)
+    return (ids * (count // max(len(ids), 1) + 1))[:count]
+
+
+def check_packed(device: torch.device, model: str | None) -> dict[str, float]:
+    """Issue 9 item 5: a real GGUF run packed (quantization gguf, and w8a16 / w4a16 / w8a8 / fp8 quantized at load;
+    torch kernels on a GPU) against its dequantized float32 path on the same device: top-1 agreement, mean KL
+    divergence (nats) and max |logit difference| over one 256-token window of prose, and the window's time."""
     from loom.bench.quality import force_kernel_path, window_logits
     from loom.model.loader import load_model
 
-    tokens = [(i * 7919) % 49152 for i in range(256)]
-    ref = load_model(None, torch.float32, device, quantization="none")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens = _prose_tokens(model, 256)
+    ref = load_model(model, torch.float32, device, quantization="none")
     ref_logits = window_logits(ref.model, ref.arch, tokens)
     del ref
+    ref_logp = torch.log_softmax(ref_logits.float(), -1)
     out: dict[str, float] = {}
-    for method in ("gguf", "w8a16", "w4a16", "w8a8"):
-        loaded = load_model(None, torch.float32, device, quantization=method)
-        force_kernel_path(loaded.model)
-        logits = window_logits(loaded.model, loaded.arch, tokens)
-        out[f"{method}_top1"] = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
-        out[f"{method}_max_abs_logit_diff"] = float((logits - ref_logits).abs().max())
-        del loaded
+    for method in ("gguf", "w8a16", "w4a16", "w8a8", "fp8"):
+        try:
+            loaded = load_model(model, torch.float32, device, quantization=method)
+            force_kernel_path(loaded.model)
+            window_logits(loaded.model, loaded.arch, tokens[:32])  # warm-up
+            sync(); t0 = time.perf_counter()
+            logits = window_logits(loaded.model, loaded.arch, tokens)
+            sync(); out[f"{method}_window_ms"] = (time.perf_counter() - t0) * 1e3
+            logp = torch.log_softmax(logits.float(), -1)
+            out[f"{method}_top1"] = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+            out[f"{method}_mean_kl"] = float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
+            out[f"{method}_max_abs_logit_diff"] = float((logits - ref_logits).abs().max())
+            out[f"{method}_param_device"] = str(next(loaded.model.parameters()).device)
+            del loaded
+        except Exception:  # noqa: BLE001 - one method's failure is a result; the others still run
+            out[f"{method}_error"] = traceback.format_exc()[-2000:]
     return out
+
+
+def engine_packed(model: str | None) -> dict[str, object]:
+    """The engine on this device with the GGUF packed (quantization gguf) and dequantized (none), float32: greedy
+    tokens of 4 prose prompts x 32 (how many equal), single-stream TPOT and a batch of 16, each path."""
+    from loom import LLM, SamplingParams
+
+    tokens = _prose_tokens(model, 512)
+    prompts = [tokens[i * 40:i * 40 + 24 + 8 * i] for i in range(4)]
+    batch = [tokens[i * 16:i * 16 + 64] for i in range(16)]
+    out: dict[str, object] = {}
+    got = {}
+    for method in ("gguf", "none"):
+        llm = LLM(model=model, dtype="float32", quantization=method)
+        greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        got[method] = [o.outputs[0].token_ids for o in outs]
+        out[f"{method}_finish_reasons"] = sorted({str(o.outputs[0].finish_reason) for o in outs})
+        if any(len(t) != 32 for t in got[method]):
+            raise RuntimeError(f"quantization {method}: greedy outputs of lengths {[len(t) for t in got[method]]}, "
+                               f"finish reasons {out[f'{method}_finish_reasons']}")
+        long = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        runs = []
+        for k in range(3):
+            t0 = time.perf_counter(); llm.generate([[k + 7] + prompts[0]], one, use_tqdm=False)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter(); llm.generate([[k + 11] + prompts[0]], long, use_tqdm=False)
+            runs.append((time.perf_counter() - t0 - ttft) / 64)
+        out[f"{method}_tpot_ms"] = statistics.median(runs) * 1e3
+        t0 = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        out[f"{method}_batch16_tok_s"] = 16 * 64 / (time.perf_counter() - t0)
+        out[f"{method}_executor"] = type(llm.engine.executor).__name__
+        out[f"{method}_device"] = str(llm.engine.runner.device)
+        llm.engine.shutdown()
+        del llm
+    out["greedy_prompts_equal"] = sum(a == b for a, b in zip(got["gguf"], got["none"]))
+    out["greedy_first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                      for a, b in zip(got["gguf"], got["none"])]
+    return out
+
+
+def _run_section(results: dict, name: str, fn, out: Path | None) -> None:  # noqa: ANN001 - any callable
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception:  # noqa: BLE001 - a failed section is reported; the rest still run
+        results[name] = {"error": traceback.format_exc()[-3000:]}
+    results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+    print(json.dumps({name: results[name]}, indent=2), flush=True)
+    if out:
+        out.write_text(json.dumps(results, indent=2))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--small", action="store_true", help="small shapes even on a GPU (a quick self-check)")
+    parser.add_argument("--gguf", default=None, help="the GGUF for the packed checks (default: the bundled model)")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out "
+                        "(parity_fp32, bench_bf16, packed_vs_dequantized, engine_packed)")
     ns = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means real fp32 matmuls
     torch.backends.cudnn.allow_tf32 = False
-    results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    import transformers
+
+    results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                                  "torch": torch.__version__, "transformers": transformers.__version__}
+    skip = set(filter(None, ns.skip.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        results["parity_fp32"] = check_parity(Path(tmp), device)
-        results["bench_bf16"] = bench(Path(tmp), device, full=device.type == "cuda" and not ns.small)
-        results["packed_vs_dequantized"] = check_packed(device)
+        sections = {
+            "parity_fp32": lambda: check_parity(Path(tmp), device),
+            "packed_vs_dequantized": lambda: check_packed(device, ns.gguf),
+            "engine_packed": lambda: engine_packed(ns.gguf),
+            "bench_bf16": lambda: bench(Path(tmp), device, full=device.type == "cuda" and not ns.small),
+        }
+        for name, fn in sections.items():
+            if name not in skip:
+                _run_section(results, name, fn, ns.out)
         results["seconds"] = time.perf_counter() - t0
-    print(json.dumps(results, indent=2))
     if ns.out:
         ns.out.write_text(json.dumps(results, indent=2))
-    return 0 if all(results["parity_fp32"].values()) else 1
+    parity = results.get("parity_fp32", {})
+    return 0 if isinstance(parity, dict) and parity.get("llama") and parity.get("qwen2") else 1
 
 
 if __name__ == "__main__":
