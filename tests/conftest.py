@@ -7,6 +7,20 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's Config
+    """Under pytest-xdist (`-n N`) each worker and what it starts (servers, tensor-parallel ranks) gets one
+    intra-op thread that sleeps when idle: N workers with a thread per core each would oversubscribe the cores,
+    and OpenMP threads spin-wait for each other (loom/engine/llm_engine.py, _warn_if_cores_are_busy)."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 _PARSE_ONCE_BYTES = 50 << 20  # the real models (bundled SmolLM2, Gemma-3, Qwen); tiny test GGUFs parse each time
 
 
