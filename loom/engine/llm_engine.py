@@ -51,6 +51,7 @@ class EngineStats:
     prefix_cache_queries: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # cumulative prompt tokens served from it
     num_preemptions: int  # cumulative
+    num_fair_share_preemptions: int = 0  # cumulative; of them, copies preempted to seat another user's request
     num_blocks_offloaded: int = 0  # cumulative device -> host tier block copies
     num_blocks_restored: int = 0  # cumulative host tier -> device block copies
     num_blocks_recomputed: int = 0  # cumulative computed blocks dropped by (non-swap) preemption
@@ -562,6 +563,7 @@ class LLMEngine:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions_total,
+            num_fair_share_preemptions=s.num_fair_share_preemptions,
             num_blocks_offloaded=s.offload_counters.num_blocks_offloaded,
             num_blocks_restored=s.offload_counters.num_blocks_restored,
             num_blocks_recomputed=s.offload_counters.num_blocks_recomputed,

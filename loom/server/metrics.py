@@ -55,6 +55,9 @@ class ServerMetrics:
                                    registry=r).labels(model_name)
         self.preemptions = Counter("loom:num_preemptions", "Requests preempted (KV blocks reclaimed).", labels,
                                    registry=r).labels(model_name)
+        self.fair_share_preemptions = Counter(
+            "loom:num_fair_share_preemptions", "Preemptions of one request's n copies to give another user request "
+            "a seat (a subset of loom:num_preemptions).", labels, registry=r).labels(model_name)
         self.kv_offloaded = Counter("loom:kv_blocks_offloaded", "KV blocks copied from the device to the host tier.",
                                     labels, registry=r).labels(model_name)
         self.kv_restored = Counter("loom:kv_blocks_restored", "KV blocks copied from the host tier to the device.",
@@ -102,6 +105,7 @@ class ServerMetrics:
         self._last_queries = 0  # cumulative engine counters at the previous step
         self._last_hits = 0
         self._last_preemptions = 0
+        self._last_fair_share = 0
         self._last_offloaded = 0
         self._last_restored = 0
         self._last_recomputed = 0
@@ -124,6 +128,8 @@ class ServerMetrics:
         self._last_hits = _advance(self.prefix_hits, stats.prefix_cache_hits, self._last_hits)
         self._last_preemptions = _advance(self.preemptions, getattr(stats, "num_preemptions", 0),
                                           self._last_preemptions)
+        self._last_fair_share = _advance(self.fair_share_preemptions,
+                                         getattr(stats, "num_fair_share_preemptions", 0), self._last_fair_share)
         # Host offload tier (EngineStats.num_blocks_*; zero on engines without the tier).
         self._last_offloaded = _advance(self.kv_offloaded, getattr(stats, "num_blocks_offloaded", 0),
                                         self._last_offloaded)
