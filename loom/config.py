@@ -219,6 +219,8 @@ class EngineArgs:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         parallel = self.parallel_config()
         self.cache_config()  # validates the KV retention and sparse attention options
+        # the scheduler's limits, before any model loads (max_model_len itself is resolved against the model later)
+        self.scheduler_config(1 if self.max_model_len is None else self.max_model_len)
         if self.kv_retention != "full":
             for conflict, on in (("preemption_mode='swap'", self.preemption_mode == "swap"),
                                  ("kv_transfer_role", self.kv_transfer_role is not None),

@@ -134,6 +134,17 @@ def test_an_empty_prompt_is_refused_before_the_model_loads(raw: list[str], monke
     assert capsys.readouterr().err == "loom: error: prompt must not be empty\n"
 
 
+@pytest.mark.parametrize("field, value", [("max_num_seqs", 0), ("max_num_batched_tokens", -1),
+                                          ("max_model_len", 0), ("max_waiting_requests", 0)])
+def test_scheduler_limits_are_refused_when_the_arguments_are_made(field: str, value: int) -> None:
+    """--max-num-seqs 0 was refused only once the model had loaded (10 s here): EngineArgs checks the scheduler's
+    limits itself, so the CLI, LLM(...) and the server refuse them before any model is read."""
+    from loom.config import EngineArgs
+
+    with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+        EngineArgs(model="/nonexistent/model.gguf", **{field: value})
+
+
 def test_errors_name_the_flags_not_the_fields() -> None:
     from loom.cli import _flags_of, _name_flags
 
