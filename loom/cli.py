@@ -66,6 +66,9 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         why = " (the --max-tokens limit)" if done.finish_reason == "length" else ""
         logging.getLogger("loom.cli").info("%d tokens, finish_reason %s%s", len(done.token_ids), done.finish_reason,
                                            why)
+        if done.finish_reason == "error":  # the engine logged why; a script must not read this as an answer
+            print("loom: error: the request failed inside the engine (its error is logged above)", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -103,10 +106,16 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
             print(f"loom chat: {exc}; the conversation goes on without that line", file=sys.stderr)
             continue
         reply = ""
-        for out in llm.stream(prompt, params):
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-            reply = out.outputs[0].text
+        try:
+            for out in llm.stream(prompt, params):
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+                reply = out.outputs[0].text
+        except ValueError as exc:  # refused before any token (the conversation outgrew --max-model-len, say)
+            messages.pop()
+            print(f"loom chat: {exc}; the conversation goes on without that line (/reset starts it afresh)",
+                  file=sys.stderr)
+            continue
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": reply})
 

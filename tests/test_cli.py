@@ -24,6 +24,43 @@ def test_generate_answers_paris() -> None:
     assert re.search(r"\d+ tokens, finish_reason stop", result.stderr), result.stderr  # on stderr: stdout is the text
 
 
+def test_generate_exits_1_when_the_request_fails_inside_the_engine(monkeypatch, capsys) -> None:
+    """A request that ended with finish_reason error printed nothing and exited 0 (a fresh-user trial, with a
+    dtype the packed kernels refused mid-step): a script read it as an empty answer."""
+    import types
+
+    import loom.cli
+    import loom.engine.llm
+
+    class FailingLLM:
+        def __init__(self, **kwargs) -> None:  # noqa: ANN003
+            self.tokenizer = types.SimpleNamespace(chat_template=None)
+
+        def stream(self, prompt, params):  # noqa: ANN001, ANN202
+            done = types.SimpleNamespace(delta_text="", token_ids=[], finish_reason="error")
+            yield types.SimpleNamespace(outputs=[done])
+
+    monkeypatch.setattr(loom.engine.llm, "LLM", FailingLLM)
+    assert loom.cli.main(["generate", "hi", "--raw"]) == 1
+    assert "loom: error: the request failed inside the engine" in capsys.readouterr().err
+
+
+def test_float16_with_packed_weights_on_the_cpu_is_refused_before_loading() -> None:
+    """The packed kernels take float32 or bfloat16: --dtype float16 loaded, then failed every request."""
+    import torch
+
+    from loom.worker.model_runner import resolve_dtype
+
+    from loom.model.loader import default_model_path
+
+    cpu, gguf = torch.device("cpu"), str(default_model_path())
+    for quantization in (None, "gguf", "w8a16", "w4a16", "w8a8", "fp8"):
+        with pytest.raises(ValueError, match="dtype float16 with quantization"):
+            resolve_dtype("float16", cpu, quantization, gguf)
+    assert resolve_dtype("float16", cpu, "none", gguf) == torch.float16
+    assert resolve_dtype("float16", torch.device("cuda"), "gguf", gguf) == torch.float16
+
+
 def test_generate_says_when_max_tokens_cut_the_reply() -> None:
     result = _loom("generate", "Write a long poem about the sea.", "--max-tokens", "3")
     assert result.returncode == 0, result.stderr
@@ -32,13 +69,17 @@ def test_generate_says_when_max_tokens_cut_the_reply() -> None:
 
 
 def test_chat_is_multi_turn() -> None:
-    # one process (one model load): the conversation, a line that is not UTF-8 (refused, the conversation kept),
-    # then /reset and the same question alone
+    # one process (one model load): the conversation, a line that is not UTF-8 and one longer than the context
+    # (each refused, the conversation kept: the long one ended the session before), then /reset and the same
+    # question alone
+    too_long = b"ha " * 9000 + b"\n"
     proc = subprocess.run([sys.executable, "-m", "loom.cli", "chat", "--max-tokens", "24"], capture_output=True,
-                          timeout=600, input=b"My name is Ada.\n\xff\xfe\nWhat is my name?\n/reset\nWhat is my name?\n/exit\n")
+                          timeout=600, input=b"My name is Ada.\n\xff\xfe\n" + too_long
+                          + b"What is my name?\n/reset\nWhat is my name?\n/exit\n")
     stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, stderr
     assert "loom chat: messages is not valid Unicode: a lone surrogate U+DCFF" in stderr, stderr
+    assert re.search(r"loom chat: prompt of \d+ tokens .*; the conversation goes on without that line", stderr), stderr
     assert "Traceback" not in stderr
     replies = [r.strip() for r in stdout.split("> ") if r.strip()]
     assert len(replies) == 3

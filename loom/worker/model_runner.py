@@ -61,6 +61,11 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     (benchmarks/BENCHMARKS.md, 2026-12-02): the bundled Q4_1 model agreed with the dequantized float32 model's
     top-1 token on 97.8% of held-out positions in bfloat16 and 99.98% in float32, at the same decode speed.
     """
+    if name == "float16" and (packed_on_cpu(device, quantization, model)
+                              or (device.type == "cpu" and quantization == "fp8")):
+        method = quantization or "gguf"
+        raise ValueError(f"dtype float16 with quantization {method} on the CPU: its kernels take float32 or "
+                         "bfloat16 activations; use dtype auto, float32 or bfloat16 (or quantization none)")
     if name != "auto":
         return _DTYPES[name]
     if packed_on_cpu(device, quantization, model):
