@@ -140,6 +140,9 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+MAX_MEMORY_GB = float(1 << 30)  # an exbibyte: above any machine, below an overflow of the byte count
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Everything a user can set, flat, as the CLI and `LLM(...)` take it."""
@@ -209,6 +212,8 @@ class EngineArgs:
         for name in ("kv_cache_memory_gb", "kv_offload_memory_gb"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number of GiB, got {getattr(self, name)}")
+            if getattr(self, name) > MAX_MEMORY_GB:  # its bytes would overflow; the machine's size is checked later
+                raise ValueError(f"{name} must be at most {MAX_MEMORY_GB} GiB, got {getattr(self, name)}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.kv_offload_memory_gb < 0:

@@ -61,6 +61,31 @@ def test_float16_with_packed_weights_on_the_cpu_is_refused_before_loading() -> N
     assert resolve_dtype("float16", torch.device("cuda"), "gguf", gguf) == torch.float16
 
 
+def test_memory_sizes_beyond_the_machine_are_refused_by_name() -> None:
+    """--kv-cache-memory-gb 1e6 (or --num-kv-blocks 1e9, --kv-offload-memory 1e6) crashed with the allocator's
+    OSError or RuntimeError traceback, and 1e300 with an OverflowError (fresh-user trial)."""
+    from loom.config import EngineArgs
+    from loom.worker.model_runner import check_fits_in_memory
+
+    with pytest.raises(ValueError, match="kv_cache_memory_gb must be at most"):
+        EngineArgs(kv_cache_memory_gb=1e300)
+    with pytest.raises(ValueError, match="kv_offload_memory_gb must be at most"):
+        EngineArgs(kv_offload_memory_gb=1e300)
+    cpu, tib = "cpu", 1 << 40
+    with pytest.raises(ValueError, match="kv_cache_memory_gb / num_kv_blocks: a KV cache of 1048576.00 GiB"):
+        check_fits_in_memory(cpu, 1 << 50, 0)
+    with pytest.raises(ValueError, match="kv_offload_memory_gb: a host tier of 1024.00 GiB"):
+        check_fits_in_memory(cpu, 1 << 20, tib)
+    check_fits_in_memory(cpu, 1 << 20, 1 << 20)  # what fits passes
+
+
+def test_a_kv_cache_larger_than_the_machine_stops_the_cli_before_allocating() -> None:
+    result = _loom("generate", "hi", "--max-tokens", "2", "--num-kv-blocks", "1000000000")
+    assert result.returncode == 2, result.stderr
+    assert "loom: error: --kv-cache-memory-gb / --num-kv-blocks: a KV cache of" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_generate_says_when_max_tokens_cut_the_reply() -> None:
     result = _loom("generate", "Write a long poem about the sea.", "--max-tokens", "3")
     assert result.returncode == 0, result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,36 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     if packed_on_cpu(device, quantization, model):
         return torch.float32
     return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+
+
+def check_fits_in_memory(device: torch.device, kv_bytes: int, host_bytes: int) -> None:
+    """Refuse KV caches larger than the memory that would hold them, before allocating: the device's KV cache
+    (kv_bytes; on the CPU, together with the host tier) against the machine's physical memory or the GPU's.
+    An allocation past it fails with the allocator's own error, or (Linux overcommit) succeeds and the process
+    is killed when the pages are touched.
+
+    Raises:
+        ValueError: naming kv_cache_memory_gb / num_kv_blocks or kv_offload_memory_gb, with both sizes in GiB.
+    """
+    gib = 1 << 30
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocator decides
+        physical = None
+    if torch.device(device).type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+        if kv_bytes > total:
+            raise ValueError(f"kv_cache_memory_gb / num_kv_blocks: a KV cache of {kv_bytes / gib:.2f} GiB is larger "
+                             f"than the GPU's {total / gib:.2f} GiB")
+        kv_bytes = 0  # the host tier alone is in the machine's memory
+    if physical is None:
+        return
+    if kv_bytes > physical:
+        raise ValueError(f"kv_cache_memory_gb / num_kv_blocks: a KV cache of {kv_bytes / gib:.2f} GiB is larger than "
+                         f"this machine's {physical / gib:.2f} GiB of memory")
+    if kv_bytes + host_bytes > physical:
+        raise ValueError(f"kv_offload_memory_gb: a host tier of {host_bytes / gib:.2f} GiB beside a KV cache of "
+                         f"{kv_bytes / gib:.2f} GiB is larger than this machine's {physical / gib:.2f} GiB of memory")
 
 
 def packed_on_cpu(device: torch.device, quantization: str | None, model: str | None) -> bool:
@@ -188,17 +219,28 @@ class ModelRunner:
                 f"kv_cache_memory_gb is too small for one block of {cache_config.block_size} tokens "
                 f"({self.kv_bytes_per_token * cache_config.block_size} bytes)"
             )
-        self.kv_caches = allocate_kv_caches(local_arch, self.num_blocks, self.block_size, self.kv_cache_dtype, device,
-                                            layer_slots=slots if hybrid else None,
-                                            held=None if pp is None else range(pp.layer_start, pp.layer_stop))
+        self.num_host_blocks = num_host_blocks_for_budget(
+            budget_arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
+        )
+        kv_bytes = self.num_blocks * cache_config.block_size * self.kv_bytes_per_token
+        host_bytes = self.num_host_blocks * cache_config.block_size * self.kv_bytes_per_token
+        check_fits_in_memory(device, kv_bytes, host_bytes)
+        try:
+            self.kv_caches = allocate_kv_caches(local_arch, self.num_blocks, self.block_size, self.kv_cache_dtype,
+                                                device, layer_slots=slots if hybrid else None,
+                                                held=None if pp is None else range(pp.layer_start, pp.layer_stop))
+        except (OSError, RuntimeError) as exc:  # the allocator's own words (ENOMEM, CUDA out of memory)
+            raise ValueError(f"the KV cache of {self.num_blocks} blocks ({kv_bytes / (1 << 30):.2f} GiB) could not "
+                             f"be allocated: lower kv_cache_memory_gb or num_kv_blocks ({exc})") from exc
         # allocate_kv_caches put CPU caches on huge pages when they are available (zeros_on_huge_pages)
         kv_on_huge_pages = torch.device(device).type == "cpu" and huge_pages_available()
         log_placement(getattr(self.model, "huge_page_bytes", 0), sum(
             c.nbytes for c in {id(c): c for c in self.kv_caches}.values()) if kv_on_huge_pages else 0)
-        self.num_host_blocks = num_host_blocks_for_budget(
-            budget_arch, self.kv_cache_dtype, self.block_size, cache_config.kv_offload_memory_bytes
-        )
-        self.host_kv_cache = HostKVCache(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
+        try:
+            self.host_kv_cache = HostKVCache(self.kv_caches, self.num_host_blocks) if self.num_host_blocks else None
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"the host KV tier of {self.num_host_blocks} blocks ({host_bytes / (1 << 30):.2f} GiB) "
+                             f"could not be allocated: lower kv_offload_memory_gb ({exc})") from exc
         self.default_generator = torch.Generator().manual_seed(model_config.seed)  # unseeded rows' uniforms
         # pipeline stage: seconds computing (its layers, and the logits on the last stage) and seconds in steps, so
         # 1 - busy / step is this stage's bubble fraction (benchmarks/parallel_bench.py)
