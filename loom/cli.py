@@ -37,11 +37,16 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _sampling_params(ns: argparse.Namespace):  # noqa: ANN202
     from loom.sampling_params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
-        frequency_penalty=ns.frequency_penalty, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
+            repetition_penalty=ns.repetition_penalty, presence_penalty=ns.presence_penalty,
+            frequency_penalty=ns.frequency_penalty, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
+        )
+    except ValueError as exc:  # the request's seed is --sampling-seed here (--seed is the engine's)
+        if str(exc).startswith("seed "):
+            raise ValueError(f"--sampling-seed {str(exc).removeprefix('seed ')}") from exc
+        raise
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@
 | presence_penalty | subtracted once from the logit of every token already generated (OpenAI) | [-2, 2] | 0.0 |
 | frequency_penalty | subtracted per occurrence from the logit of tokens already generated (OpenAI) | [-2, 2] | 0.0 |
 | logit_bias | token id -> value added to its logit | values in [-100, 100] | None |
-| seed | seed of this request's own generator: same seed, same samples, whatever the batch | any int or None | None |
+| seed | seed of this request's own generator: same seed, same samples, whatever the batch | an int64 or None | None |
 | max_tokens | most tokens generated | >= 0 or None (until max_model_len) | 16 |
 | min_tokens | no stop (EOS, stop_token_ids, stop strings) can end the request before this many tokens | >= 0, <= max_tokens | 0 |
 | stop | strings that end generation when they appear in the text | list of non-empty str | [] |
@@ -163,6 +163,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
         if self.seed is not None:
             _int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**63:  # OpenAI's seed is an int64; wider ones wrapped onto it silently
+                raise ValueError(f"seed must be a 64-bit signed integer, in [-2^63, 2^63 - 1], got {self.seed}")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens)
             if self.max_tokens < 0:

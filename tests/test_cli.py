@@ -233,3 +233,23 @@ def test_every_option_has_help() -> None:
         for action in sub._actions:
             if action.dest != "help" and not isinstance(action, type(subparsers)):
                 assert action.help, f"loom {name} {action.option_strings or action.dest} has no help"
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64 + 7, 2**127 + 7])
+def test_a_seed_beyond_64_bits_is_refused_not_wrapped(seed: int) -> None:
+    """--sampling-seed 18446744073709551623 (2^64 + 7) gave exactly the samples of seed 7 while the server refused
+    it with a 400 (fresh-user trial): SamplingParams takes OpenAI's int64 range, as the server does."""
+    from loom.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="seed must be a 64-bit signed integer"):
+        SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_the_cli_names_sampling_seed_for_the_requests_seed(capsys) -> None:
+    import loom.cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        loom.cli.main(["generate", "hi", "--sampling-seed", str(2**64 + 7)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("loom: error: --sampling-seed must be a 64-bit signed integer")
