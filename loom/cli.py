@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        from loom.env import check_switches
+
+        check_switches()
         if hasattr(ns, "tensor_parallel_size") and _torchrun_rank() > 0:  # a worker rank: rank 0 runs the command
             from loom.executor.worker import serve_torchrun_rank
 

@@ -27,3 +27,18 @@ def env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={raw!r} is not an on/off value: use one of {', '.join(TRUE_VALUES)} (on) or "
                      f"{', '.join(FALSE_VALUES)} (off), any case, or leave it unset or empty for the default "
                      f"({'on' if default else 'off'})")
+
+
+SWITCHES = {"LOOM_CPU_KERNELS": True, "LOOM_DECODE_STEP": True, "LOOM_SPARSE_DECODE_STEP": True,
+            "LOOM_HUGE_PAGES": True, "LOOM_PIPELINE_PROFILE": False}  # every on/off switch loom reads, with its default
+
+
+def check_switches() -> None:
+    """Parse every switch in SWITCHES now (the CLI calls this at start), so a bad value is an error even when
+    the code that reads it would not run: LOOM_SPARSE_DECODE_STEP=maybe passed unless block-sparse decode was on.
+
+    Raises:
+        ValueError: a switch whose value is not an on/off value (env_flag's message).
+    """
+    for name, default in SWITCHES.items():
+        env_flag(name, default)

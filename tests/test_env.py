@@ -40,3 +40,29 @@ def test_anything_else_is_an_error_naming_the_variable_and_the_values(monkeypatc
     message = str(info.value)
     assert f"{NAME}={value!r}" in message
     assert all(word in message for word in ("1", "true", "yes", "on", "0", "false", "no", "off")), message
+
+
+def test_the_cli_checks_every_switch_at_start_even_one_it_would_not_read(monkeypatch, capsys) -> None:
+    """LOOM_SPARSE_DECODE_STEP=maybe was accepted unless block-sparse decode ran (fresh-user trial); SWITCHES
+    lists every switch, so the check cannot miss one that the code reads."""
+    import re
+    from pathlib import Path
+
+    import loom.cli
+    from loom.env import SWITCHES
+
+    read = set(re.findall(r'env_flag\("(LOOM_[A-Z_]+)"', "".join(
+        p.read_text() for p in Path(loom.cli.__file__).parent.rglob("*.py"))))
+    assert read == set(SWITCHES)
+    monkeypatch.setenv("LOOM_SPARSE_DECODE_STEP", "maybe")
+    with pytest.raises(SystemExit) as exit_info:
+        loom.cli.main(["generate", "hi"])
+    assert exit_info.value.code == 2
+    assert "LOOM_SPARSE_DECODE_STEP='maybe' is not an on/off value" in capsys.readouterr().err
+
+
+def test_the_isa_cap_takes_any_case(monkeypatch) -> None:
+    from loom.kernels.registry import kernel_isas
+
+    monkeypatch.setenv("LOOM_CPU_ISA", " GENERIC ")
+    assert set(kernel_isas("qgemm")) <= {"generic"}

@@ -94,7 +94,7 @@ def kernel_isas(name: str) -> list[str]:
         ValueError: unknown kernel name, or LOOM_CPU_ISA names no ISA.
     """
     spec = _spec(name)
-    cap = os.environ.get("LOOM_CPU_ISA")
+    cap = os.environ.get("LOOM_CPU_ISA", "").strip().lower()  # any case, as the on/off switches
     allowed = ISA_ORDER
     if cap:
         if cap not in ISA_ORDER:
