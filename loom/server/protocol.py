@@ -345,6 +345,8 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
     """Translate the validated body into SamplingParams. Raises RequestError naming the parameter."""
     if not 1 <= req.n <= MAX_N:
         raise RequestError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    if req.stream_options is not None and not req.stream:  # OpenAI and vLLM refuse it too
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     if max_tokens is not None and max_tokens < 0:
         raise RequestError(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
     if req.temperature is not None and req.temperature < 0:

@@ -609,3 +609,14 @@ def test_a_validators_message_reaches_the_client_as_written(client: httpx.Client
     r = client.post(path, json=body)
     assert_error(r, 400, param)
     assert r.json()["error"]["message"] == message
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+])
+def test_stream_options_without_stream_is_400(client: httpx.Client, path: str, body: dict) -> None:
+    """It was accepted and ignored; OpenAI and vLLM refuse it."""
+    assert_error(client.post(path, json={**body, "stream_options": {"include_usage": True}}), 400, "stream_options")
+    assert_error(client.post(path, json={**body, "stream": False, "stream_options": {}}), 400, "stream_options")
+    assert client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}}).status_code == 200
