@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from loom.router.policy import ReplicaState, RouteRequest
 from loom.router.result_cache import tenant_of
 from loom.router.router import Router, error_response
+from loom.server.content_type import is_json_content_type, not_json_message
 from loom.server.security import SecurityConfig, install_security
 
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -82,6 +83,9 @@ def build_router_app(router: Router, security: SecurityConfig | None = None,
     app.add_exception_handler(StarletteHTTPException, on_http)
 
     async def routed(raw: Request) -> Response:
+        if not is_json_content_type(raw.headers.get("content-type")):  # as `loom serve` answers: a form-encoded body
+            # (curl -d) reached the replicas as JSON
+            return error_response(415, not_json_message(raw.headers.get("content-type")))
         try:
             body = json.loads(await raw.body())
         except (ValueError, RecursionError) as e:

@@ -20,6 +20,7 @@ from loom import __version__ as loom_version
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.router.result_cache import ResultCache
 from loom.server.metrics import ServerMetrics
+from loom.server.content_type import not_json_message
 from loom.server.security import SecurityConfig, install_security
 from loom.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError, TokenizeRequest, check_token_ids,
@@ -64,16 +65,6 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     body = {"error": {"message": escaped(message), "type": _ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": None if param is None else escaped(param), "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-def not_json_message(content_type: str | None) -> str:
-    """Why a body sent without a JSON Content-Type was not read (FastAPI parses a body as JSON only under
-    application/json or application/*+json), and what to send instead."""
-    got = "no Content-Type" if not content_type else f"Content-Type {content_type!r}"
-    hint = (" (curl -d sends that one unless given -H 'Content-Type: application/json')"
-            if content_type and content_type.lower().startswith("application/x-www-form-urlencoded") else "")
-    return (f"The request body must be JSON sent with the header 'Content-Type: application/json'; this request has "
-            f"{got}{hint}.")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -65,7 +65,8 @@ def test_models_health_load_and_errors(two_replicas: list[LiveServer]) -> None:
         assert httpx.get(url + "/health").status_code == 200
         missing = httpx.post(url + "/v1/completions", json={**BODY, "model": "no-such-model"}, timeout=10)
         assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
-        bad = httpx.post(url + "/v1/completions", content=b"{not json", timeout=10)
+        bad = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"},
+                         timeout=10)
         assert bad.status_code == 400 and "Malformed JSON" in bad.json()["error"]["message"]
         # a replica's own 400 passes through unchanged, and is not retried elsewhere
         invalid = httpx.post(url + "/v1/completions", json={**BODY, "temperature": -1}, timeout=10)
@@ -274,3 +275,19 @@ def test_replicas_with_an_api_key_are_checked_with_it() -> None:
             r = httpx.post(url + "/v1/completions", json=BODY, headers={"Authorization": "Bearer rk"}, timeout=30)
             assert r.status_code == 200
 
+
+
+def test_a_body_without_a_json_content_type_is_415_as_at_a_replica(two_replicas: list[LiveServer]) -> None:
+    """The router parsed any body as JSON and forwarded it, where `loom serve` answers 415: the same request got
+    two answers depending on whether a router stood in front."""
+    raw = json.dumps(BODY)
+    with live_router([r.base_url for r in two_replicas], policy="round_robin") as (url, _):
+        for headers in ({"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"}, {}):
+            routed = httpx.post(url + "/v1/completions", content=raw, headers=headers, timeout=30)
+            direct = httpx.post(two_replicas[0].base_url + "/v1/completions", content=raw, headers=headers,
+                                timeout=30)
+            assert routed.status_code == direct.status_code == 415, (headers, routed.text)
+            assert routed.json()["error"]["message"] == direct.json()["error"]["message"]
+        for ctype in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+            assert httpx.post(url + "/v1/completions", content=raw, headers={"content-type": ctype},
+                              timeout=30).status_code == 200, ctype
