@@ -22,6 +22,8 @@ def test_generate_answers_paris() -> None:
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert re.search(r"\d+ tokens, finish_reason stop", result.stderr), result.stderr  # on stderr: stdout is the text
+    # the load is announced before it runs (it was silent for seconds, tens on a first run)
+    assert 0 <= result.stderr.find("loading the bundled SmolLM2-135M-Instruct ...") < result.stderr.find("loaded ")
 
 
 def test_generate_exits_1_when_the_request_fails_inside_the_engine(monkeypatch, capsys) -> None:

@@ -117,6 +117,8 @@ class LLMEngine:
                 logger.warning("%s: no effect without a lossy --kv-retention (the engine's default for requests that "
                                "name a policy themselves)", ", ".join(unused))
         started = time.perf_counter()
+        # the load takes seconds (tens on a first run, which also builds the CPU kernels): say it has begun
+        logger.info("loading %s ...", model_config.model or "the bundled SmolLM2-135M-Instruct")
         self.executor: Executor = make_executor(model_config, cache_config, args.parallel_config(), device,
                                                 args.num_threads)
         self.runner = self.executor.driver  # rank 0's runner: shapes, tokenizer, KV cache layout
