@@ -15,6 +15,7 @@ about (2^a + 2^b) multiply-adds per channel instead of 2^(a+b).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -51,16 +52,21 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     Raises:
         ValueError: K is not a multiple of `block`, or block not a power of two.
     """
+    return _kronecker_rotate(x, block, hadamard_matrix).reshape(x.shape)
+
+
+def _kronecker_rotate(x: torch.Tensor, block: int, matrix: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """x [..., K] -> [rows, K // block, outer, inner]: each block times matrix(outer) (x) matrix(inner), the
+    inner factor first, in x's dtype (matrix(n): an [n, n] Hadamard matrix, normalized or +-1)."""
     k = x.shape[-1]
     if k % block:
         raise ValueError(f"input size {k} is not a multiple of the rotation block {block}")
     inner = min(block, _FACTOR)
     outer = block // inner
-    h_in = hadamard_matrix(inner).to(device=x.device, dtype=x.dtype)
-    y = (x.reshape(-1, k // block, outer, inner) @ h_in)  # H_outer (x) H_inner: inner factor first
+    y = x.reshape(-1, k // block, outer, inner) @ matrix(inner).to(device=x.device, dtype=x.dtype)
     if outer > 1:
-        y = hadamard_matrix(outer).to(device=x.device, dtype=x.dtype) @ y
-    return y.reshape(x.shape)
+        y = matrix(outer).to(device=x.device, dtype=x.dtype) @ y
+    return y
 
 
 _GRID_BITS = 15  # rotate_input: |codes| <= 2^15, so a block's sums of up to 512 codes stay below 2^24
@@ -88,15 +94,8 @@ def rotate_input(x: torch.Tensor, block: int) -> torch.Tensor:
     blocks = x.float().reshape(-1, k // block, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     step = torch.where(amax > 0, amax, 1.0) / (1 << _GRID_BITS)
-    q = torch.round(blocks / step)
-    inner = min(block, _FACTOR)
-    outer = block // inner
-    h_in = _unnormalized(inner).to(x.device)
-    y = q.reshape(-1, k // block, outer, inner) @ h_in
-    if outer > 1:
-        y = _unnormalized(outer).to(x.device) @ y
-    y = y.reshape(-1, k // block, block) * (step / block**0.5)
-    return y.reshape(x.shape).to(x.dtype)
+    y = _kronecker_rotate(torch.round(blocks / step), block, _unnormalized)
+    return (y.reshape(blocks.shape) * (step / block**0.5)).reshape(x.shape).to(x.dtype)
 
 
 @functools.cache
