@@ -146,27 +146,25 @@ def bench(root: Path, device: torch.device, full: bool) -> dict[str, float]:
 
 def _prose_tokens(model: str | None, count: int) -> list[int]:
     """`count` tokens of English prose (this file's docstrings, repeated) in the model's own tokenizer."""
-    from loom.model.loader import load_model
+    from loom.model.loader import load_tokenizer
 
     text = " ".join((__doc__ or "").split()) + " " + " ".join((check_packed.__doc__ or "").split())
-    tokenizer = load_model(model, torch.float32, torch.device("cpu"), quantization="none").tokenizer
-    ids = tokenizer.encode(text)
+    ids = load_tokenizer(model).encode(text)
     return (ids * (count // max(len(ids), 1) + 1))[:count]
 
 
-def check_packed(device: torch.device, model: str | None) -> dict[str, float]:
+def check_packed(device: torch.device, model: str | None, tokens: list[int]) -> dict[str, float]:
     """Issue 9 item 5: a real GGUF run packed (quantization gguf, and w8a16 / w4a16 / w8a8 / fp8 quantized at load;
-    torch kernels on a GPU) against its dequantized float32 path on the same device: top-1 agreement, mean KL
-    divergence (nats) and max |logit difference| over one 256-token window of prose, and the window's time."""
-    from loom.bench.quality import force_kernel_path, window_logits
+    torch kernels on a GPU) against its dequantized float32 path on the same device: top-1 agreement and mean KL
+    divergence (nats; loom.bench.quality.compare) and max |logit difference| over one window of prose `tokens`, and
+    the window's time."""
+    from loom.bench.quality import compare, force_kernel_path, window_logits
     from loom.model.loader import load_model
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    tokens = _prose_tokens(model, 256)
     ref = load_model(model, torch.float32, device, quantization="none")
     ref_logits = window_logits(ref.model, ref.arch, tokens)
     del ref
-    ref_logp = torch.log_softmax(ref_logits.float(), -1)
     out: dict[str, float] = {}
     for method in ("gguf", "w8a16", "w4a16", "w8a8", "fp8"):
         try:
@@ -176,9 +174,9 @@ def check_packed(device: torch.device, model: str | None) -> dict[str, float]:
             sync(); t0 = time.perf_counter()
             logits = window_logits(loaded.model, loaded.arch, tokens)
             sync(); out[f"{method}_window_ms"] = (time.perf_counter() - t0) * 1e3
-            logp = torch.log_softmax(logits.float(), -1)
-            out[f"{method}_top1"] = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
-            out[f"{method}_mean_kl"] = float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
+            quality = compare([ref_logits.cpu()], [logits.cpu()], [tokens])
+            out[f"{method}_top1"] = quality["top1_agreement"]
+            out[f"{method}_mean_kl"] = quality["mean_kl"]
             out[f"{method}_max_abs_logit_diff"] = float((logits - ref_logits).abs().max())
             out[f"{method}_param_device"] = str(next(loaded.model.parameters()).device)
             del loaded
@@ -187,12 +185,12 @@ def check_packed(device: torch.device, model: str | None) -> dict[str, float]:
     return out
 
 
-def engine_packed(model: str | None) -> dict[str, object]:
+def engine_packed(model: str | None, tokens: list[int]) -> dict[str, object]:
     """The engine on this device with the GGUF packed (quantization gguf) and dequantized (none), float32: greedy
-    tokens of 4 prose prompts x 32 (how many equal), single-stream TPOT and a batch of 16, each path."""
+    tokens of 4 prose prompts x 32 (how many equal), single-stream TPOT and a batch of 16, each path; `tokens`:
+    at least 304 tokens of prose."""
     from loom import LLM, SamplingParams
 
-    tokens = _prose_tokens(model, 512)
     prompts = [tokens[i * 40:i * 40 + 24 + 8 * i] for i in range(4)]
     batch = [tokens[i * 16:i * 16 + 64] for i in range(16)]
     out: dict[str, object] = {}
@@ -256,12 +254,13 @@ def main() -> int:
     results: dict[str, object] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                                   "torch": torch.__version__, "transformers": transformers.__version__}
     skip = set(filter(None, ns.skip.split(",")))
+    prose = _prose_tokens(ns.gguf, 512)  # the packed checks' text, tokenized once
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         sections = {
             "parity_fp32": lambda: check_parity(Path(tmp), device),
-            "packed_vs_dequantized": lambda: check_packed(device, ns.gguf),
-            "engine_packed": lambda: engine_packed(ns.gguf),
+            "packed_vs_dequantized": lambda: check_packed(device, ns.gguf, prose[:256]),
+            "engine_packed": lambda: engine_packed(ns.gguf, prose),
             "bench_bf16": lambda: bench(Path(tmp), device, full=device.type == "cuda" and not ns.small),
         }
         for name, fn in sections.items():
