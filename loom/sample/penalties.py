@@ -149,6 +149,13 @@ def apply_presence_frequency_penalties(logits: torch.Tensor, inputs: Sequence[Pe
     logits[rows] -= counts * frequency + (counts > 0).to(logits.dtype) * presence
 
 
+def modifies(inp: PenaltyInput) -> bool:
+    """Whether apply_all would change this request's row at this step (a ban, a logit_bias or a penalty)."""
+    params = inp.params
+    return (bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0 or bool(banned_token_ids(inp)))
+
+
 def apply_all(logits: torch.Tensor, inputs: Sequence[PenaltyInput]) -> None:
     """Bans, then logit_bias, then repetition penalty, then presence/frequency penalties (in place)."""
     apply_bans(logits, inputs)

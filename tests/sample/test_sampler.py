@@ -279,3 +279,27 @@ def test_greedy_argmax_follows_torch_argmax_on_ties_nans_and_infinities() -> Non
         got = greedy_argmax(rows)
         assert got.dtype == torch.int64
         assert torch.equal(got, rows.argmax(dim=-1)), rows.dtype
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"temperature": 0.0}, {"logit_bias": {2: 5.0}}, {"repetition_penalty": 1.3}, {"presence_penalty": 0.5},
+    {"frequency_penalty": -0.5}, {"min_tokens": 3, "stop_token_ids": [1]}, {"min_tokens": 3, "ignore_eos": True},
+])
+def test_modifies_says_exactly_when_apply_all_changes_a_row(params: dict[str, object]) -> None:
+    # sample() copies the logits only when some row is modified: the predicate must never miss a change
+    from loom.sample.penalties import modifies
+
+    inp = make_input(prompt=[0, 1, 2], output=[2, 3], **params)
+    logits = random_logits(1, seed=5)
+    processed = logits.clone()
+    apply_all(processed, [inp])
+    assert modifies(inp) == (not torch.equal(processed, logits))
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 3},
+                                    {"temperature": 0.0, "repetition_penalty": 2.0, "logprobs": 2}])
+def test_sample_leaves_its_logits_unchanged(params: dict[str, object]) -> None:
+    logits = random_logits(2, seed=7)
+    before = logits.clone()
+    sample(logits, [make_input(prompt=[0, 1], output=[2], **params) for _ in range(2)], gen())
+    assert torch.equal(logits, before)
