@@ -25,16 +25,19 @@ output channel so that a whole row of x times a whole row of W is one exact int3
 product runs as torch's int8 GEMM (`torch._int_mm`: oneDNN with AMX or VNNI) where it is
 exact, y = float(x_q W_q^T) * (s_x s_w), instead of dequantizing. Without VNNI oneDNN's int8 kernel saturates pairs
 of products in 16 bits and returns wrong sums without an error (found by review: 4.9% of the sums of Gaussian
-codes wrong with oneDNN capped to AVX2), so `int8_gemm_is_exact()` checks it once on values that saturate, and a CPU
-that fails keeps loom's exact kernels (groups of 32 agreed on ~0.5-1 point more top-1
-tokens but cannot be one integer GEMM: benchmarks/NOTES.md, "W8A8 prefill"). Above `dense_min_rows` rows (prefill,
-large batches) the other methods' matmuls are compute-bound, and the weight is dequantized (in C) and multiplied
-by torch's GEMM instead (benchmarks/NOTES.md, "Quantized kernels").
+codes wrong with oneDNN capped to AVX2), so `int8_gemm_is_exact()` checks it once on values that saturate; and where
+the CPU has no int8 dot-product instruction torch's exact fallback is a scalar loop, 40x slower than float32
+(`int8_gemm_pays()`). A CPU without an exact, fast int8 GEMM keeps loom's exact kernels, at every row count too
+(groups of 32 agreed on ~0.5-1 point more top-1 tokens but cannot be one integer GEMM: benchmarks/NOTES.md,
+"W8A8 prefill"). Above `dense_min_rows` rows (prefill, large batches) the other methods' matmuls are
+compute-bound, and the weight is dequantized (in C) and multiplied by torch's GEMM instead (benchmarks/NOTES.md,
+"Quantized kernels").
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loom.kernels.build import cpu_flags
 from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import Linear, copy_rows
 from loom.quant.hadamard import rotate_input, rotate_weight, rotation_block
@@ -178,13 +182,17 @@ class PackedLinearMethod:
             layer.input_perm = layer.input_perm.to(device)
         layer.int_gemm = self.scheme.activations in ("q8_token", "q8_static") and all(
             p.layout == "q8g" and p.group_size == p.shape[1] and p.mins is None for p in layer.packed) and all(
-            p.qweight.device.type == "cpu" for p in layer.packed) and int8_gemm_is_exact()
+            p.qweight.device.type == "cpu" for p in layer.packed) and int8_gemm_pays()
         if self.scheme.activations == "q8_static":
             if any(s is None or not s > 0 for s in layer.input_scales):
                 raise ValueError(f"{layer.prefix}: input_scale must be a positive number for every shard")
             layer.input_scale = max(layer.input_scales)
         if self._dense_rows_by_layout:
             self.dense_min_rows = min(DENSE_MIN_ROWS_BY_LAYOUT.get(p.layout, DENSE_MIN_ROWS) for p in layer.packed)
+            if self.scheme.activations in ("q8_token", "q8_static") and not layer.int_gemm and device.type == "cpu":
+                # per-token int8 activations without a fast exact int8 GEMM: loom's kernel at every row count, so
+                # that a token's result does not depend on its step's row count (as the GEMM's does not)
+                self.dense_min_rows = sys.maxsize
         bias = layer.bias.data.float() if layer.bias is not None else None
         layer.packed_bias, start = [], 0
         for p in layer.packed:
@@ -243,6 +251,18 @@ class PackedLinearMethod:
                                          f"Hadamard {layer.rotation_block}" if layer.rotation_block else ""]))
         label = f"{self.scheme.name} {layouts}" + (f" ({source})" if source else "")
         return label, sum(p.nbytes for p in layer.packed)
+
+
+# CPU flags of an int8 dot-product instruction (VNNI, AMX): where oneDNN's int8 GEMM is both exact and fast
+INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def int8_gemm_pays() -> bool:
+    """Whether w8a8 should multiply in torch's CPU int8 GEMM: its sums are exact here (int8_gemm_is_exact) and the
+    CPU has an int8 dot-product instruction. Without one (AVX2 only: Zen 1-3, Intel before Ice Lake) torch 2.13's
+    `_int_mm` is exact but a scalar loop: 166 ms for [512, 576] x [576, 1728] on a Zen 3 core pair, 40x the float32
+    GEMM; w8a8's TTFT at 512 tokens was 16.2 s there against 0.95 s through loom's kernels."""
+    return bool(INT8_DOT_FLAGS & cpu_flags()) and int8_gemm_is_exact()
 
 
 @functools.cache

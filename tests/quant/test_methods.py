@@ -69,25 +69,26 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_models) -> None:
         load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="int3")
 
 
-def test_w8a8_above_the_kernel_rows_is_one_exact_int8_gemm(tiny_models) -> None:
+def test_w8a8_above_the_kernel_rows_is_one_exact_int8_gemm(tiny_models, monkeypatch) -> None:
     """w8a8 multiplies in torch's int8 GEMM at every row count: the int32 sums of the per-token codes and
     the per-channel weight codes, times s_w then s_x, bit for bit a float64-checked integer product; per row it equals
     the per-block kernel's result to float32 rounding (the activations stay int8 per token, or a request's tokens
     would depend on its batch: found by a fresh-user trial)."""
     from loom.quant.hadamard import rotate_input
-    from loom.quant.methods import int8_gemm_is_exact
+    import loom.quant.methods as methods
 
+    # the int8 GEMM is taken where it is exact and the CPU has VNNI or AMX; with those flags named here, where it
+    # is exact (torch's fallback on an AVX2 CPU is exact, only slow), so that this path runs on every machine
+    monkeypatch.setattr(methods, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
     loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
     layer = loaded.model.model.layers[0].mlp.down_proj
     (w,) = layer.packed
     assert w.group_size == layer.input_size and w.mins is None  # one scale per output channel
-    assert layer.int_gemm == int8_gemm_is_exact()  # a CPU whose int8 GEMM is not exact keeps the kernels
+    assert layer.int_gemm == methods.int8_gemm_is_exact()  # a CPU whose int8 GEMM is not exact keeps the kernels
     x = torch.randn(64, layer.input_size)
     one_row = torch.cat([layer(x[i : i + 1]) for i in range(64)])
-    gemm = layer(x)  # 64 rows: the int8 GEMM (or, without an exact one, the dense path)
-    if layer.int_gemm:  # the same bits whatever the number of rows: a prefix hit cannot change a token
-        assert torch.equal(gemm, one_row)
-    assert torch.allclose(gemm, one_row, rtol=1e-5, atol=1e-5), (gemm - one_row).abs().max()
+    gemm = layer(x)  # 64 rows: the int8 GEMM (or, without an exact one, loom's kernel)
+    assert torch.equal(gemm, one_row)  # the same bits whatever the number of rows: a prefix hit cannot change a token
     if layer.int_gemm:
         xa = layer.quant_method.kernels.quantize_activations(rotate_input(x, layer.rotation_block), per_token=True)
         exact = xa.xq.double() @ w.qweight.double().t()  # integer sums, exact in float64
@@ -116,6 +117,22 @@ def test_an_int8_gemm_that_saturates_is_not_used(tiny_models, monkeypatch) -> No
         assert torch.allclose(layer(x), rows, rtol=1e-5, atol=1e-5)
     finally:
         methods.int8_gemm_is_exact.cache_clear()
+
+
+def test_w8a8_without_int8_dot_products_keeps_the_kernels_at_every_row_count(tiny_models, monkeypatch) -> None:
+    """On a CPU without VNNI or AMX torch's int8 GEMM is exact but a scalar loop (16 s of TTFT at 512 tokens on a
+    Zen 3, where loom's kernels take 1.3 s): w8a8 keeps loom's exact per-block kernel there, at every row count, so
+    that a token's result does not depend on how many rows its step had."""
+    import loom.quant.methods as methods
+
+    monkeypatch.setattr(methods, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert not methods.int8_gemm_pays()
+    loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
+    layer = loaded.model.model.layers[0].mlp.down_proj
+    assert not layer.int_gemm
+    x = torch.randn(200, layer.input_size)  # above every dense_min_rows
+    rows = torch.cat([layer(x[i : i + 1]) for i in range(200)])
+    assert torch.equal(layer(x), rows)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "llama_mha_tied", "qwen2_gqa"])
