@@ -4,7 +4,8 @@ The bundled GGUF (98 MB) is larger than what travels to the device machine, so t
 models: tiny random Llama and Qwen2 checkpoints with a generated word-level tokenizer for the parity check
 (greedy tokens equal transformers' in float32 on the same device, TF32 off; the engine's executor recorded),
 and a random-weight model of SmolLM2-135M's shape for latency and throughput in bfloat16, loom vs transformers
-`generate`. The packed checks (issue 9 item 5) read a real GGUF given by --gguf: the bundled model cut to its
+`generate`; and torch's 2:4 semi-structured sparse matmul against dense (issue 12). The packed checks (issue 9
+item 5) read a real GGUF given by --gguf: the bundled model cut to its
 first blocks by benchmarks/gguf_truncate.py travels (about 50 MB for 8 blocks).
 
 Each section's result, or its traceback, is written to --out as soon as it ends, so a run cut short still
@@ -226,6 +227,49 @@ def engine_packed(model: str | None, tokens: list[int]) -> dict[str, object]:
     return out
 
 
+def sparse24(device: torch.device) -> dict[str, object]:
+    """Issue 12 item 5 on a GPU: torch's semi-structured (2:4) sparse matmul against the dense one, float16, on
+    SmolLM2's matrices and two of Llama-3-8B's, at decode and prefill row counts. The weight is pruned 2:4 by
+    magnitude (loom.quant.sparsity.prune_24); the sparse product must equal the pruned dense one to float16
+    rounding. Medians of CUDA-event timings. CUDA only (no CPU kernel exists for the format)."""
+    if device.type != "cuda":
+        return {"skipped": "CUDA only"}
+    from torch.sparse import to_sparse_semi_structured
+
+    from loom.quant.sparsity import prune_24
+
+    def timed(fn, reps: int = 50) -> float:  # noqa: ANN001 - a callable
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    out: dict[str, object] = {}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for name, (n, k) in {"smollm2_gate_up": (3072, 576), "smollm2_down": (576, 1536),
+                         "llama8b_qkv": (6144, 4096), "llama8b_gate_up": (28672, 4096)}.items():
+        w = torch.randn(n, k, generator=g).to(device, torch.float16)
+        pruned = prune_24(w, w.abs())
+        sparse = to_sparse_semi_structured(pruned)
+        for m in (1, 16, 128, 2048):
+            x = torch.randn(m, k, generator=g).to(device, torch.float16)
+            ref = torch.nn.functional.linear(x, pruned)
+            got = torch.nn.functional.linear(x, sparse)
+            err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+            dense_ms = timed(lambda x=x: torch.nn.functional.linear(x, pruned))
+            sparse_ms = timed(lambda x=x: torch.nn.functional.linear(x, sparse))
+            out[f"{name} [{n},{k}] M={m}"] = {"dense_ms": round(dense_ms, 4), "sparse_ms": round(sparse_ms, 4),
+                                             "speedup": round(dense_ms / sparse_ms, 3), "max_rel_err": err}
+    return out
+
+
 def _run_section(results: dict, name: str, fn, out: Path | None) -> None:  # noqa: ANN001 - any callable
     t0 = time.perf_counter()
     try:
@@ -244,7 +288,7 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="small shapes even on a GPU (a quick self-check)")
     parser.add_argument("--gguf", default=None, help="the GGUF for the packed checks (default: the bundled model)")
     parser.add_argument("--skip", default="", help="comma-separated sections to leave out "
-                        "(parity_fp32, bench_bf16, packed_vs_dequantized, engine_packed)")
+                        "(parity_fp32, bench_bf16, packed_vs_dequantized, engine_packed, sparse24)")
     ns = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means real fp32 matmuls
@@ -262,6 +306,7 @@ def main() -> int:
             "packed_vs_dequantized": lambda: check_packed(device, ns.gguf, prose[:256]),
             "engine_packed": lambda: engine_packed(ns.gguf, prose),
             "bench_bf16": lambda: bench(Path(tmp), device, full=device.type == "cuda" and not ns.small),
+            "sparse24": lambda: sparse24(device),
         }
         for name, fn in sections.items():
             if name not in skip:
