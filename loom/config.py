@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from loom.core.kv_retention import KVRetentionConfig
+from loom.env import check_switches
 from loom.kv_transfer.base import KVTransferConfig
 from loom.spec.proposer import SpeculativeConfig
 
@@ -201,6 +202,7 @@ class EngineArgs:
     sparse_attention_recent_blocks: int = 2
 
     def __post_init__(self) -> None:
+        check_switches()  # a bad LOOM_* on/off value fails here, before a model loads (the CLI checks it too)
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
         method = self._method()
         self._speculative_config(method or "ngram")

@@ -61,6 +61,16 @@ def test_the_cli_checks_every_switch_at_start_even_one_it_would_not_read(monkeyp
     assert "LOOM_SPARSE_DECODE_STEP='maybe' is not an on/off value" in capsys.readouterr().err
 
 
+def test_the_python_api_checks_every_switch_before_loading(monkeypatch) -> None:
+    """loom.LLM (and the server's engine) took LOOM_SPARSE_DECODE_STEP=maybe unless block-sparse decode ran: only
+    the CLI checked; EngineArgs checks now, before any model is read."""
+    from loom.config import EngineArgs
+
+    monkeypatch.setenv("LOOM_SPARSE_DECODE_STEP", "maybe")
+    with pytest.raises(ValueError, match="LOOM_SPARSE_DECODE_STEP='maybe' is not an on/off value"):
+        EngineArgs(model="/nonexistent/model.gguf")
+
+
 def test_the_isa_cap_takes_any_case(monkeypatch) -> None:
     from loom.kernels.registry import kernel_isas
 

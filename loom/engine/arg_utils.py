@@ -22,9 +22,16 @@ def _optional_int(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+def _defaults() -> argparse.Namespace:
+    """EngineArgs' field defaults, read without constructing one (its validation, which reads the environment,
+    belongs to the command's run, where its errors are reported, not to building the parser)."""
+    return argparse.Namespace(**{f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                                 for f in dataclasses.fields(EngineArgs)})
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every EngineArgs option to `parser` (used by generate, chat, serve and bench)."""
-    defaults = EngineArgs()
+    defaults = _defaults()
     g = parser.add_argument_group("engine options")
     g.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct GGUF)")
@@ -157,7 +164,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_kv_transfer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Prefill/decode disaggregation flags (`loom serve`; docs/disaggregation.md)."""
-    defaults = EngineArgs()
+    defaults = _defaults()
     g = parser.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--kv-transfer-role", default=None, choices=KV_TRANSFER_ROLES,
                    help="producer: prefill requests sent with kv_transfer_params {do_remote_decode: true} and serve "
