@@ -103,6 +103,10 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
             continue
         if not line.strip():
             continue
+        if re.fullmatch(r"/\w+", line.strip()):  # a mistyped command (/rest) is not sent to the model as a message
+            print(f"loom chat: unknown command {line.strip()}; the commands are /reset and /exit (a message may start "
+                  "with / when it holds a space)", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": line})
         try:  # a turn the engine refuses (not valid Unicode, too long) loses that line, not the conversation
             prompt = llm.engine.apply_chat_template(messages)

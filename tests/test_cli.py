@@ -97,17 +97,18 @@ def test_generate_says_when_max_tokens_cut_the_reply() -> None:
 
 def test_chat_is_multi_turn() -> None:
     # one process (one model load): the conversation, a line that is not UTF-8 and one longer than the context
-    # (each refused, the conversation kept: the long one ended the session before), then /reset and the same
-    # question alone
+    # (each refused, the conversation kept: the long one ended the session before), a mistyped command (sent to
+    # the model before), then /reset and the same question alone
     too_long = b"ha " * 9000 + b"\n"
     proc = subprocess.run([sys.executable, "-m", "loom.cli", "chat", "--max-tokens", "24"], capture_output=True,
                           timeout=600, input=b"My name is Ada.\n\xff\xfe\n" + too_long
-                          + b"What is my name?\n/reset\nWhat is my name?\n/exit\n")
+                          + b"What is my name?\n/rest\n/reset\nWhat is my name?\n/exit\n")
     stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, stderr
     assert "loom chat: messages is not valid Unicode: a lone surrogate U+DCFF" in stderr, stderr
     assert re.search(r"loom chat: prompt of \d+ tokens .*; the conversation goes on without that line", stderr), stderr
     assert "Traceback" not in stderr
+    assert "loom chat: unknown command /rest; the commands are /reset and /exit" in stderr, stderr  # not a message
     replies = [r.strip() for r in stdout.split("> ") if r.strip()]
     assert len(replies) == 3
     alone = replies[2]

@@ -397,10 +397,12 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
             kv_retention_budget=req.kv_retention_budget,
         )
     except ValueError as e:  # SamplingParams' own checks: its messages start with the parameter name
-        param = param_of(str(e))
-        if param is None and str(e).startswith("structured_output"):
-            param = structured_output_of(req)[1]  # the field that carried the constraint
-        raise RequestError(str(e), param) from e
+        param, message = param_of(str(e)), str(e)
+        if param is None and message.startswith("structured_output"):
+            param = structured_output_of(req)[1]  # the field that carried the constraint, named in the message too
+            if param and message.startswith("structured_output "):
+                message = param + message[len("structured_output"):]
+        raise RequestError(message, param) from e
 
 
 # fields beam search does not use: set with use_beam_search they are a 400 rather than silently ignored

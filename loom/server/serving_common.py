@@ -62,7 +62,10 @@ def check_structured_output(ctx: ServingContext, body: Any, params: SamplingPara
         ctx.engine.check_structured_output(params)
     except ValueError as e:
         _, field = structured_output_of(body)
-        raise RequestError(str(e), field) from e
+        message = str(e)
+        if field and message.startswith("structured_output "):  # the engine's name for it; the client sent `field`
+            message = field + message[len("structured_output"):]
+        raise RequestError(message, field) from e
 
 
 def check_room(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, name: str,

@@ -281,9 +281,12 @@ def test_a_bad_schema_is_a_400_naming_the_field(oai: "openai.OpenAI", live: Live
         oai.chat.completions.create(model=_model(live), messages=CHAT, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}})
     assert exc.value.body["param"] == "response_format"
+    # the message names the field the client sent, not the engine's name for it (fresh-user trial)
+    assert exc.value.body["message"].startswith("response_format is invalid"), exc.value.body["message"]
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model=_model(live), prompt="x", max_tokens=4, extra_body={"guided_regex": "(a"})
     assert exc.value.body["param"] == "guided_regex"
+    assert "structured_output" not in exc.value.body["message"], exc.value.body["message"]
     with pytest.raises(openai.BadRequestError) as exc:
         oai.completions.create(model=_model(live), prompt="x", max_tokens=4,
                                extra_body={"guided_regex": "a", "guided_choice": ["a"]})
