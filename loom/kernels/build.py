@@ -24,10 +24,19 @@ BASE_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract
 
 
 def cache_dir() -> Path:
-    """`$LOOM_CACHE_DIR/kernels` or `~/.cache/loom/kernels` (created)."""
+    """`$LOOM_CACHE_DIR/kernels` or `~/.cache/loom/kernels` (created).
+
+    Raises:
+        OSError: the directory cannot be created, naming it and where its path came from.
+    """
     root = Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
     path = root / "kernels"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        origin = "LOOM_CACHE_DIR" if os.environ.get("LOOM_CACHE_DIR") else "the default cache directory"
+        raise OSError(f"the kernel cache {path} ({origin}) cannot be created ({exc.strerror or exc}): every C "
+                      "kernel is off; set LOOM_CACHE_DIR to a writable directory") from exc
     return path
 
 

@@ -93,6 +93,15 @@ def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:
         build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16")
 
 
+def test_a_cache_dir_that_cannot_be_made_names_its_variable(tmp_path, monkeypatch) -> None:
+    # a bare "[Errno 2] No such file or directory: '/proc/nope'" under paged_decode's name was all a user saw
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(blocker))
+    with pytest.raises(OSError, match=r"kernel cache .*a-file/kernels \(LOOM_CACHE_DIR\) cannot be created.*every C kernel"):
+        build.cache_dir()
+
+
 def test_a_missing_compiler_is_reported_once(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
