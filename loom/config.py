@@ -49,6 +49,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        gguf = self.model is None or self.model.lower().endswith(".gguf")  # the bundled model is a GGUF file
+        if gguf and self.quantization in ("gptq", "awq"):  # refused now, not after seconds of loading the file
+            article = "an" if self.quantization == "awq" else "a"
+            raise ValueError(f"quantization={self.quantization!r} needs {article} {self.quantization.upper()} checkpoint "
+                             f"(quantization_config.quant_method {self.quantization!r}); the model is a GGUF file")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

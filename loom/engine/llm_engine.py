@@ -599,6 +599,10 @@ def _set_num_threads(num_threads: int | None) -> None:
     if num_threads is None and os.environ.get("OMP_NUM_THREADS"):
         return
     threads = num_threads or os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > cores:
+        logger.warning("num_threads %d is more than the %d CPUs this process may run on: the threads time-share "
+                       "cores and wait on each other, which slows every step; use at most %d", threads, cores, cores)
     torch.set_num_threads(threads)
     _warn_if_cores_are_busy(threads)
 

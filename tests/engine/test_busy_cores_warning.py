@@ -48,3 +48,23 @@ def test_the_runnable_count_reads_proc_loadavg() -> None:
     else:
         assert others is not None and others >= 0.0
 
+
+
+def test_more_threads_than_cpus_is_warned_about(monkeypatch, caplog) -> None:
+    """--num-threads 1000 on 2 cores ran ~3x slower without a word (fresh-user trial)."""
+    import torch
+
+    monkeypatch.setattr(llm_engine, "_warn_if_cores_are_busy", lambda threads: None)
+    monkeypatch.setattr(llm_engine.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    old = torch.get_num_threads()
+    try:
+        for threads, expected in ((8, 1), (2, 0)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="loom.engine.llm_engine"):
+                llm_engine._set_num_threads(threads)
+            msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(msgs) == expected, msgs
+            if expected:
+                assert "num_threads 8 is more than the 2 CPUs" in msgs[0]
+    finally:
+        torch.set_num_threads(old)

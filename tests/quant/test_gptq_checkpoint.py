@@ -178,3 +178,15 @@ def test_gptq_v2_checkpoint_loads_the_same(tiny_models, tmp_path) -> None:
     tokens = _windows(tiny.hf.config.vocab_size, 1, 24, seed=3)[0]
     a, b = (_logits(load_model(str(p), torch.float32, CPU), tokens) for p in (v1, v2))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("model", [None, "/some/where/model.Q4_K_M.GGUF"])
+def test_a_checkpoint_method_on_a_gguf_file_is_refused_before_loading(method: str, model: str | None) -> None:
+    # refused only after the GGUF was read (~7 s) before (fresh-user trial); the bundled model is a GGUF file
+    from loom.config import EngineArgs, ModelConfig
+
+    with pytest.raises(ValueError, match=f"quantization='{method}' needs an? {method.upper()} checkpoint.*GGUF file"):
+        ModelConfig(model=model, quantization=method)
+    with pytest.raises(ValueError, match="GGUF file"):
+        EngineArgs(model=model, quantization=method).model_config()
