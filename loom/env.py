@@ -34,8 +34,9 @@ SWITCHES = {"LOOM_CPU_KERNELS": True, "LOOM_DECODE_STEP": True, "LOOM_SPARSE_DEC
 
 
 def check_switches() -> None:
-    """Parse every switch in SWITCHES now (the CLI calls this at start), so a bad value is an error even when
-    the code that reads it would not run: LOOM_SPARSE_DECODE_STEP=maybe passed unless block-sparse decode was on.
+    """Parse every switch in SWITCHES now (the CLI at start, EngineArgs before a model loads), so a bad value is an
+    error even when the code that reads it would not run: LOOM_SPARSE_DECODE_STEP=maybe passed unless block-sparse
+    decode was on.
 
     Raises:
         ValueError: a switch whose value is not an on/off value (env_flag's message).

@@ -180,7 +180,8 @@ class PackedLinearMethod:
         layer.packed = [p.to(device) for p in _merge_if_uniform(packed)]
         if layer.input_perm is not None:
             layer.input_perm = layer.input_perm.to(device)
-        layer.int_gemm = self.scheme.activations in ("q8_token", "q8_static") and all(
+        int8_per_token = self.scheme.activations in ("q8_token", "q8_static")
+        layer.int_gemm = int8_per_token and all(
             p.layout == "q8g" and p.group_size == p.shape[1] and p.mins is None for p in layer.packed) and all(
             p.qweight.device.type == "cpu" for p in layer.packed) and int8_gemm_pays()
         if self.scheme.activations == "q8_static":
@@ -189,7 +190,7 @@ class PackedLinearMethod:
             layer.input_scale = max(layer.input_scales)
         if self._dense_rows_by_layout:
             self.dense_min_rows = min(DENSE_MIN_ROWS_BY_LAYOUT.get(p.layout, DENSE_MIN_ROWS) for p in layer.packed)
-            if self.scheme.activations in ("q8_token", "q8_static") and not layer.int_gemm and device.type == "cpu":
+            if int8_per_token and not layer.int_gemm and device.type == "cpu":
                 # per-token int8 activations without a fast exact int8 GEMM: loom's kernel at every row count, so
                 # that a token's result does not depend on its step's row count (as the GEMM's does not)
                 self.dense_min_rows = sys.maxsize

@@ -280,6 +280,16 @@ class DetokenizeRequest(_Strict):
 _STRUCTURED_KEYS = frozenset(StructuredOutputParams.__dataclass_fields__)  # json, json_object, regex, ...
 
 
+def structured_output_error(exc: ValueError, req: _SamplingFields) -> RequestError:
+    """The engine's refusal of a constraint ("structured_output is invalid: ...") as a 400 naming, in its message and
+    its param, the field the client sent (response_format, guided_regex, ...)."""
+    field = structured_output_of(req)[1]
+    message = str(exc)
+    if field and message.startswith("structured_output "):
+        message = field + message[len("structured_output"):]
+    return RequestError(message, field)
+
+
 def structured_output_of(req: _SamplingFields) -> tuple[StructuredOutputParams | None, str | None]:
     """The constraint a request asks for, and the field that asked (for errors), or (None, None).
 
@@ -397,12 +407,10 @@ def to_sampling_params(req: _SamplingFields, max_tokens: int | None, vocab_size:
             kv_retention_budget=req.kv_retention_budget,
         )
     except ValueError as e:  # SamplingParams' own checks: its messages start with the parameter name
-        param, message = param_of(str(e)), str(e)
-        if param is None and message.startswith("structured_output"):
-            param = structured_output_of(req)[1]  # the field that carried the constraint, named in the message too
-            if param and message.startswith("structured_output "):
-                message = param + message[len("structured_output"):]
-        raise RequestError(message, param) from e
+        param = param_of(str(e))
+        if param is None and str(e).startswith("structured_output"):
+            raise structured_output_error(e, req) from e
+        raise RequestError(str(e), param) from e
 
 
 # fields beam search does not use: set with use_beam_search they are a 400 rather than silently ignored

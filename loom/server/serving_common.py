@@ -20,7 +20,7 @@ from loom.kv_transfer.base import parse_kv_transfer_request
 from loom.outputs import PositionLogprobs, RequestOutput
 from loom.router.result_cache import ResultCache
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams
-from loom.server.protocol import RequestError, param_of, structured_output_of
+from loom.server.protocol import RequestError, param_of, structured_output_error
 from loom.server.tool_parsers import HermesParser, ToolCallParser
 
 NEG_INF_LOGPROB = -9999.0  # what -inf (and NaN) logprobs become: JSON has no infinities
@@ -61,11 +61,7 @@ def check_structured_output(ctx: ServingContext, body: Any, params: SamplingPara
     try:
         ctx.engine.check_structured_output(params)
     except ValueError as e:
-        _, field = structured_output_of(body)
-        message = str(e)
-        if field and message.startswith("structured_output "):  # the engine's name for it; the client sent `field`
-            message = field + message[len("structured_output"):]
-        raise RequestError(message, field) from e
+        raise structured_output_error(e, body) from e
 
 
 def check_room(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, name: str,

@@ -37,6 +37,8 @@ class VocabEmbedding(nn.Module):
                 requires_grad=False,
             )  # [vocab rows held here, hidden_size]
         self.packed: PackedWeight | None = None  # [vocab_size, hidden_size] in a loom layout, when packed
+        # loom's C dequantize for the looked-up rows (CPU, float32 / bfloat16), set with a packed table
+        self._dequantize: Any = None
 
     def load(self, name: str, tensor: Any, shard: int | None = None) -> None:
         """Load the checkpoint table (a dense tensor, or a PackedWeight for a packed table).
@@ -52,6 +54,13 @@ class VocabEmbedding(nn.Module):
             tensor = tensor.rows(rows) if isinstance(tensor, PackedWeight) else tensor[rows]
         if self.weight is None:
             self.packed = tensor.to(self.device) if isinstance(tensor, PackedWeight) else None
+            if self.packed is not None and torch.device(self.device).type == "cpu" \
+                    and self.dtype in (torch.float32, torch.bfloat16):
+                # bit for bit layout.dequantize: one call instead of ~10 torch ops (one row of SmolLM2's Q8_0
+                # table: 17 -> 6.5 us on Zen 3)
+                from loom.quant.methods import quant_kernels
+
+                self._dequantize = quant_kernels(self.device).dequantize
             if self.packed is None:  # the file stores it in float after all
                 self.weight = nn.Parameter(tensor.to(device=self.device, dtype=self.dtype), requires_grad=False)
         else:
@@ -70,13 +79,7 @@ class VocabEmbedding(nn.Module):
         """Rows `ids` of the table held here -> [len(ids), hidden_size], model dtype."""
         if self.packed is not None:
             rows = self.packed.rows(ids)
-            if rows.qweight.is_cpu and self.dtype in (torch.float32, torch.bfloat16):
-                # loom's C dequantize, bit for bit layout.dequantize: one call instead of ~10 torch ops (one
-                # row of SmolLM2's Q8_0 table: 17 -> 6.5 us on Zen 3)
-                from loom.quant.methods import quant_kernels
-
-                return quant_kernels(rows.qweight.device).dequantize(rows, self.dtype)
-            return dequantize(rows, self.dtype)
+            return (self._dequantize or dequantize)(rows, self.dtype)
         return F.embedding(ids, self.weight)
 
     def weight_format(self) -> tuple[str, int]:
