@@ -86,9 +86,17 @@ class _StepPlan:
     attn_metadata: AttentionMetadata  # the step this plan was made for (compared by identity)
     sliding_window: int | None  # tokens, the window the masks were made for
     dtype: torch.dtype  # query dtype the decode mask was made in
-    has_pad_slots: bool  # some slot_mapping entry is PAD_SLOT_ID (checked once per step, not per layer)
     decode: _DecodePlan | None  # None = no decode tokens this step
     prefills: list[_PrefillPlan]  # requests with multi-token queries, batch order
+    _has_pad_slots: bool | None = None
+
+    @property
+    def has_pad_slots(self) -> bool:
+        """Some slot_mapping entry is PAD_SLOT_ID: checked once per step, when first read (the one-call C decode
+        step never reads it: a comparison, a reduction and a device sync it need not pay)."""
+        if self._has_pad_slots is None:
+            self._has_pad_slots = bool((self.attn_metadata.slot_mapping < 0).any())
+        return self._has_pad_slots
 
 
 def plan_step(
@@ -97,8 +105,8 @@ def plan_step(
     """Split a step into one batched decode and per-request prefills, and build their masks.
 
     Args:
-        attn_metadata: the step (python lists give the query and context lengths; one device sync, for
-            has_pad_slots).
+        attn_metadata: the step (python lists give the query and context lengths; one device sync when
+            has_pad_slots is first read).
         sliding_window: tokens each query may look back, query included; None = unlimited.
         dtype: the query dtype, in which the additive decode mask is built.
     """
@@ -117,8 +125,7 @@ def plan_step(
                 mask = causal_mask(q_len, seq_lens[i], sliding_window, device)
             prefills.append(_PrefillPlan(i, starts[i], starts[i + 1], seq_lens[i], mask))
     decode = _plan_decode(attn_metadata, decode_reqs, sliding_window, dtype) if decode_reqs else None
-    has_pad_slots = bool((attn_metadata.slot_mapping < 0).any())
-    return _StepPlan(attn_metadata, sliding_window, dtype, has_pad_slots, decode, prefills)
+    return _StepPlan(attn_metadata, sliding_window, dtype, decode, prefills)
 
 
 def _plan_decode(

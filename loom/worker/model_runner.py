@@ -284,6 +284,10 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, inputs: _StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [rows, vocab_size] float32 of the prompt-logprob rows and of the sampled rows (None where none)."""
+        rows = inputs.sample_indices
+        if not inputs.prompt_lp_indices and len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
+            # a decode step (every row sampled, in order: indices are increasing): no gather
+            return None, self.model.compute_logits(hidden)
         out = []
         for rows in (inputs.prompt_lp_indices, inputs.sample_indices):
             index = torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -451,9 +455,8 @@ class ModelRunner:
         metas = []
         for slot_mapping, tables in zip(slot_mappings, attn_tables, strict=True):
             max_blocks = max(len(t) for t in tables)
-            block_tables = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
-            for i, table in enumerate(tables):
-                block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            # zero-padded rows in one tensor construction (one torch call per step, not two per request)
+            block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
             metas.append(AttentionMetadata(
                 slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
                 query_start_loc=query_start,

@@ -223,3 +223,25 @@ def test_longrope_tables_move_with_the_model() -> None:
     rotary = RotaryEmbedding(16, 256, 10000.0, scaling).to(torch.float64)  # .to(dtype) moves buffers as .to(device)
     assert rotary.cos_sin_cache.dtype == torch.float64 and rotary.cos_sin_cache_long.dtype == torch.float64
     assert RotaryEmbedding(16, 256, 10000.0, None).cos_sin_cache_long is None
+
+
+def test_rotary_cos_sin_rows_and_bounds() -> None:
+    """cos_sin gathers rows of the precomputed [cos, cos] / [-sin, sin] tables: equal bit for bit to building them
+    from the cos/sin cache per call (the formula before the tables), made again after the module moves, and a
+    position outside [0, max_position) is a ValueError naming the bound, not an index error from deep inside."""
+    from loom.model.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(16, 256, 10000.0, None)
+    positions = torch.tensor([0, 5, 255, 5, 128])
+    cos, sin = rotary.cos_sin(positions)
+    half_cos, half_sin = rotary.cos_sin_cache[positions].chunk(2, dim=-1)
+    assert cos.shape == sin.shape == (5, 1, 16)
+    assert torch.equal(cos, torch.cat([half_cos, half_cos], dim=-1)[:, None, :])
+    assert torch.equal(sin, torch.cat([-half_sin, half_sin], dim=-1)[:, None, :])
+    assert rotary.cos_sin(torch.tensor([], dtype=torch.int64))[0].shape == (0, 1, 16)
+    for bad in ([256], [3, 1000], [-1]):
+        with pytest.raises(ValueError, match=r"positions must be in \[0, 256\)"):
+            rotary.cos_sin(torch.tensor(bad))
+    moved = rotary.to(torch.float64)  # a new cache tensor: the gathered tables follow it
+    assert moved.cos_sin(positions)[0].dtype == torch.float64
+    assert torch.equal(moved.cos_sin(positions)[1], sin.double())
