@@ -9,10 +9,12 @@ from pathlib import Path
 
 
 def cmd_quality(ns: argparse.Namespace) -> int:
-    from loom.bench.heldout import janeausten_text
+    from loom.bench.heldout import check_not_calibrated_on, janeausten_text
     from loom.bench.quality import run_quality, token_windows
     from loom.model.loader import load_tokenizer
 
+    if ns.text_file is None:
+        check_not_calibrated_on([ns.model], ns.book)
     tokenizer = load_tokenizer(ns.model)
     try:
         text = janeausten_text(ns.book) if ns.text_file is None else Path(ns.text_file).read_text(encoding="utf-8")

@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 def cmd_quant(ns: argparse.Namespace) -> int:
     from loom.bench import quant_report as qr
     from loom.bench.heldout import janeausten_text
+    from loom.bench.heldout import check_not_calibrated_on
     from loom.bench.quality import token_windows
     from loom.model.loader import load_tokenizer
     from loom.model.loader.model_loader import read_arch
@@ -26,6 +27,8 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     for kv in ns.kv_cache_dtypes:
         entries += [qr.QuantEntry(f"{m} + KV {kv}", "loom", ns.model, m, kv) for m in ns.kv_with]
     entries += checkpoints
+    if ns.text_file is None:
+        check_not_calibrated_on([e.model for e in checkpoints], ns.book)
     taken = [e.label for e in entries]
     if len(set(taken)) != len(taken):
         raise ValueError(f"--checkpoint labels must differ from each other and from the method rows, got {taken}")

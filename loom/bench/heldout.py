@@ -76,3 +76,36 @@ def janeausten_text(book: str = "prideprejudice") -> str:
             blob = f.read(length)
         lines = rdata.conversion.convert(rdata.parser.parse_data(zlib.decompress(blob[4:])))
     return "\n".join(str(line) for line in lines)
+
+
+def check_not_calibrated_on(models: list[str | None], book: str) -> None:
+    """Evaluation text must be disjoint from calibration text: refuse a novel that a `loom quantize` checkpoint
+    among `models` (directories; GGUF files and None are skipped) records in a "calibration" label of its
+    config.json (quantization_config's, or loom's SmoothQuant preparation's) (the default calibration reads CALIBRATION_BOOK of loom/quant/quantize.py).
+
+    Raises:
+        ValueError: a checkpoint was calibrated on `book`.
+    """
+    import json
+
+    for model in models:
+        config = Path(model) / "config.json" if model is not None else None
+        if config is None or not config.is_file():
+            continue
+        try:
+            labels = _calibration_labels(json.loads(config.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue  # the loader reports an unreadable config
+        if any(book in label.lower() for label in labels):
+            raise ValueError(f"--book {book}: {model} was calibrated on that novel; evaluation text must be disjoint "
+                             "from calibration text (pick another --book, or --text-file)")
+
+
+def _calibration_labels(node: object) -> list[str]:
+    """Every string value of a "calibration" key anywhere in a parsed config.json."""
+    if isinstance(node, dict):
+        found = [v for k, v in node.items() if k == "calibration" and isinstance(v, str)]
+        return found + [label for v in node.values() for label in _calibration_labels(v)]
+    if isinstance(node, list):
+        return [label for v in node for label in _calibration_labels(v)]
+    return []

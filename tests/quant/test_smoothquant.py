@@ -207,3 +207,58 @@ def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--output", str(tmp_path / "o"), *args])
     assert exc.value.code == 2 and args[0] in capsys.readouterr().err
+
+
+def test_default_calibration_alternates_chat_and_prose(monkeypatch) -> None:
+    """The default calibration (no file) alternates ShareGPT chat windows and windows of Emma (calibrated on one
+    source alone, GPTQ overfit it: NOTES "GPTQ's default calibration"), chat first, so any prefix of the windows
+    (mixed precision's sensitivity reads the first) holds chat; without the novel, every window is chat and the
+    label says so."""
+    import loom.bench.heldout as heldout
+    from loom.model.loader import load_tokenizer
+    from loom.quant import quantize as q
+
+    tokenizer = load_tokenizer(None)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    emma = tokenizer.encode(heldout.janeausten_text("emma"), add_special_tokens=False)
+    windows, source = q.calibration_windows(tokenizer, None, 5, 64)
+    assert [len(w) for w in windows] == [64] * 5
+    assert "ShareGPT" in source and "emma" in source
+    chat = q._chat_windows(tokenizer, 3, 64)
+    assert windows[0][0] == im_start and windows[0::2] == chat  # chat, prose, chat, prose, chat
+    assert windows[1] == emma[:64] and windows[3] == emma[64:128]
+    assert q.calibration_windows(tokenizer, None, 1, 64)[0] == chat[:1]  # one window: chat
+
+    def unavailable(book: str) -> str:
+        raise RuntimeError("apt-get not found")
+
+    monkeypatch.setattr(heldout, "janeausten_text", unavailable)
+    windows, source = q.calibration_windows(tokenizer, None, 4, 64)
+    assert windows == q._chat_windows(tokenizer, 4, 64)
+    assert "only" in source and "unavailable" in source
+
+
+def test_evaluation_refuses_the_calibration_novel(tmp_path) -> None:
+    """`loom bench quality|quant --book B` refuses a checkpoint calibrated on B (evaluation text must be disjoint
+    from calibration text, and the default calibration reads Emma); other books, GGUF files and checkpoints
+    without a calibration label pass."""
+    import json
+
+    from loom.bench.heldout import check_not_calibrated_on
+    from loom.quant.quantize import CALIBRATION_BOOK, SHAREGPT_SOURCE
+
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    label = f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK}, alternating windows"
+    (gptq / "config.json").write_text(json.dumps({"quantization_config": {"meta": {"calibration": label}}}))
+    w8a8 = tmp_path / "w8a8"
+    w8a8.mkdir()
+    (w8a8 / "config.json").write_text(json.dumps({"loom_prepared": [{"calibration": label}]}))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for model in (gptq, w8a8):
+        with pytest.raises(ValueError, match="--book emma: .* was calibrated on that novel"):
+            check_not_calibrated_on([str(plain), None, str(model)], "emma")
+        check_not_calibrated_on([str(model)], "prideprejudice")
+    check_not_calibrated_on([str(plain), None, str(tmp_path / "model.gguf")], "emma")
