@@ -64,7 +64,7 @@ def janeausten_text(book: str = "prideprejudice") -> str:
         import rdata
     except ImportError as exc:
         raise RuntimeError("reading the Jane Austen novels needs the rdata package: pip install 'loom[bench]' "
-                           "(or pip install rdata), or pass --text-file") from exc
+                           "(or pip install rdata)") from exc
 
     data = janeausten_data_dir()
     with warnings.catch_warnings():
@@ -81,7 +81,8 @@ def janeausten_text(book: str = "prideprejudice") -> str:
 def check_not_calibrated_on(models: list[str | None], book: str) -> None:
     """Evaluation text must be disjoint from calibration text: refuse a novel that a `loom quantize` checkpoint
     among `models` (directories; GGUF files and None are skipped) records in a "calibration" label of its
-    config.json (quantization_config's, or loom's SmoothQuant preparation's) (the default calibration reads CALIBRATION_BOOK of loom/quant/quantize.py).
+    config.json (quantization_config's, or loom's SmoothQuant preparation's); the default calibration reads
+    CALIBRATION_BOOK of loom/quant/quantize.py.
 
     Raises:
         ValueError: a checkpoint was calibrated on `book`.

@@ -110,8 +110,16 @@ def run_quality(model: str | None, methods: list[str], dtype: str, windows: list
     from loom.worker.model_runner import resolve_dtype
 
     device = torch.device("cpu")
-    ref_model = load_model(model if reference_model is None else reference_model, torch.float32, device,
-                           quantization="none")
+    try:
+        ref_model = load_model(model if reference_model is None else reference_model, torch.float32, device,
+                               quantization="none")
+    except ValueError as exc:
+        if reference_model is not None or "already quantized" not in str(exc):
+            raise
+        # a pre-quantized checkpoint (GPTQ, AWQ, ...) has no float32 weights of its own to be the reference
+        raise ValueError(f"reference_model: {model} holds quantized weights, so it cannot be its own float32 "
+                         "reference; pass its source as --reference-model (for a `loom quantize` output of the "
+                         "bundled model: the bundled GGUF)") from None
     reference = [window_logits(ref_model.model, ref_model.arch, w) for w in windows]
     results = []
     for method in methods:

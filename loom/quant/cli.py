@@ -137,8 +137,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write a quantized checkpoint (RTN, GPTQ, AWQ, FP8) or one prepared for "
                        "W8A8 (SmoothQuant)",
                        description="Write a quantized checkpoint. rtn / gptq: a Hugging Face GPTQ-format checkpoint "
-                       "(4 or 8 bits; GPTQ, Frantar et al. 2022, calibrated on ShareGPT conversations or a text "
-                       "file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; "
+                       "(4 or 8 bits; GPTQ, Frantar et al. 2022, calibrated on ShareGPT conversations and prose, or "
+                       "a text file), run by loom's packed kernels. awq: an AutoAWQ gemm checkpoint (4 bits, asymmetric; "
                        "AWQ, Lin et al. 2023). smoothquant: fold SmoothQuant's per-channel scales "
                        "(Xiao et al. 2022) into the weights; the output runs as w8a8 by default. w8a8: SmoothQuant "
                        "then int8 per channel, a compressed-tensors W8A8 checkpoint (vLLM's format), int8 activations "
@@ -152,7 +152,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="SmoothQuant migration strength in [0, 1], or 'search' for the best per layer on the "
                    "calibration tokens (default: %(default)s)")
     p.add_argument("--calibration-file", default=None,
-                   help="UTF-8 text to calibrate on (default: ShareGPT conversations; needs loom[bench])")
+                   help="UTF-8 text to calibrate on (default: ShareGPT conversations and Jane Austen's Emma, window by "
+                   "window; needs loom[bench])")
     p.add_argument("--calibration-windows", type=_positive, default=8,
                    help="calibration windows, one prefill each (default: %(default)s)")
     p.add_argument("--calibration-window-len", type=_positive, default=512,

@@ -187,6 +187,19 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args: list[str], message: s
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--num-windows", "0"], "--num-windows: must be >= 1"),
+    (["--window-len", "1"], "--window-len: must be >= 2"),
+    (["--skip-tokens", "-5"], "--skip-tokens: must be >= 0"),
+])
+def test_bench_quality_bad_arguments_are_one_line_errors(args: list[str], message: str) -> None:
+    """Refused by the parser (a ZeroDivisionError traceback after loading the model, or a slice from the end for a
+    negative skip, before: fresh-user trial)."""
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", "quality", *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_result_dir_that_is_a_file_is_refused(tmp_path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("x")

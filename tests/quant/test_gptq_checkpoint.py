@@ -148,6 +148,12 @@ def test_other_quantization_of_a_gptq_checkpoint_is_refused(tiny_models, tmp_pat
         load_model(str(out), torch.float32, CPU, quantization="w4a16")
     with pytest.raises(ValueError, match="needs a GPTQ checkpoint"):
         load_model(str(tiny.path), torch.float32, CPU, quantization="gptq")
+    # `loom bench quality` on the checkpoint alone: it cannot be its own float32 reference, and the error says which
+    # flag to pass (it named quantization 'none', which the user never passed: fresh-user trial)
+    from loom.bench.quality import run_quality
+
+    with pytest.raises(ValueError, match="cannot be its own float32 reference; pass its source as --reference-model"):
+        run_quality(str(out), ["gptq"], "float32", [[1, 2, 3]])
     with pytest.raises(ValueError, match="desc_act"):
         write_gptq_checkpoint(str(tiny.path), str(tmp_path / "x"), GPTQSettings("rtn", 4, 32, True, True), [])
     with pytest.raises(ValueError, match="group_size"):
