@@ -41,7 +41,7 @@ def cmd_quality(ns: argparse.Namespace) -> int:
 
 def register_quality(bench_sub: argparse._SubParsersAction) -> None:
     """Add `loom bench quality` to the `loom bench` subcommands."""
-    from loom.bench.cli_quant import _at_least
+    from loom.bench.cli_quant import at_least
     from loom.config import QUANTIZATION_METHODS
 
     p = bench_sub.add_parser("quality", help="perplexity, top-1 agreement and KL of quantized paths vs float32")
@@ -54,9 +54,9 @@ def register_quality(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="activation dtype of the methods compared (default: %(default)s)")
     p.add_argument("--book", default="prideprejudice", help="Jane Austen novel (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="held-out text file instead of a novel")
-    p.add_argument("--num-windows", type=_at_least(1), default=8, help="windows (default: %(default)s)")
-    p.add_argument("--window-len", type=_at_least(2), default=512, help="tokens per window (default: %(default)s)")
-    p.add_argument("--skip-tokens", type=_at_least(0), default=0,
+    p.add_argument("--num-windows", type=at_least(1), default=8, help="windows (default: %(default)s)")
+    p.add_argument("--window-len", type=at_least(2), default=512, help="tokens per window (default: %(default)s)")
+    p.add_argument("--skip-tokens", type=at_least(0), default=0,
                    help="tokens skipped at the start (default: %(default)s)")
     p.add_argument("--result-dir", type=Path, default=Path("benchmarks/results"), help="where quality.json goes")
     p.set_defaults(func=cmd_quality)

@@ -14,8 +14,7 @@ logger = logging.getLogger(__name__)
 
 def cmd_quant(ns: argparse.Namespace) -> int:
     from loom.bench import quant_report as qr
-    from loom.bench.heldout import janeausten_text
-    from loom.bench.heldout import check_not_calibrated_on
+    from loom.bench.heldout import check_not_calibrated_on, janeausten_text
     from loom.bench.quality import token_windows
     from loom.model.loader import load_tokenizer
     from loom.model.loader.model_loader import read_arch
@@ -100,7 +99,7 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least(minimum: int):
+def at_least(minimum: int):
     def parse(value: str) -> int:
         try:
             n = int(value)
@@ -143,11 +142,11 @@ def register_quant(bench_sub: argparse._SubParsersAction) -> None:
                    help="llama-quantize types (default: %(default)s)")
     p.add_argument("--book", default="prideprejudice", help="Jane Austen novel (default: %(default)s)")
     p.add_argument("--text-file", default=None, help="held-out text file instead of a novel")
-    p.add_argument("--num-windows", type=_at_least(1), default=16, help="windows (default: %(default)s)")
-    p.add_argument("--window-len", type=_at_least(2), default=512, help="tokens per window (default: %(default)s)")
+    p.add_argument("--num-windows", type=at_least(1), default=16, help="windows (default: %(default)s)")
+    p.add_argument("--window-len", type=at_least(2), default=512, help="tokens per window (default: %(default)s)")
     p.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                    help="measure decode, batch-32 and prefill speed (default: on)")
-    p.add_argument("--threads", type=_at_least(1), default=2,
+    p.add_argument("--threads", type=at_least(1), default=2,
                    help="threads for loom and llama.cpp (default: %(default)s)")
     p.add_argument("--result-dir", type=Path, default=Path("benchmarks/results/quant"),
                    help="where quant.md, quant.json and quant.png go (default: %(default)s)")

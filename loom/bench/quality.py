@@ -107,14 +107,15 @@ def run_quality(model: str | None, methods: list[str], dtype: str, windows: list
         ValueError: the reference's vocabulary differs from the model's.
     """
     from loom.model.loader import load_model
+    from loom.quant.config import AlreadyQuantizedError
     from loom.worker.model_runner import resolve_dtype
 
     device = torch.device("cpu")
     try:
         ref_model = load_model(model if reference_model is None else reference_model, torch.float32, device,
                                quantization="none")
-    except ValueError as exc:
-        if reference_model is not None or "already quantized" not in str(exc):
+    except AlreadyQuantizedError:
+        if reference_model is not None:
             raise
         # a pre-quantized checkpoint (GPTQ, AWQ, ...) has no float32 weights of its own to be the reference
         raise ValueError(f"reference_model: {model} holds quantized weights, so it cannot be its own float32 "

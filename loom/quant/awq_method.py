@@ -12,6 +12,7 @@ import torch
 
 from loom.model.layers.linear import Linear
 from loom.quant.awq_format import AWQ_TENSORS, check_quantization_config, from_checkpoint
+from loom.quant.config import AlreadyQuantizedError
 from loom.quant.gptq_format import to_checkpoint as to_gptq_v2
 from loom.quant.gptq_method import GPTQCheckpoint, GPTQConfig, GPTQLinearMethod
 
@@ -26,12 +27,13 @@ def awq_quant_config(name: str | None, quantization_config: dict[str, Any], tens
     """The quantization config of an AWQ checkpoint for `--quantization name` (None or "awq").
 
     Raises:
-        ValueError: another method (the weights are already quantized), a quantization_config loom cannot run
+        ValueError: another method (AlreadyQuantizedError: the weights are already quantized), a
+            quantization_config loom cannot run
             (awq_format.check_quantization_config), or no qweight tensor.
     """
     if name not in (None, "awq"):
-        raise ValueError(f"quantization={name!r} cannot run an AWQ checkpoint, whose weights are already "
-                         "quantized; use 'awq' (the default for it)")
+        raise AlreadyQuantizedError(f"quantization={name!r} cannot run an AWQ checkpoint, whose weights are already "
+                                    "quantized; use 'awq' (the default for it)")
     quantized = frozenset(n.removesuffix(".qweight") for n in tensor_names if n.endswith(".qweight"))
     if not quantized:
         raise ValueError("an AWQ checkpoint (quantization_config.quant_method 'awq') without any qweight tensor")

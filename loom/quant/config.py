@@ -29,6 +29,11 @@ from loom.model.layers.linear import LinearMethod, default_linear_method
 logger = logging.getLogger(__name__)
 
 # stacked loom layer -> the checkpoint projections stacked into it, in order
+class AlreadyQuantizedError(ValueError):
+    """A checkpoint whose weights are already quantized (GPTQ, AWQ, int8 compressed-tensors) asked to run under
+    another quantization method (`none` included: it has no float weights of its own)."""
+
+
 STACKED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -149,16 +154,17 @@ def get_quant_config(name: str | None, gguf_tensor_types: dict[str, str] | None,
 
     Raises:
         ValueError: unknown name, "gguf" for a checkpoint that is not a GGUF file, "gptq" for one that is not a
-            GPTQ checkpoint, or any other method for a GPTQ checkpoint (its weights are already quantized).
+            GPTQ checkpoint; AlreadyQuantizedError (a ValueError): any other method for a GPTQ checkpoint.
     """
     if name is None:
         name = "gguf" if gguf_tensor_types is not None else "gptq" if gptq is not None else "none"
     if name not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {name!r}")
     if (name == "gptq") != (gptq is not None):
-        raise ValueError("quantization='gptq' needs a GPTQ checkpoint (quantization_config.quant_method 'gptq')"
-                         if gptq is None else f"quantization={name!r} cannot run a GPTQ checkpoint, whose "
-                         "weights are already quantized; use 'gptq' (the default for it)")
+        if gptq is None:
+            raise ValueError("quantization='gptq' needs a GPTQ checkpoint (quantization_config.quant_method 'gptq')")
+        raise AlreadyQuantizedError(f"quantization={name!r} cannot run a GPTQ checkpoint, whose weights are already "
+                                    "quantized; use 'gptq' (the default for it)")
     if name == "awq":  # an AWQ checkpoint's config comes from loom.quant.awq_method.awq_quant_config
         raise ValueError("quantization='awq' needs an AWQ checkpoint (quantization_config.quant_method 'awq')")
     if name == "gptq":

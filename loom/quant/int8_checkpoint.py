@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from loom.quant.config import AlreadyQuantizedError
 from loom.quant.layout import PackedWeight
 
 
@@ -167,12 +168,13 @@ def int8_quant_config(name: str | None, qc: dict[str, Any], tensor_names: set[st
     checkpoint's own: "w8a8" with int8 activations, "w8a16" without).
 
     Raises:
-        ValueError: another method (the weights are already int8), or a config read_int8_checkpoint refuses.
+        ValueError: another method (AlreadyQuantizedError: the weights are already int8), or a config
+            read_int8_checkpoint refuses.
     """
     config = Int8CheckpointConfig(read_int8_checkpoint(qc, tensor_names))
     if name not in (None, config.name):
-        raise ValueError(f"quantization={name!r} cannot run this int8 compressed-tensors checkpoint, whose weights "
-                         f"are already quantized; use {config.name!r} (the default for it)")
+        raise AlreadyQuantizedError(f"quantization={name!r} cannot run this int8 compressed-tensors checkpoint, "
+                                    f"whose weights are already quantized; use {config.name!r} (the default for it)")
     return config
 
 

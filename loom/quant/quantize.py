@@ -91,9 +91,7 @@ def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int,
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"calibration_file {text_file!r}: {exc}") from exc
         ids = list(tokenizer.encode(text, add_special_tokens=False))
-        if len(ids) < num_windows * window_len:
-            raise ValueError(f"calibration text has {len(ids)} tokens, fewer than {num_windows} x {window_len}")
-        return [ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)], text_file
+        return _cut(ids, num_windows, window_len, "calibration text"), text_file
     num_prose = num_windows // 2
     prose: list[list[int]] = []
     source = f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK}, alternating windows"
@@ -105,14 +103,21 @@ def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int,
                            "conversations only", CALIBRATION_BOOK, exc)
             source = f"{SHAREGPT_SOURCE} only ({CALIBRATION_BOOK} unavailable)"
     chat = _chat_windows(tokenizer, num_windows - len(prose), window_len)
-    if len(prose) < num_prose:
-        return chat, source
-    windows = []
+    windows = []  # chat, prose, chat, ... (no prose: chat alone)
     for i, window in enumerate(chat):
-        windows.append(window)
-        if i < len(prose):
-            windows.append(prose[i])
+        windows += [window, *prose[i : i + 1]]
     return windows, source
+
+
+def _cut(ids: list[int], num_windows: int, window_len: int, what: str) -> list[list[int]]:
+    """The first num_windows consecutive windows of window_len tokens of ids.
+
+    Raises:
+        ValueError: fewer tokens than that, naming `what`.
+    """
+    if len(ids) < num_windows * window_len:
+        raise ValueError(f"{what} has {len(ids)} tokens, fewer than {num_windows} x {window_len}")
+    return [ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)]
 
 
 def _chat_windows(tokenizer: Any, num_windows: int, window_len: int) -> list[list[int]]:
@@ -137,9 +142,7 @@ def _chat_windows(tokenizer: Any, num_windows: int, window_len: int) -> list[lis
                 break
     except FileNotFoundError as exc:
         raise ValueError(f"{exc}; or pass calibration_file") from exc
-    if len(ids) < need:
-        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than {num_windows} x {window_len}")
-    return [ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)]
+    return _cut(ids, num_windows, window_len, "calibration text")
 
 
 def _prose_windows(tokenizer: Any, num_windows: int, window_len: int) -> list[list[int]]:
@@ -151,9 +154,7 @@ def _prose_windows(tokenizer: Any, num_windows: int, window_len: int) -> list[li
     from loom.bench.heldout import janeausten_text
 
     ids = list(tokenizer.encode(janeausten_text(CALIBRATION_BOOK), add_special_tokens=False))
-    if len(ids) < num_windows * window_len:
-        raise ValueError(f"{CALIBRATION_BOOK} has {len(ids)} tokens, fewer than {num_windows} x {window_len}")
-    return [ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)]
+    return _cut(ids, num_windows, window_len, CALIBRATION_BOOK)
 
 
 def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
