@@ -622,10 +622,12 @@ ALWAYS_INLINE void finish16(const int cnt, const int by_row, const int mc, __m25
     for (; i < cnt; ++i) dots[i] = hsum8_tree(acc[i]) + tail[i];
 }
 
-/* q4g32 tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * pair_scales(d) for the
- * pairs of blocks in order (chunks of CH blocks for the scale products d = sc * xs), then the mins' term,
- * then hsum8_tree, the same sequence in by-row and by-x tiles. By-row tiles read one weight row after the
- * other (the order the DRAM stream wants); by-x tiles unpack each pair of one weight row once for up to six
+/* q4g32 tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * d for the pairs of blocks
+ * in order, d = [f16(s_b) xs_b x4 | f16(s_b+1) xs_b+1 x4] (the same float32 products in both tiles), then the
+ * mins' term, then hsum8_tree, the same sequence in by-row and by-x tiles. By-row tiles read one weight row
+ * after the other (the order the DRAM stream wants) and form the products of 8 blocks with one multiply, each
+ * pair's d by one permute of them (the scalar scale loads, a conversion and a multiply per pair had cost ~10%
+ * of a one-row product: benchmarks/NOTES.md "the one-row tile"); by-x tiles unpack each pair of one weight row once for up to six
  * x rows (MROWS_Q4_16) and take the scale products from the pair's weight scales times the x rows' pair scale
  * vectors. With the two accumulators per slot of the q8 tiles, the by-x tile held eight accumulators and
  * GCC kept them on the stack (a store and a reload around every FMA: 8 cycles per pair and x row from L1,
@@ -637,19 +639,32 @@ ALWAYS_INLINE void rows16_q4_256(const int nr, const int mc, const uint8_t *w, i
     const int cnt = nr * mc, by_row = nr == NR;
     __m256 acc[NSLOT_MAX];
     if (by_row) {
+        /* the scale products of 8 blocks at a time (f16(sc) * xs, lane for lane block_scales' product), spread
+         * to each pair's [d_b x4 | d_b+1 x4] by one permute */
+        const __m256i i0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+        const __m256i i2 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), i3 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
         for (int r = 0; r < NR; ++r) {
             __m256 a = _mm256_setzero_ps();
-            for (int64_t c0 = 0; c0 < nb; c0 += CH) {
-                const int64_t cc = nb - c0 < CH ? nb - c0 : CH;
-                float d[2 * CH];
-                block_scales(KIND_Q4, sc + r * ng, 1, xs, c0, cc, d);
-                const uint8_t *wr = w + r * row_bytes + 16 * c0;
-                const int16_t *x = xc + 32 * c0;
-                for (int64_t j = 0; j < cc; j += 2) {
-                    const int pair = j + 1 < cc;
-                    const w16x4 q = q4_codes16(wr + 16 * j, pair);
-                    a = dot16_q4(&q, x + 32 * j, d + j, pair, a);
-                }
+            const uint8_t *wr = w + r * row_bytes;
+            const uint16_t *sr = sc + r * ng;
+            int64_t j = 0;
+            for (; j + 8 <= nb; j += 8) {
+                const __m256 P = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + j))),
+                                               _mm256_loadu_ps(xs + j));
+                const w16x4 q0 = q4_codes16(wr + 16 * j, 1);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q0, xc + 32 * j)), _mm256_permutevar8x32_ps(P, i0), a);
+                const w16x4 q1 = q4_codes16(wr + 16 * (j + 2), 1);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q1, xc + 32 * (j + 2))), _mm256_permutevar8x32_ps(P, i1), a);
+                const w16x4 q2 = q4_codes16(wr + 16 * (j + 4), 1);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q2, xc + 32 * (j + 4))), _mm256_permutevar8x32_ps(P, i2), a);
+                const w16x4 q3 = q4_codes16(wr + 16 * (j + 6), 1);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q3, xc + 32 * (j + 6))), _mm256_permutevar8x32_ps(P, i3), a);
+            }
+            for (; j < nb; j += 2) {
+                const int pair = j + 1 < nb;
+                const w16x4 q = q4_codes16(wr + 16 * j, pair);
+                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, xc + 32 * j)),
+                                    _mm256_mul_ps(pair_weight_scales(sr + j, pair), _mm256_loadu_ps(xv + 4 * j)), a);
             }
             acc[r] = a;
         }
@@ -1397,10 +1412,17 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
                 gs[m * ng + g] = t;
             }
     const rows_16_fn rows = kind == KIND_Q4 ? rows_16_q4 : (kind == KIND_Q8 ? rows_16_q8 : rows_16_q8_16);
+    const int q4_inline = kind == KIND_Q4 && LOOM_QSIMD; /* M == 1: the q4 by-row tile inlined, not through `rows` */
 #define TILE16(NR_, MC_, N_, M0_)                                                                                \
-    rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
-         xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * vw : NULL, mn ? gs + (M0_) * ng : NULL, \
-         K, dots)
+    do {                                                                                                         \
+        if (q4_inline && (NR_) == NR && (MC_) == 1)                                                              \
+            rows16_q4(NR, 1, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng,    \
+                      xc, xstride, xs, xv, gs, K, dots);                                                         \
+        else                                                                                                     \
+            rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg, \
+                 xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * vw : NULL,                 \
+                 mn ? gs + (M0_) * ng : NULL, K, dots);                                                          \
+    } while (0)
     FOR_EACH_TILE(TILE16, kind == KIND_Q4 && LOOM_QSIMD ? MROWS_Q4_16 : MROWS, row_bytes + 2 * ng * (mn ? 2 : 1))
 #undef TILE16
     free(scratch);
