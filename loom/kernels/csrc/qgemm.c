@@ -358,6 +358,28 @@ ALWAYS_INLINE int min_term(const uint16_t *mn, const float *gs, int64_t ng, cons
     }
     return 1;
 }
+
+/* acc[i] += mn[i * ng + g] * gs[g] over the ng groups for the cnt weight rows of a by-row tile, the rows' FMA
+ * chains interleaved (each row's own sequence of products and sums is min_term's: the same bits); ng < 8 is
+ * left to the caller (returns 0). */
+ALWAYS_INLINE int min_term_rows(const uint16_t *mn, const float *gs, int64_t ng, const int cnt, __m256 *acc) {
+    if (ng < 8) return 0;
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        const __m256 gv = _mm256_loadu_ps(gs + g);
+        for (int i = 0; i < cnt; ++i)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + i * ng + g))), gv, acc[i]);
+    }
+    if (g < ng) { /* lanes i >= 8 - (ng - g) of the vectors at ng - 8 are the groups not yet counted */
+        const __m256 keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(tail_mask + (ng - g))));
+        const __m256 gv = _mm256_and_ps(keep, _mm256_loadu_ps(gs + ng - 8));
+        for (int i = 0; i < cnt; ++i) {
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + i * ng + ng - 8)));
+            acc[i] = _mm256_fmadd_ps(_mm256_and_ps(keep, mv), gv, acc[i]);
+        }
+    }
+    return 1;
+}
 #endif
 
 /* Register tiles. One call of rows_q8 / rows_16 computes up to four (six: q4g32 int16) (weight row, x row)
@@ -603,7 +625,7 @@ ALWAYS_INLINE void finish16(const int cnt, const int by_row, const int mc, __m25
     if (mn) {
         int vec = 1;
         if (by_row)
-            for (int i = 0; i < cnt; ++i) vec = min_term(mn + i * ng, gs, ng, 1, acc + i);
+            vec = min_term_rows(mn, gs, ng, cnt, acc);
         else
             vec = min_term(mn, gs, ng, mc, acc);
         if (!vec)
