@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 # no silent FMA contraction: roundings as written in the sources (kernels that want FMA call it explicitly)
@@ -73,6 +76,9 @@ def build_library(name: str, sources: Sequence[str], cflags: Sequence[str] = (),
     target = cache_dir() / f"{stem}-{digest}.so"
     if target.exists():
         return target
+    # a first run compiles every kernel it loads, ~25 s in all on 2 cores: say so rather than sit silent
+    logger.info("compiling loom's C kernel %s (%s) into %s (once per source version)", name, tag or "default",
+                target.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:

@@ -10,7 +10,9 @@ from loom.kernels import cpu as kcpu
 from loom.kernels.registry import clear_kernel_cache, get_kernel
 
 gemv = get_kernel("gemv_bf16")
-needs_kernel = pytest.mark.skipif(gemv is None, reason="no C compiler or no AVX512-BF16 on this CPU")
+_why_no_gemv = ("this CPU has no AVX512-BF16" if "avx512_bf16" not in build.cpu_flags()
+                else "the AVX512-BF16 build is off or did not compile (no C compiler, or LOOM_CPU_KERNELS=0)")
+needs_kernel = pytest.mark.skipif(gemv is None, reason=_why_no_gemv)
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
