@@ -636,12 +636,24 @@ ALWAYS_INLINE void finish16(const int cnt, const int by_row, const int mc, __m25
             }
     }
     int i = 0;
-    if (cnt >= 4) { /* lane i of hsum4 = hsum8_tree(acc[i]) */
-        float t[4];
-        _mm_storeu_ps(t, hsum4(acc));
-        for (; i < 4; ++i) dots[i] = t[i] + tail[i];
+    float t[4];
+    for (; i + 4 <= cnt; i += 4) { /* lane j of hsum4 = hsum8_tree(acc[i + j]) */
+        _mm_storeu_ps(t, hsum4(acc + i));
+        for (int j = 0; j < 4; ++j) dots[i + j] = t[j] + tail[i + j];
     }
-    for (; i < cnt; ++i) dots[i] = hsum8_tree(acc[i]) + tail[i];
+    if (cnt - i == 3) { /* three sums in one hsum4 (a zero fourth) */
+        const __m256 v[4] = {acc[i], acc[i + 1], acc[i + 2], _mm256_setzero_ps()};
+        _mm_storeu_ps(t, hsum4(v));
+        for (int j = 0; j < 3; ++j) dots[i + j] = t[j] + tail[i + j];
+    } else if (cnt - i == 2) { /* two sums: the same tree, two VHADDPS for both */
+        const __m256 h = _mm256_hadd_ps(acc[i], acc[i + 1]);
+        const __m256 h2 = _mm256_hadd_ps(h, h);
+        _mm_storeu_ps(t, _mm_add_ps(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+        dots[i] = t[0] + tail[i];
+        dots[i + 1] = t[1] + tail[i + 1];
+    } else if (cnt - i == 1) {
+        dots[i] = hsum8_tree(acc[i]) + tail[i];
+    }
 }
 
 /* q4g32 tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * d for the pairs of blocks
