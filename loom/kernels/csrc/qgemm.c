@@ -340,43 +340,26 @@ ALWAYS_INLINE void block_scales(const int kind, const uint16_t *sc, int64_t bpg,
 }
 
 #if LOOM_QSIMD
-/* acc[m] += mn[g] * gs[m * ng + g] over the ng groups, 8 per vector; a last partial vector overlaps the
- * previous one with the lanes already counted masked to zero. ng < 8 is left to the caller (returns 0). */
+/* acc[i] += mn[i * mn_step + g] * gs[i * gs_step + g] over the ng groups for the cnt slots of a tile, 8 groups per
+ * vector (by-x tiles: one weight row's mins, mn_step 0, against each x row's sums; by-row tiles: each weight row's
+ * mins against the one x row's sums, gs_step 0); a last partial vector overlaps the previous one with the lanes
+ * already counted masked to zero. Every slot's operands are loaded before any accumulator is written, so that a
+ * step of 0 (a constant once inlined) loads and converts the shared operand once; the slots' FMA chains
+ * interleave. ng < 8 is left to the caller (returns 0). */
 static const int32_t tail_mask[16] = {0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
-ALWAYS_INLINE int min_term(const uint16_t *mn, const float *gs, int64_t ng, const int mc, __m256 *acc) {
+ALWAYS_INLINE int min_term(const uint16_t *mn, int64_t mn_step, const float *gs, int64_t gs_step, int64_t ng,
+                           const int cnt, __m256 *acc) {
     if (ng < 8) return 0;
-    int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) {
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g)));
-        for (int m = 0; m < mc; ++m) acc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(gs + m * ng + g), acc[m]);
-    }
-    if (g < ng) { /* lanes i >= 8 - (ng - g) of the vector at ng - 8 are the groups not yet counted */
-        const __m256 keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(tail_mask + (ng - g))));
-        const __m256 mv = _mm256_and_ps(keep, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + ng - 8))));
-        for (int m = 0; m < mc; ++m)
-            acc[m] = _mm256_fmadd_ps(mv, _mm256_and_ps(keep, _mm256_loadu_ps(gs + m * ng + ng - 8)), acc[m]);
-    }
-    return 1;
-}
-
-/* acc[i] += mn[i * ng + g] * gs[g] over the ng groups for the cnt weight rows of a by-row tile, the rows' FMA
- * chains interleaved (each row's own sequence of products and sums is min_term's: the same bits); ng < 8 is
- * left to the caller (returns 0). */
-ALWAYS_INLINE int min_term_rows(const uint16_t *mn, const float *gs, int64_t ng, const int cnt, __m256 *acc) {
-    if (ng < 8) return 0;
-    int64_t g = 0;
-    for (; g + 8 <= ng; g += 8) {
-        const __m256 gv = _mm256_loadu_ps(gs + g);
-        for (int i = 0; i < cnt; ++i)
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + i * ng + g))), gv, acc[i]);
-    }
-    if (g < ng) { /* lanes i >= 8 - (ng - g) of the vectors at ng - 8 are the groups not yet counted */
-        const __m256 keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(tail_mask + (ng - g))));
-        const __m256 gv = _mm256_and_ps(keep, _mm256_loadu_ps(gs + ng - 8));
+    __m256 mv[6], gv[6]; /* NSLOT_MAX slots at most */
+    for (int64_t g = 0; g < ng; g += 8) {
+        const int64_t at = g + 8 <= ng ? g : ng - 8; /* the last partial vector: lanes < 8 - (ng - g) counted */
+        const __m256 keep = g + 8 <= ng ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                                        : _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(tail_mask + (ng - g))));
         for (int i = 0; i < cnt; ++i) {
-            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + i * ng + ng - 8)));
-            acc[i] = _mm256_fmadd_ps(_mm256_and_ps(keep, mv), gv, acc[i]);
+            mv[i] = _mm256_and_ps(keep, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + i * mn_step + at))));
+            gv[i] = _mm256_and_ps(keep, _mm256_loadu_ps(gs + i * gs_step + at));
         }
+        for (int i = 0; i < cnt; ++i) acc[i] = _mm256_fmadd_ps(mv[i], gv[i], acc[i]);
     }
     return 1;
 }
@@ -395,6 +378,7 @@ ALWAYS_INLINE int min_term_rows(const uint16_t *mn, const float *gs, int64_t ng,
 #define NR 4
 #define NSLOT 4 /* slots per call: NR x 1 or 1 x MROWS */
 #define NSLOT_MAX 6 /* slots of the largest tile: 1 x MROWS_Q4_16 */
+_Static_assert(NSLOT_MAX <= 6, "min_term holds the operands of 6 slots at most");
 /* OP(i, a_i) for the mc x rows of a by-x q4 tile, whose accumulators are the variables a0 .. a5 */
 #define FOR_X_ROWS(OP)                                                                                           \
     do {                                                                                                         \
@@ -430,7 +414,7 @@ ALWAYS_INLINE void finish(const int cnt, const int rows_are_slots, __m256 *a0, _
         for (int i = 0; i < cnt; ++i) {
             const uint16_t *mi = mn + (rows_are_slots ? i : 0) * ng;
             const float *gi = gs + (rows_are_slots ? 0 : i) * ng;
-            if (!min_term(mi, gi, ng, 1, a1 + i))
+            if (!min_term(mi, 0, gi, 0, ng, 1, a1 + i))
                 for (int64_t g = 0; g < ng; ++g) tail[i] += loom_f16_to_f32(mi[g]) * gi[g];
         }
     __m256 v[NSLOT];
@@ -625,9 +609,9 @@ ALWAYS_INLINE void finish16(const int cnt, const int by_row, const int mc, __m25
     if (mn) {
         int vec = 1;
         if (by_row)
-            vec = min_term_rows(mn, gs, ng, cnt, acc);
+            vec = min_term(mn, ng, gs, 0, ng, cnt, acc);
         else
-            vec = min_term(mn, gs, ng, mc, acc);
+            vec = min_term(mn, 0, gs, ng, ng, mc, acc);
         if (!vec)
             for (int i = 0; i < cnt; ++i) {
                 const uint16_t *mi = mn + (by_row ? i : 0) * ng;
@@ -675,8 +659,8 @@ ALWAYS_INLINE void rows16_q4_256(const int nr, const int mc, const uint8_t *w, i
     if (by_row) {
         /* the scale products of 8 blocks at a time (f16(sc) * xs, lane for lane block_scales' product), spread
          * to each pair's [d_b x4 | d_b+1 x4] by one permute */
-        const __m256i i0 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i1 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-        const __m256i i2 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), i3 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
+        const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                                   _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
         for (int r = 0; r < NR; ++r) {
             __m256 a = _mm256_setzero_ps();
             const uint8_t *wr = w + r * row_bytes;
@@ -685,14 +669,11 @@ ALWAYS_INLINE void rows16_q4_256(const int nr, const int mc, const uint8_t *w, i
             for (; j + 8 <= nb; j += 8) {
                 const __m256 P = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + j))),
                                                _mm256_loadu_ps(xs + j));
-                const w16x4 q0 = q4_codes16(wr + 16 * j, 1);
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q0, xc + 32 * j)), _mm256_permutevar8x32_ps(P, i0), a);
-                const w16x4 q1 = q4_codes16(wr + 16 * (j + 2), 1);
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q1, xc + 32 * (j + 2))), _mm256_permutevar8x32_ps(P, i1), a);
-                const w16x4 q2 = q4_codes16(wr + 16 * (j + 4), 1);
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q2, xc + 32 * (j + 4))), _mm256_permutevar8x32_ps(P, i2), a);
-                const w16x4 q3 = q4_codes16(wr + 16 * (j + 6), 1);
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q3, xc + 32 * (j + 6))), _mm256_permutevar8x32_ps(P, i3), a);
+                for (int u = 0; u < 4; ++u) { /* the pair at block j + 2u */
+                    const w16x4 q = q4_codes16(wr + 16 * (j + 2 * u), 1);
+                    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_dot16(&q, xc + 32 * (j + 2 * u))),
+                                        _mm256_permutevar8x32_ps(P, spread[u]), a);
+                }
             }
             for (; j < nb; j += 2) {
                 const int pair = j + 1 < nb;
