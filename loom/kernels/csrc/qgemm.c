@@ -1427,12 +1427,19 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
                 gs[m * ng + g] = t;
             }
     const rows_16_fn rows = kind == KIND_Q4 ? rows_16_q4 : (kind == KIND_Q8 ? rows_16_q8 : rows_16_q8_16);
-    const int q4_inline = kind == KIND_Q4 && LOOM_QSIMD; /* M == 1: the q4 by-row tile inlined, not through `rows` */
+    /* inlined tiles instead of the call through `rows`: the q4 by-row tile at M == 1, and the q8g by-x tile in
+     * its full passes of MROWS x rows (the LM head at M > 1: its 576-wide rows are 72 block-rows of work per call,
+     * and the call's set-up cost 14-20% of [49152, 576] at 4-16 rows; benchmarks/NOTES.md "the q8 LM head") */
+    const int q4_inline = kind == KIND_Q4 && LOOM_QSIMD;
 #define TILE16(NR_, MC_, N_, M0_)                                                                                \
     do {                                                                                                         \
         if (q4_inline && (NR_) == NR && (MC_) == 1)                                                              \
             rows16_q4(NR, 1, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng,    \
                       xc, xstride, xs, xv, gs, K, dots);                                                         \
+        else if (kind == KIND_Q8 && (NR_) == 1 && (MC_) == MROWS)                                                \
+            rows_16(KIND_Q8, 1, MROWS, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng,                          \
+                    mn ? mn + (N_) * ng : NULL, ng, bpg, xc + (M0_) * xstride, xstride, xs + (M0_) * nb, NULL,   \
+                    mn ? gs + (M0_) * ng : NULL, K, dots);                                                       \
         else                                                                                                     \
             rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg, \
                  xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * vw : NULL,                 \
