@@ -1,7 +1,8 @@
 """ctypes binding of csrc/decode_step.c: a whole decode step of a packed Llama-family model in one C call.
 
 `DecodeStep.prepare(model)` checks that the model's layers are what the C step runs (every projection
-packed with float activations, shards of different layouts as a chain of parts; the fused ops and paged
+packed with float activations, or W8A8's int8 activations per token, shards of different layouts as a chain of
+parts; bf16 weights under float32 activations; the fused ops and paged
 decode kernels of the same library; the cpu_paged backend) and records the weight pointers once; `run(...)`
 serves a pure decode step (every token a request's single new token) of at most `max_rows` requests over
 KV caches of the model dtype, of a 16-bit float type (bfloat16, float16) or of int8 rows (`_KV_TYPES`), and
@@ -30,9 +31,11 @@ class _Packed(ctypes.Structure):
 
 _Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
                     ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                    ("group", ctypes.c_int64), ("kind", ctypes.c_int64), ("next", ctypes.POINTER(_Packed))]
-# LoomPacked.kind of each weight layout the step reads (bf16: a bf16 checkpoint's weights, float32 models only)
-_KINDS = {"q4g32": 0, "q8g": 1, "bf16": 2}
+                    ("group", ctypes.c_int64), ("kind", ctypes.c_int64), ("next", ctypes.POINTER(_Packed)),
+                    ("rot", ctypes.c_int64)]
+# LoomPacked.kind of each weight layout the step reads (bf16: a bf16 checkpoint's weights, float32 models only;
+# q8g_int8: q8g under per-token int8 activations, W8A8, float32 models only)
+_KINDS = {"q4g32": 0, "q8g": 1, "bf16": 2, "q8g_int8": 3}
 
 
 class _Layer(ctypes.Structure):
@@ -203,6 +206,9 @@ class ModelDecodeStep:
             return _Packed(layer.weight.data_ptr(), 0, 0, 0 if layer.bias is None else layer.bias.data_ptr(), n, k, 0,
                            _KINDS["bf16"])
         parts = [_packed(p, b) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+        if layer.quant_method.scheme.activations == "q8_token":  # W8A8: int8 activations, rotated or not
+            for part in parts:
+                part.kind, part.rot = _KINDS["q8g_int8"], layer.rotation_block
         for part, following in zip(parts, parts[1:], strict=False):
             part.next = ctypes.pointer(following)
         self._parts.extend(parts[1:])
@@ -223,7 +229,8 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
-    different layouts as a chain) with float activations, or bf16 weights (`--quantization bf16`) under float32
+    different layouts as a chain) with float activations, W8A8 (q8g weights, per-token int8 activations after the
+    optional Hadamard rotation; float32 models, loom's int8 kernel rather than torch's GEMM), or bf16 weights (`--quantization bf16`) under float32
     activations with loom's gemv_w16 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16; per-head
     QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
     bases included; post-norm layers (OLMo 2), MoE FFNs and soft-capped attention (Gemma 2) not."""
@@ -252,7 +259,13 @@ def supports_model(model: torch.nn.Module) -> bool:
                         or (lin.bias is not None and lin.bias.dtype != torch.float32):
                     return False
                 continue
-            if not isinstance(method, PackedLinearMethod) or method.scheme.activations != "float" \
-                    or lin.dense_weight is not None or lin.input_perm is not None:
+            if not isinstance(method, PackedLinearMethod) or lin.dense_weight is not None \
+                    or lin.input_perm is not None:
+                return False
+            if method.scheme.activations == "q8_token":  # W8A8 through loom's int8 kernel (not torch's GEMM)
+                if lin.int_gemm or model.norm.weight.dtype != torch.float32 \
+                        or not all(p.layout == "q8g" for p in lin.packed):
+                    return False
+            elif method.scheme.activations != "float":
                 return False
     return True

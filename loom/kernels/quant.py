@@ -122,6 +122,7 @@ class QuantKernels:
         self._q8_f = self._fn(lib.loom_gemm_q8g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._dq4 = self._fn(lib.loom_dequant_q4g32, [p, p, p, i64, i64, p, i32, i32], None)
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
+        self._rotate = self._fn(lib.loom_rotate_rows, [p, i64, i64, i64, i64, p, i32], None)
 
     @staticmethod
     def _fn(fn: Any, argtypes: list[Any], restype: Any) -> Any:
@@ -143,6 +144,25 @@ class QuantKernels:
             self._quant(x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), m, k, int(per_token), xq.data_ptr(),
                         xs.data_ptr(), xsum.data_ptr(), torch.get_num_threads())
         return QuantizedActivations(xq, xs, xsum)
+
+    def rotate_input(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """x [M, K] -> loom.quant.hadamard.rotate_input(x, block) (the same values; a block Hadamard rotation
+        before int8 quantization), in C for float32 CPU x with unit column stride, in torch otherwise.
+
+        Raises:
+            ValueError: K is not a multiple of `block`, or block is not a power of two <= 512.
+        """
+        from loom.quant.hadamard import rotate_input
+
+        if x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or (x.shape[1] > 1 and x.stride(1) != 1):
+            return rotate_input(x, block)
+        m, k = x.shape
+        if block < 1 or block & (block - 1) or block > 512 or k % block:
+            raise ValueError(f"rotation block {block} must be a power of two <= 512 dividing K={k}")
+        y = torch.empty(m, k, dtype=torch.float32)
+        if m and k:
+            self._rotate(x.data_ptr(), x.stride(0) if m > 1 else k, m, k, block, y.data_ptr(), torch.get_num_threads())
+        return y
 
     def quantize_activations16(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [M, K] float32 or bfloat16 -> the int16 codes gemm_f multiplies (qgemm.c, item 3): codes int16

@@ -48,7 +48,7 @@ from torch import nn
 from loom.kernels.build import cpu_flags
 from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import Linear, copy_rows
-from loom.quant.hadamard import rotate_input, rotate_weight, rotation_block
+from loom.quant.hadamard import rotate_weight, rotation_block
 from loom.quant.layout import PackedWeight, dequantize
 from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quantize_q8_asym
 from loom.quant.torch_kernels import TorchQuantKernels
@@ -207,7 +207,7 @@ class PackedLinearMethod:
             return F.linear(x, layer.dense_weight, layer.bias)
         kernels = self.kernels
         if layer.rotation_block:
-            x = rotate_input(x, layer.rotation_block)
+            x = kernels.rotate_input(x, layer.rotation_block)
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
         if layer.int_gemm:

@@ -57,6 +57,12 @@ class TorchQuantKernels:
         q = torch.where(s > 0, torch.round(blocks / s).clamp(-127, 127), 0.0)
         return QuantizedActivations(q.to(torch.int8).reshape(m, k), xs, blocks.sum(-1))
 
+    def rotate_input(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """loom.quant.hadamard.rotate_input (the reference of the C kernels' rotate_input)."""
+        from loom.quant.hadamard import rotate_input
+
+        return rotate_input(x, block)
+
     def quantize_activations16(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The C gemm_f's int16 activation codes (qgemm.c, item 3), bit for bit: x [M, K] -> codes int16
         [M, K] = round(x / s) clamped to [-32767, 32767] (0 where s == 0), s = max|x| / 32767 per block of 32

@@ -39,6 +39,12 @@ int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
                     int y_bf16, int num_threads);
 int loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N,
                   int64_t K, int num_threads);
+void loom_rotate_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t block, float *y, int num_threads);
+void loom_quantize_act(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int per_token, int8_t *xq,
+                       float *xs, float *xsum, int num_threads);
+int loom_gemm_q8g_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+                     const int8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                     const float *bias, void *y, int64_t N, int y_bf16, int num_threads);
 void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t M,
                       int64_t H, float eps, int is_bf16);
 void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16, int torch_lanes,
@@ -53,7 +59,9 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
 
 /* A weight [N, K] in one of the layouts the step reads (`kind`): 0 q4g32 and 1 q8g with `group`
  * (loom/quant/layout.py: codes, float16 scales and minimums), 2 bfloat16 values row-major (a bf16 checkpoint
- * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL). A projection whose
+ * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL), 3 q8g under int8
+ * activations quantized per token (W8A8, float32 models only), after a block Hadamard rotation of `rot`
+ * channels (0: none; every part of a chain the same). A projection whose
  * shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a chain of parts,
  * each giving the next output columns. */
 typedef struct LoomPacked {
@@ -63,6 +71,7 @@ typedef struct LoomPacked {
     const float *bias;      /* float32 [N] or NULL */
     int64_t n, k, group, kind;
     const struct LoomPacked *next; /* the part for the following output columns, or NULL */
+    int64_t rot;                   /* kind 3: channels per Hadamard block of the input rotation, 0 = none */
 } LoomPacked;
 
 typedef struct {
@@ -157,9 +166,49 @@ static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M,
                              w->n, bf16, threads);
 }
 
+/* W8A8 (kind 3): x float32 [M, K] rotated (rot > 0), quantized to int8 per token once, then each part's
+ * integer GEMM into y [M, N of all parts] (PackedLinearMethod.apply's calls: kernels.rotate_input,
+ * quantize_activations(per_token), gemm_q8 per part, concatenated). */
+static int gemm_int8(const LoomPacked *w, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
+    const int64_t K = w->k, nb = K / 32;
+    int64_t total = 0, widest = 0;
+    for (const LoomPacked *p = w; p; p = p->next) {
+        total += p->n;
+        widest = p->n > widest ? p->n : widest;
+    }
+    const int chained = w->next && M > 1;
+    const size_t rot_floats = w->rot ? (size_t)(M * K) : 0, tmp_floats = chained ? (size_t)(M * widest) : 0;
+    char *scratch = (char *)loom_alloc64((rot_floats + tmp_floats + (size_t)(2 * M * nb)) * sizeof(float) +
+                                         (size_t)(M * K));
+    if (!scratch) return -1;
+    float *rotated = (float *)scratch, *tmp = rotated + rot_floats, *xs = tmp + tmp_floats, *xsum = xs + M * nb;
+    int8_t *xq = (int8_t *)(xsum + M * nb);
+    if (w->rot) {
+        loom_rotate_rows(x, ldx, M, K, w->rot, rotated, threads);
+        x = rotated;
+        ldx = K;
+    }
+    loom_quantize_act(x, ldx, 0, M, K, 1, xq, xs, xsum, threads);
+    int64_t off = 0;
+    for (const LoomPacked *p = w; p; p = p->next) {
+        float *dst = chained ? tmp : y + off;
+        if (loom_gemm_q8g_q8(xq, xs, xsum, M, K, (const int8_t *)p->qweight, p->scales, p->mins, p->group, p->bias,
+                             dst, p->n, 0, threads)) {
+            free(scratch);
+            return -1;
+        }
+        for (int64_t m = 0; chained && m < M; ++m)
+            memcpy(y + m * total + off, tmp + m * p->n, (size_t)p->n * sizeof(float));
+        off += p->n;
+    }
+    free(scratch);
+    return 0;
+}
+
 /* y [M, N of all parts] = x W^T, part after part (the same kernel calls as the per-layer path's, whose
  * outputs it concatenates). At M > 1 a part's rows are not contiguous in y: computed apart, then copied. */
 static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
+    if (w->kind == 3) return gemm_int8(w, (const float *)x, ldx, M, (float *)y, threads);
     if (!w->next) return gemm_part(w, x, ldx, M, y, bf16, threads);
     const size_t es = bf16 ? 2 : 4;
     int64_t total = 0, widest = 0;

@@ -230,6 +230,41 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int per_token, in
 #endif
 }
 
+/* The block Hadamard rotation of an input row before its int8 quantization (QuaRot, Ashkboos et al. 2024,
+ * arXiv:2404.00456): `rotate_input` of loom/quant/hadamard.py, value for value. x float32 [M, K] (row stride ldx)
+ * -> y float32 [M, K]; block a power of two <= 512 dividing K. Per block: step = max|x| / 2^15 (1 / 2^15 for an
+ * all-zero block), q = round_half_even(x / step), y = H q with Sylvester's +-1 Hadamard matrix as a fast
+ * Walsh-Hadamard transform (every partial sum an integer of magnitude <= 2^24: exact in float32 in any order,
+ * so the butterflies give the values of hadamard.py's two matmuls), then y * (step / sqrt(block)) in float32. */
+void loom_rotate_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t block, float *y, int num_threads) {
+    int e = 0;
+    while (((int64_t)1 << e) < block) ++e;
+    /* sqrt(2^e) rounded to float32: a power of two times float32(sqrt(2)) (scaling by 2^k commutes with rounding) */
+    const float root = (e & 1 ? 1.41421356237309504880f : 1.0f) * (float)((int64_t)1 << (e / 2));
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b0 = 0; b0 < K; b0 += block) {
+            const float *xb = x + m * ldx + b0;
+            float *yb = y + m * K + b0;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < block; ++i) {
+                const float a = fabsf(xb[i]);
+                amax = a > amax ? a : amax;
+            }
+            const float step = (amax > 0.0f ? amax : 1.0f) / 32768.0f;
+            for (int64_t i = 0; i < block; ++i) yb[i] = loom_round_even(xb[i] / step);
+            for (int64_t h = 1; h < block; h *= 2)
+                for (int64_t i = 0; i < block; i += 2 * h)
+                    for (int64_t j = i; j < i + h; ++j) {
+                        const float a = yb[j], c = yb[j + h];
+                        yb[j] = a + c;
+                        yb[j + h] = a - c;
+                    }
+            const float f = step / root;
+            for (int64_t i = 0; i < block; ++i) yb[i] *= f;
+        }
+}
+
 void loom_quantize_act(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int per_token, int8_t *xq,
                        float *xs, float *xsum, int num_threads) {
     const int64_t nb = K / 32, elem = x_bf16 ? 2 : 4;
