@@ -6,6 +6,7 @@ import dataclasses
 import math
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from loom.core.kv_retention import KVRetentionConfig
 from loom.env import check_switches
@@ -49,7 +50,10 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {self.quantization!r}")
-        gguf = self.model is None or self.model.lower().endswith(".gguf")  # the bundled model is a GGUF file
+        # the loader's rule (a file is a GGUF, a directory a Hugging Face checkpoint), and a path not there yet
+        # that names a .gguf; the bundled model is a GGUF file
+        path = None if self.model is None else Path(self.model).expanduser()
+        gguf = path is None or path.is_file() or (not path.exists() and path.suffix.lower() == ".gguf")
         if gguf and self.quantization in ("gptq", "awq"):  # refused now, not after seconds of loading the file
             article = "an" if self.quantization == "awq" else "a"
             raise ValueError(f"quantization={self.quantization!r} needs {article} {self.quantization.upper()} checkpoint "

@@ -196,3 +196,18 @@ def test_a_checkpoint_method_on_a_gguf_file_is_refused_before_loading(method: st
         ModelConfig(model=model, quantization=method)
     with pytest.raises(ValueError, match="GGUF file"):
         EngineArgs(model=model, quantization=method).model_config()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_the_early_refusal_follows_the_loader_not_the_file_name(method: str, tmp_path) -> None:
+    """A file is a GGUF to the loader whatever its name, a directory a Hugging Face checkpoint even if named
+    like a GGUF file: the early refusal takes the same view."""
+    from loom.config import ModelConfig
+
+    renamed = tmp_path / "smollm2.bin"
+    renamed.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="GGUF file"):
+        ModelConfig(model=str(renamed), quantization=method)
+    folder = tmp_path / "checkpoint.gguf"
+    folder.mkdir()
+    assert ModelConfig(model=str(folder), quantization=method).quantization == method
