@@ -230,7 +230,7 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
     different layouts as a chain) with float activations, W8A8 (q8g weights, per-token int8 activations after the
-    optional Hadamard rotation; float32 models, loom's int8 kernel rather than torch's GEMM), or bf16 weights (`--quantization bf16`) under float32
+    optional Hadamard rotation; float32 models), or bf16 weights (`--quantization bf16`) under float32
     activations with loom's gemv_w16 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16; per-head
     QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
     bases included; post-norm layers (OLMo 2), MoE FFNs and soft-capped attention (Gemma 2) not."""
@@ -262,9 +262,8 @@ def supports_model(model: torch.nn.Module) -> bool:
             if not isinstance(method, PackedLinearMethod) or lin.dense_weight is not None \
                     or lin.input_perm is not None:
                 return False
-            if method.scheme.activations == "q8_token":  # W8A8 through loom's int8 kernel (not torch's GEMM)
-                if lin.int_gemm or model.norm.weight.dtype != torch.float32 \
-                        or not all(p.layout == "q8g" for p in lin.packed):
+            if method.scheme.activations == "q8_token":  # W8A8: loom's int8 kernels (torch's GEMM: the same bits)
+                if model.norm.weight.dtype != torch.float32 or not all(p.layout == "q8g" for p in lin.packed):
                     return False
             elif method.scheme.activations != "float":
                 return False

@@ -123,6 +123,7 @@ class QuantKernels:
         self._dq4 = self._fn(lib.loom_dequant_q4g32, [p, p, p, i64, i64, p, i32, i32], None)
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
         self._rotate = self._fn(lib.loom_rotate_rows, [p, i64, i64, i64, i64, p, i32], None)
+        self._q8c = self._fn(lib.loom_gemm_q8c_q8t, [p, p, i64, i64, i64, p, p, p, p, i64, i32, i32], None)
 
     @staticmethod
     def _fn(fn: Any, argtypes: list[Any], restype: Any) -> Any:
@@ -214,6 +215,33 @@ class QuantKernels:
                              w.scales.data_ptr(), mins, w.group_size, b, *args)
         if rc:
             raise MemoryError("qgemm: scratch allocation failed")
+        return y
+
+    def gemm_q8_per_channel(self, xa: QuantizedActivations, w: PackedWeight, bias: torch.Tensor | None = None,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """y [M, N] = ((float(x_q W_q^T) * s_w) * s_x) (+ bias): int8 activations with one scale per row (xa.xs[:, 0];
+        per token or static) times a q8g weight with one scale per row (group_size = K, no mins), the dots exact
+        int32 sums, so the result equals methods._int8_gemm over torch's exact int8 GEMM bit for bit at any M
+        (qgemm.c, item 2b). out_dtype float32 or bfloat16.
+
+        Raises:
+            ValueError: wrong dtypes, shapes, devices or layouts, or a weight with groups or mins.
+        """
+        if not isinstance(xa, QuantizedActivations):
+            raise ValueError(f"xa must be QuantizedActivations, got {type(xa).__name__}")
+        m, k = check_activations(xa)
+        if not (xa.xq.is_cpu and xa.xs.is_cpu and xa.xq.is_contiguous() and xa.xs.is_contiguous()):
+            raise ValueError("QuantizedActivations must hold contiguous CPU tensors")
+        n = _check_weight(w, k)
+        if w.layout != "q8g" or w.group_size != k or w.mins is not None:
+            raise ValueError("gemm_q8_per_channel needs a q8g weight with one scale per row (group_size = K), no mins")
+        _check_bias(bias, n)
+        _check_out(out_dtype)
+        y = torch.empty(m, n, dtype=out_dtype)
+        if m and n:
+            self._q8c(xa.xq.data_ptr(), xa.xs.data_ptr(), xa.xs.stride(0), m, k, w.qweight.data_ptr(),
+                      w.scales.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+                      int(out_dtype == torch.bfloat16), torch.get_num_threads())
         return y
 
     def gemm_f(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,

@@ -144,7 +144,8 @@ class PackedLinearMethod:
         layer.dense_weight = None  # set instead when a stacked layer mixes packed and dense shards
         layer.rotation_block = 0  # channels per Hadamard block of a rotated scheme, 0 = no rotation
         layer.input_perm = None  # int64 [input_size]: the packed weight multiplies x[:, input_perm] (GPTQ desc_act)
-        layer.int_gemm = False  # every part int8 per channel without mins, and an exact int8 GEMM: use it
+        layer.int_gemm = False  # int8 activations per row, every part int8 per channel without mins: exact dots
+        layer.int_gemm_torch = False  # ... in torch's int8 GEMM (exact and fast here), else in loom's kernel
         layer.input_scale = None  # q8_static: the scale x is quantized with
 
     @staticmethod
@@ -183,7 +184,8 @@ class PackedLinearMethod:
         int8_per_token = self.scheme.activations in ("q8_token", "q8_static")
         layer.int_gemm = int8_per_token and all(
             p.layout == "q8g" and p.group_size == p.shape[1] and p.mins is None for p in layer.packed) and all(
-            p.qweight.device.type == "cpu" for p in layer.packed) and int8_gemm_pays()
+            p.qweight.device.type == "cpu" for p in layer.packed)
+        layer.int_gemm_torch = layer.int_gemm and int8_gemm_pays()
         if self.scheme.activations == "q8_static":
             if any(s is None or not s > 0 for s in layer.input_scales):
                 raise ValueError(f"{layer.prefix}: input_scale must be a positive number for every shard")
@@ -211,12 +213,13 @@ class PackedLinearMethod:
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
         if layer.int_gemm:
-            # at every row count, so that a token's result does not depend on how many rows its step had (with the
-            # kernel below 8 rows a prefix-cache hit changed greedy output: fresh-user trial); it costs decode:
-            # [3072, 576] at one row 0.10 ms against the kernel's 0.047, TPOT 15.9 -> 19.1 ms; at 16 rows 0.12 vs
-            # 0.36 ms, at 512 0.9 vs 11 ms (Sapphire Rapids-class CPU)
+            # exact int32 dots and one float epilogue, in torch's int8 GEMM where it is exact and fast, else in loom's
+            # kernel: the same bits either way at every row count, so a token's result does not depend on how many
+            # rows its step had (with a per-block kernel below 8 rows a prefix-cache hit changed greedy output:
+            # fresh-user trial), and the C decode step (the same kernel) serves decode on either kind of CPU
             xa = self._int8_activations(layer, x)
-            outs = [_int8_gemm(xa, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
+            gemm = _int8_gemm if layer.int_gemm_torch else kernels.gemm_q8_per_channel
+            outs = [gemm(xa, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif x.shape[0] > self.dense_min_rows:
             if self.scheme.activations != "float":  # keep the int8 activations' numerics (w8a8 has no mins)
                 xa = self._int8_activations(layer, x)

@@ -57,6 +57,24 @@ class TorchQuantKernels:
         q = torch.where(s > 0, torch.round(blocks / s).clamp(-127, 127), 0.0)
         return QuantizedActivations(q.to(torch.int8).reshape(m, k), xs, blocks.sum(-1))
 
+    def gemm_q8_per_channel(self, xa: QuantizedActivations, w: PackedWeight, bias: torch.Tensor | None = None,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """((float(x_q W_q^T) * s_w) * s_x) (+ bias) for a q8g weight with group_size = K and no mins, xa's scale per
+        row xa.xs[:, 0]: the integer sums in float64 (exact: |sum| < 2^31 < 2^53), then the float32 epilogue of
+        methods._int8_gemm.
+
+        Raises:
+            ValueError: a weight with groups or mins.
+        """
+        m, k = check_activations(xa)
+        if w.layout != "q8g" or w.group_size != k or w.mins is not None:
+            raise ValueError("gemm_q8_per_channel needs a q8g weight with one scale per row (group_size = K), no mins")
+        dots = (xa.xq.double() @ w.qweight.double().t()).float()
+        y = dots.mul_(w.scales.float().t()).mul_(xa.xs[:, :1])
+        if bias is not None:
+            y.add_(bias)
+        return y.to(out_dtype)
+
     def rotate_input(self, x: torch.Tensor, block: int) -> torch.Tensor:
         """loom.quant.hadamard.rotate_input (the reference of the C kernels' rotate_input)."""
         from loom.quant.hadamard import rotate_input

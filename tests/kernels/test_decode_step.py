@@ -304,9 +304,8 @@ def test_bf16_weights_under_bfloat16_activations_keep_the_per_layer_path(tmp_pat
 @pytest.mark.parametrize("isa", kernel_isas("decode_step"))
 def test_decode_step_runs_w8a8(isa: str) -> None:
     """W8A8 (q8g weights per channel, int8 activations per token after the Hadamard rotation): the one-call step
-    rotates, quantizes and multiplies with the per-layer path's C kernels, so the two agree bit for bit on the
-    best ISA. Where torch's int8 GEMM is exact and fast (VNNI, AMX) the per-layer path takes it and the step
-    declines; the comparison then runs with loom's kernel in both paths."""
+    rotates, quantizes and multiplies with the per-layer path's C kernels (exact int32 dots, whose bits torch's int8
+    GEMM gives too where the per-layer path takes it), so the two agree bit for bit on the best ISA."""
     from loom.kernels.decode_step import ModelDecodeStep, supports_model
 
     loaded = load_model(None, torch.float32, CPU, quantization="w8a8")
@@ -315,12 +314,8 @@ def test_decode_step_runs_w8a8(isa: str) -> None:
         pytest.skip("the kernels do not build here (no compiler)")
     linears = [lin for layer in inner.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert all(lin.rotation_block > 0 for lin in linears)
-    if any(lin.int_gemm for lin in linears):
-        assert inner.decode_step is None and not supports_model(inner)
-        for lin in linears:
-            lin.int_gemm = False
-    assert supports_model(inner)
+    assert all(lin.rotation_block > 0 and lin.int_gemm for lin in linears)
+    assert supports_model(inner) and inner.decode_step is not None
     step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
     per_layer, per_layer_caches, one_call, caches = _both_paths(model, loaded.arch, step,
                                                                 [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17])

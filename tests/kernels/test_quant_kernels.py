@@ -481,3 +481,34 @@ def test_c_rotation_gives_the_reference_values(isa: str) -> None:
     for bad in (0, 3, 1024):
         with pytest.raises(ValueError, match="rotation block"):
             kern.rotate_input(torch.zeros(2, 2048), bad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_per_channel_int8_gemm_is_the_exact_integer_product(impl: str) -> None:
+    """gemm_q8_per_channel: exact int32 dots of int8 codes (-128 weights and the extreme products included), then
+    (float(dot) * s_w) * s_x (+ bias) in float32 — bit for bit the float64-checked integer product with that
+    epilogue, at every M (so each row's bits do not depend on its batch), float32 and bfloat16 out; weights with
+    groups or mins are refused."""
+    kern = kernels(impl)
+    g = torch.Generator().manual_seed(12)
+    for m, k, n in ((1, 576, 37), (5, 96, 9), (13, 1536, 70), (64, 576, 300)):
+        x = random_x(m, k, torch.float32, g)
+        x[0, :32] = 1000.0  # one row's codes at +-127 in a block
+        xa = kern.quantize_activations(x, per_token=True)
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        codes[0] = -128  # against +-127 activations: the largest products
+        scales = (torch.rand(n, 1, generator=g) * 0.02 + 1e-4).half()
+        w = PackedWeight("q8g", codes, scales, None, k)
+        bias = torch.randn(n, generator=g)
+        dots = (xa.xq.double() @ codes.double().t()).float()
+        want = dots * scales.float().t() * xa.xs[:, :1]
+        got = kern.gemm_q8_per_channel(xa, w)
+        assert torch.equal(got, want), (impl, m, k, n)
+        assert torch.equal(kern.gemm_q8_per_channel(xa, w, bias), want + bias)
+        assert torch.equal(kern.gemm_q8_per_channel(xa, w, out_dtype=torch.bfloat16), want.bfloat16())
+        rows = torch.cat([kern.gemm_q8_per_channel(kern.quantize_activations(x[i : i + 1], per_token=True), w)
+                          for i in range(m)])
+        assert torch.equal(rows, got)
+    grouped = random_weight("q8g", 8, 64, 32, False, g)
+    with pytest.raises(ValueError, match="one scale per row"):
+        kern.gemm_q8_per_channel(kern.quantize_activations(torch.randn(2, 64), per_token=True), grouped)

@@ -84,21 +84,23 @@ def test_w8a8_above_the_kernel_rows_is_one_exact_int8_gemm(tiny_models, monkeypa
     layer = loaded.model.model.layers[0].mlp.down_proj
     (w,) = layer.packed
     assert w.group_size == layer.input_size and w.mins is None  # one scale per output channel
-    assert layer.int_gemm == methods.int8_gemm_is_exact()  # a CPU whose int8 GEMM is not exact keeps the kernels
+    assert layer.int_gemm  # exact int32 dots: torch's int8 GEMM where exact, else loom's kernel (the same bits)
+    assert layer.int_gemm_torch == methods.int8_gemm_is_exact()
     x = torch.randn(64, layer.input_size)
     one_row = torch.cat([layer(x[i : i + 1]) for i in range(64)])
     gemm = layer(x)  # 64 rows: the int8 GEMM (or, without an exact one, loom's kernel)
     assert torch.equal(gemm, one_row)  # the same bits whatever the number of rows: a prefix hit cannot change a token
-    if layer.int_gemm:
-        xa = layer.quant_method.kernels.quantize_activations(rotate_input(x, layer.rotation_block), per_token=True)
-        exact = xa.xq.double() @ w.qweight.double().t()  # integer sums, exact in float64
-        want = exact.float() * w.scales.float().t() * xa.xs[:, :1]
-        assert torch.equal(gemm, want)
+    xa = layer.quant_method.kernels.quantize_activations(rotate_input(x, layer.rotation_block), per_token=True)
+    exact = xa.xq.double() @ w.qweight.double().t()  # integer sums, exact in float64
+    want = exact.float() * w.scales.float().t() * xa.xs[:, :1]
+    assert torch.equal(gemm, want)
+    layer.int_gemm_torch = not layer.int_gemm_torch  # the other implementation: the same bits
+    assert torch.equal(layer(x), want)
 
 
 def test_an_int8_gemm_that_saturates_is_not_used(tiny_models, monkeypatch) -> None:
     """oneDNN's AVX2 int8 kernel adds pairs of (x + 128) * w products in int16 and saturates (review finding): the
-    self-check refuses such a GEMM and w8a8 keeps loom's exact kernels, whose rows equal the one-row results."""
+    self-check refuses such a GEMM and w8a8 keeps loom's exact kernel, whose rows equal the one-row results."""
     import loom.quant.methods as methods
 
     def saturating_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -111,25 +113,25 @@ def test_an_int8_gemm_that_saturates_is_not_used(tiny_models, monkeypatch) -> No
         assert not methods.int8_gemm_is_exact()
         loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
         layer = loaded.model.model.layers[0].mlp.down_proj
-        assert not layer.int_gemm
+        assert layer.int_gemm and not layer.int_gemm_torch
         x = torch.randn(12, layer.input_size)
         rows = torch.cat([layer(x[i : i + 1]) for i in range(12)])
-        assert torch.allclose(layer(x), rows, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer(x), rows)
     finally:
         methods.int8_gemm_is_exact.cache_clear()
 
 
 def test_w8a8_without_int8_dot_products_keeps_the_kernels_at_every_row_count(tiny_models, monkeypatch) -> None:
     """On a CPU without VNNI or AMX torch's int8 GEMM is exact but a scalar loop (16 s of TTFT at 512 tokens on a
-    Zen 3, where loom's kernels take 1.3 s): w8a8 keeps loom's exact per-block kernel there, at every row count, so
-    that a token's result does not depend on how many rows its step had."""
+    Zen 3, where loom's kernels take 1.3 s): w8a8 keeps loom's exact kernel there, at every row count, so that a
+    token's result does not depend on how many rows its step had."""
     import loom.quant.methods as methods
 
     monkeypatch.setattr(methods, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     assert not methods.int8_gemm_pays()
     loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w8a8")
     layer = loaded.model.model.layers[0].mlp.down_proj
-    assert not layer.int_gemm
+    assert layer.int_gemm and not layer.int_gemm_torch
     x = torch.randn(200, layer.input_size)  # above every dense_min_rows
     rows = torch.cat([layer(x[i : i + 1]) for i in range(200)])
     assert torch.equal(layer(x), rows)

@@ -45,6 +45,8 @@ void loom_quantize_act(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_
 int loom_gemm_q8g_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                      const int8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group,
                      const float *bias, void *y, int64_t N, int y_bf16, int num_threads);
+void loom_gemm_q8c_q8t(const int8_t *xq, const float *xs, int64_t xs_stride, int64_t M, int64_t K, const int8_t *w,
+                       const uint16_t *sc, const float *bias, void *y, int64_t N, int y_bf16, int num_threads);
 void loom_add_rmsnorm(const void *x, const void *residual, const void *weight, void *out, void *sum_out, int64_t M,
                       int64_t H, float eps, int is_bf16);
 void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16, int torch_lanes,
@@ -168,7 +170,8 @@ static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M,
 
 /* W8A8 (kind 3): x float32 [M, K] rotated (rot > 0), quantized to int8 per token once, then each part's
  * integer GEMM into y [M, N of all parts] (PackedLinearMethod.apply's calls: kernels.rotate_input,
- * quantize_activations(per_token), gemm_q8 per part, concatenated). */
+ * quantize_activations(per_token), then per part gemm_q8_per_channel where every part has one scale per row and
+ * no mins — the exact dots whose bits torch's int8 GEMM gives too — else the per-block gemm_q8; concatenated). */
 static int gemm_int8(const LoomPacked *w, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
     const int64_t K = w->k, nb = K / 32;
     int64_t total = 0, widest = 0;
@@ -189,11 +192,15 @@ static int gemm_int8(const LoomPacked *w, const float *x, int64_t ldx, int64_t M
         ldx = K;
     }
     loom_quantize_act(x, ldx, 0, M, K, 1, xq, xs, xsum, threads);
+    int per_channel = 1; /* every part one scale per row and no mins: exact int32 dots (methods' int_gemm) */
+    for (const LoomPacked *p = w; p; p = p->next) per_channel &= p->group == K && !p->mins;
     int64_t off = 0;
     for (const LoomPacked *p = w; p; p = p->next) {
         float *dst = chained ? tmp : y + off;
-        if (loom_gemm_q8g_q8(xq, xs, xsum, M, K, (const int8_t *)p->qweight, p->scales, p->mins, p->group, p->bias,
-                             dst, p->n, 0, threads)) {
+        if (per_channel)
+            loom_gemm_q8c_q8t(xq, xs, nb, M, K, (const int8_t *)p->qweight, p->scales, p->bias, dst, p->n, 0, threads);
+        else if (loom_gemm_q8g_q8(xq, xs, xsum, M, K, (const int8_t *)p->qweight, p->scales, p->mins, p->group,
+                                  p->bias, dst, p->n, 0, threads)) {
             free(scratch);
             return -1;
         }

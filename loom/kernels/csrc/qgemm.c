@@ -1326,9 +1326,15 @@ int loom_gemm_q8g_q8(const int8_t *xq, const float *xs, const float *xsum, int64
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
-/* 3. weight-only GEMM: int16 activation codes                                                              */
+/* 2b. int8 x int8 with one scale per weight row and one per x row: exact int32 dots                         */
 /* ------------------------------------------------------------------------------------------------------ */
 
+/* y[m, n] = ((float)dot(xq[m], w[n]) * f16(sc[n])) * xs[m * xs_stride] (+ bias[n]), the dot an exact int32 sum
+ * over all K (|dot| <= K * 128 * 127 < 2^31 for K < 132,000), so any summation order gives the same bits, and the
+ * float epilogue is that of methods._int8_gemm over torch's exact int8 GEMM (convert, times the weight scale,
+ * times the activation scale, plus the bias: -ffp-contract=off keeps them apart): the two are interchangeable
+ * bit for bit, whatever the number of rows. W8A8 with per-channel weights and per-token (or static) activation
+ * scales. xq int8 [M, K] (K % 32 == 0), w int8 [N, K] (codes -128..127), sc float16 bits [N]. */
 #if LOOM_QSIMD
 ALWAYS_INLINE int32_t hsum8_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -1336,7 +1342,57 @@ ALWAYS_INLINE int32_t hsum8_epi32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
+
+/* acc + the 8 int32 partial dots of one block of 32 codes: |w| (u8) times x with w's sign moved onto it (s8),
+ * pairs summed to int16 (|2 * 128 * 127| < 2^15), then pairs of those to int32 */
+ALWAYS_INLINE __m256i dot_i8_block(__m256i u, __m256i w, const int8_t *x, __m256i acc) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), _mm256_set1_epi16(1)));
+}
 #endif
+
+void loom_gemm_q8c_q8t(const int8_t *xq, const float *xs, int64_t xs_stride, int64_t M, int64_t K, const int8_t *w,
+                       const uint16_t *sc, const float *bias, void *y, int64_t N, int y_bf16, int num_threads) {
+    const int64_t nb = K / 32;
+    /* weight rows in chunks of ~32 KB; each chunk against all x rows in passes of 4 (the chunk stays in L2) */
+    const int64_t rows = K > 0 && K < 32768 ? 32768 / K : 1, chunks = (N + rows - 1) / rows;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t lo = c * rows, hi = lo + rows < N ? lo + rows : N;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mc = M - m0 < 4 ? (int)(M - m0) : 4;
+            for (int64_t n = lo; n < hi; ++n) {
+                const int8_t *wn = w + n * K, *x0 = xq + m0 * K;
+                int32_t dot[4] = {0, 0, 0, 0};
+#if LOOM_QSIMD
+                __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t b = 0; b < nb; ++b) {
+                    const __m256i wv = _mm256_loadu_si256((const __m256i *)(wn + 32 * b));
+                    const __m256i u = _mm256_sign_epi8(wv, wv);
+                    a0 = dot_i8_block(u, wv, x0 + 32 * b, a0);
+                    if (mc > 1) a1 = dot_i8_block(u, wv, x0 + K + 32 * b, a1);
+                    if (mc > 2) a2 = dot_i8_block(u, wv, x0 + 2 * K + 32 * b, a2);
+                    if (mc > 3) a3 = dot_i8_block(u, wv, x0 + 3 * K + 32 * b, a3);
+                }
+                dot[0] = hsum8_epi32(a0), dot[1] = hsum8_epi32(a1), dot[2] = hsum8_epi32(a2), dot[3] = hsum8_epi32(a3);
+#else
+                for (int i = 0; i < mc; ++i)
+                    for (int64_t k = 0; k < K; ++k) dot[i] += (int32_t)wn[k] * (int32_t)x0[i * K + k];
+#endif
+                const float sw = loom_f16_to_f32(sc[n]);
+                for (int i = 0; i < mc; ++i) {
+                    float v = ((float)dot[i] * sw) * xs[(m0 + i) * xs_stride];
+                    if (bias) v += bias[n];
+                    loom_store_out(y, (m0 + i) * N + n, v, y_bf16);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* 3. weight-only GEMM: int16 activation codes                                                              */
+/* ------------------------------------------------------------------------------------------------------ */
 
 /* One row x [K] (float32 or bfloat16) -> int16 codes c [K] in value order, block scales s [K/32] and the
  * sums of the dequantized halves h [K/16] (the header's item 3). */
