@@ -245,3 +245,26 @@ def test_rotary_cos_sin_rows_and_bounds() -> None:
     moved = rotary.to(torch.float64)  # a new cache tensor: the gathered tables follow it
     assert moved.cos_sin(positions)[0].dtype == torch.float64
     assert torch.equal(moved.cos_sin(positions)[1], sin.double())
+
+
+def test_longrope_cos_sin_takes_each_tokens_table() -> None:
+    """With LongRoPE the tokens marked use_long read the long table's rows and the others the short one's: bit for
+    bit the formula built per call from the two caches (a torch.where of the gathered rows, then [cos, cos] and
+    [-sin, sin]); no token marked long reads the short table only; bounds are checked on both paths."""
+    from loom.model.layers.rotary import RotaryEmbedding
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+               "original_max_position_embeddings": 64}
+    rotary = RotaryEmbedding(16, 256, 10000.0, scaling)
+    positions = torch.tensor([0, 70, 255, 5, 128])
+    use_long = torch.tensor([False, True, True, False, True])
+    table = torch.where(use_long[:, None], rotary.cos_sin_cache_long[positions], rotary.cos_sin_cache[positions])
+    half_cos, half_sin = table.chunk(2, dim=-1)
+    cos, sin = rotary.cos_sin(positions, use_long)
+    assert torch.equal(cos, torch.cat([half_cos, half_cos], dim=-1)[:, None, :])
+    assert torch.equal(sin, torch.cat([-half_sin, half_sin], dim=-1)[:, None, :])
+    assert not torch.equal(cos[1], rotary.cos_sin(positions)[0][1])  # the long table's row differs
+    short = rotary.cos_sin(positions, torch.zeros(5, dtype=torch.bool))
+    assert torch.equal(short[0], rotary.cos_sin(positions)[0]) and torch.equal(short[1], rotary.cos_sin(positions)[1])
+    with pytest.raises(ValueError, match=r"positions must be in \[0, 256\)"):
+        rotary.cos_sin(torch.tensor([3, 300]), torch.tensor([True, True]))

@@ -131,19 +131,20 @@ class RotaryEmbedding(nn.Module):
         Raises:
             ValueError: a position is beyond the precomputed table.
         """
-        if self.cos_sin_cache_long is not None and use_long is not None and bool(use_long.any()):
-            self._check_positions(positions)
-            table = torch.where(use_long[:, None], self.cos_sin_cache_long[positions], self.cos_sin_cache[positions])
-            cos, sin = table.chunk(2, dim=-1)  # each [num_tokens, head_dim // 2]
-            return torch.cat([cos, cos], dim=-1)[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
-        # the short table's rows as apply_rotary takes them, gathered: two index_selects instead of a gather, a
-        # chunk, two cats and a negation per forward (~36 -> ~9 us: a decode step calls this once per token)
+        # the tables' rows as apply_rotary takes them, gathered: two index_selects instead of a gather, a chunk, two
+        # cats and a negation per forward (~36 -> ~9 us: a decode step calls this once per token)
         full = self._full_tables()
         try:
-            return full[1].index_select(0, positions).unsqueeze(1), full[2].index_select(0, positions).unsqueeze(1)
+            cos, sin = full[1].index_select(0, positions), full[2].index_select(0, positions)
+            if self.cos_sin_cache_long is not None and use_long is not None and bool(use_long.any()):
+                long = self._full_tables(long=True)
+                pick = use_long[:, None]
+                cos = torch.where(pick, long[1].index_select(0, positions), cos)
+                sin = torch.where(pick, long[2].index_select(0, positions), sin)
         except (IndexError, RuntimeError):  # out of range: the error names the parameter and the bound
             self._check_positions(positions)
             raise
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _check_positions(self, positions: torch.Tensor) -> None:
         """Raises ValueError unless every position is in [0, max_position)."""
@@ -152,15 +153,16 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"positions must be in [0, {limit}) (max_position), got {int(positions.min())}.."
                              f"{int(positions.max())}")
 
-    def _full_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _full_tables(self, long: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the cache they were made from, cos [max_position, head_dim] = [cos, cos], signed sin = [-sin, sin]):
-        exact copies of the short table's values, made on first use and again after the module moved (a new
-        cos_sin_cache tensor)."""
-        full = self.__dict__.get("_full")
-        if full is None or full[0] is not self.cos_sin_cache:
-            cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
-            full = (self.cos_sin_cache, torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
-            self.__dict__["_full"] = full
+        exact copies of the short (long: LongRoPE's long) table's values, made on first use and again after the
+        module moved (a new cache tensor)."""
+        cache, key = (self.cos_sin_cache_long, "_full_long") if long else (self.cos_sin_cache, "_full")
+        full = self.__dict__.get(key)
+        if full is None or full[0] is not cache:
+            cos, sin = cache.chunk(2, dim=-1)
+            full = (cache, torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
+            self.__dict__[key] = full
         return full
 
     def forward(
