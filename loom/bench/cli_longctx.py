@@ -9,15 +9,11 @@ import time
 from pathlib import Path
 
 from loom.bench.longctx import PROMPT_FORMATS, TASKS
+from loom.engine.arg_utils import at_least
 
 POLICY_CHOICES = ("full", "sinks", "h2o", "snapkv", "topk-blocks")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def register_longctx(bench_sub: argparse._SubParsersAction) -> None:
@@ -28,27 +24,27 @@ def register_longctx(bench_sub: argparse._SubParsersAction) -> None:
         "longctx", help="long-context retrieval (passkey, multi-document QA): accuracy, KV bytes, decode tok/s and "
                         "TTFT per KV retention policy and budget vs full attention")
     g = p.add_argument_group("long-context workload")
-    g.add_argument("--lengths", type=_positive_int, nargs="+", default=[2048, 4096, 8192],
+    g.add_argument("--lengths", type=at_least(1), nargs="+", default=[2048, 4096, 8192],
                    help="prompt tokens; one at the context limit is cut to leave room for --max-tokens "
                         "(default: %(default)s)")
     g.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="(default: %(default)s)")
-    g.add_argument("--num-samples", type=_positive_int, nargs="+", default=[10],
+    g.add_argument("--num-samples", type=at_least(1), nargs="+", default=[10],
                    help="samples per (task, length): one value, or one per --lengths entry (default: %(default)s)")
     g.add_argument("--policies", nargs="+", choices=POLICY_CHOICES, default=list(POLICY_CHOICES),
                    help="KV policies; full always runs first; topk-blocks runs in an engine of its own per top-k "
                         "(default: %(default)s)")
     g.add_argument("--budgets", type=float, nargs="+", default=[0.125, 0.25, 0.5],
                    help="retention budgets: <= 1 a fraction of the prompt, > 1 tokens (default: %(default)s)")
-    g.add_argument("--sparse-topk", type=_positive_int, nargs="+", default=None,
+    g.add_argument("--sparse-topk", type=at_least(1), nargs="+", default=None,
                    help="top-k values of topk-blocks (default: for each length and budget, the k whose blocks read, "
                         "with the sink and recent ones, are that fraction of the prompt)")
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat-prefill",
                    help="chat-prefill: chat template with the answer's first words written; chat: chat template; "
                         "raw: no template (default: %(default)s)")
-    g.add_argument("--max-tokens", type=_positive_int, default=12,
+    g.add_argument("--max-tokens", type=at_least(1), default=12,
                    help="generated tokens per request, greedy (default: %(default)s)")
-    g.add_argument("--num-docs", type=_positive_int, default=4, help="multidoc: documents (default: %(default)s)")
-    g.add_argument("--num-keys", type=_positive_int, default=4,
+    g.add_argument("--num-docs", type=at_least(1), default=4, help="multidoc: documents (default: %(default)s)")
+    g.add_argument("--num-keys", type=at_least(1), default=4,
                    help="multidoc: key-value needles (default: %(default)s)")
     g.add_argument("--dataset-seed", type=int, default=0, help="seed of the samples (default: %(default)s)")
     g.add_argument("--output-json", type=Path, default=None,

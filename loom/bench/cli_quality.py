@@ -41,7 +41,7 @@ def cmd_quality(ns: argparse.Namespace) -> int:
 
 def register_quality(bench_sub: argparse._SubParsersAction) -> None:
     """Add `loom bench quality` to the `loom bench` subcommands."""
-    from loom.bench.cli_quant import at_least
+    from loom.engine.arg_utils import at_least
     from loom.config import QUANTIZATION_METHODS
 
     p = bench_sub.add_parser("quality", help="perplexity, top-1 agreement and KL of quantized paths vs float32")

@@ -9,6 +9,8 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+from loom.engine.arg_utils import at_least
+
 logger = logging.getLogger(__name__)
 
 
@@ -99,17 +101,6 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     return 0
 
 
-def at_least(minimum: int):
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
-        return n
-
-    return parse
 
 
 def register_quant(bench_sub: argparse._SubParsersAction) -> None:

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 
 from loom.config import (PREEMPTION_MODES, QUANTIZATION_METHODS, SPARSE_ATTENTION_METHODS, SUPPORTED_DTYPES,
                          SUPPORTED_KV_CACHE_DTYPES, EngineArgs)
 from loom.core.kv_retention import KV_RETENTION_POLICIES
 from loom.kv_transfer.base import KV_CONNECTORS, KV_TRANSFER_ROLES
 from loom.spec.proposer import SPECULATIVE_METHODS
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum, else an error naming both."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+
+    return parse
 
 
 def _optional_int(text: str) -> int | None:

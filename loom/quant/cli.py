@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from loom.engine.arg_utils import at_least
+
 
 def _alpha(value: str) -> float | str:
     if value == "search":
@@ -17,14 +19,6 @@ def _alpha(value: str) -> float | str:
     return alpha
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def cmd_quantize(ns: argparse.Namespace) -> int:
@@ -154,9 +148,9 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration-file", default=None,
                    help="UTF-8 text to calibrate on (default: ShareGPT conversations and Jane Austen's Emma, window by "
                    "window; needs loom[bench])")
-    p.add_argument("--calibration-windows", type=_positive, default=8,
+    p.add_argument("--calibration-windows", type=at_least(1), default=8,
                    help="calibration windows, one prefill each (default: %(default)s)")
-    p.add_argument("--calibration-window-len", type=_positive, default=512,
+    p.add_argument("--calibration-window-len", type=at_least(1), default=512,
                    help="tokens per calibration window (default: %(default)s)")
     p.add_argument("--activation-scales", choices=("dynamic", "static"), default="dynamic",
                    help="w8a8: int8 activations with a scale per token at run time, or one per layer input "
@@ -187,6 +181,6 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="per-module overrides as GPTQModel's quantization_config.dynamic, inline JSON or a file: "
                    "'{\"+:.*\\.down_proj\": {\"bits\": 8}, \"-:model\\.layers\\.0\\..*\": {}}' ('-:' keeps a "
                    "module in 16 bits); they win over --target-bits")
-    m.add_argument("--sensitivity-windows", type=_positive, default=1,
+    m.add_argument("--sensitivity-windows", type=at_least(1), default=1,
                    help="calibration windows the sensitivity is measured on (default: %(default)s)")
     p.set_defaults(func=cmd_quantize)
