@@ -32,7 +32,7 @@ class _Packed(ctypes.Structure):
 _Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
                     ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                     ("group", ctypes.c_int64), ("kind", ctypes.c_int64), ("next", ctypes.POINTER(_Packed)),
-                    ("rot", ctypes.c_int64)]
+                    ("rot", ctypes.c_int64), ("act_scale", ctypes.c_float)]
 # LoomPacked.kind of each weight layout the step reads (bf16: a bf16 checkpoint's weights, float32 models only;
 # q8g_int8: q8g under per-token int8 activations, W8A8, float32 models only)
 _KINDS = {"q4g32": 0, "q8g": 1, "bf16": 2, "q8g_int8": 3}
@@ -206,9 +206,11 @@ class ModelDecodeStep:
             return _Packed(layer.weight.data_ptr(), 0, 0, 0 if layer.bias is None else layer.bias.data_ptr(), n, k, 0,
                            _KINDS["bf16"])
         parts = [_packed(p, b) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
-        if layer.quant_method.scheme.activations == "q8_token":  # W8A8: int8 activations, rotated or not
+        activations = layer.quant_method.scheme.activations
+        if activations in ("q8_token", "q8_static"):  # W8A8: int8 activations, rotated or not
             for part in parts:
                 part.kind, part.rot = _KINDS["q8g_int8"], layer.rotation_block
+                part.act_scale = layer.input_scale if activations == "q8_static" else 0.0
         for part, following in zip(parts, parts[1:], strict=False):
             part.next = ctypes.pointer(following)
         self._parts.extend(parts[1:])
@@ -229,8 +231,9 @@ def _packed(p: Any, bias: torch.Tensor | None) -> _Packed:
 
 def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
-    different layouts as a chain) with float activations, W8A8 (q8g weights, per-token int8 activations after the
-    optional Hadamard rotation; float32 models), or bf16 weights (`--quantization bf16`) under float32
+    different layouts as a chain) with float activations, W8A8 (q8g weights, int8 activations per token after the
+    optional Hadamard rotation, or with a checkpoint's static scale and per-channel weights; float32 models), or
+    bf16 weights (`--quantization bf16`) under float32
     activations with loom's gemv_w16 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16; per-head
     QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
     bases included; post-norm layers (OLMo 2), MoE FFNs and soft-capped attention (Gemma 2) not."""
@@ -262,9 +265,10 @@ def supports_model(model: torch.nn.Module) -> bool:
             if not isinstance(method, PackedLinearMethod) or lin.dense_weight is not None \
                     or lin.input_perm is not None:
                 return False
-            if method.scheme.activations == "q8_token":  # W8A8: loom's int8 kernels (torch's GEMM: the same bits)
-                if model.norm.weight.dtype != torch.float32 or not all(p.layout == "q8g" for p in lin.packed):
-                    return False
+            if method.scheme.activations in ("q8_token", "q8_static"):  # W8A8 (torch's int8 GEMM: the same bits)
+                if model.norm.weight.dtype != torch.float32 or not all(p.layout == "q8g" for p in lin.packed) \
+                        or (method.scheme.activations == "q8_static" and not lin.int_gemm):
+                    return False  # a static scale with per-group weights: the per-layer path
             elif method.scheme.activations != "float":
                 return False
     return True

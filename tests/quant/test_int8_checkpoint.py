@@ -271,3 +271,24 @@ def test_layers_the_packed_layout_cannot_hold_run_dense() -> None:
                           (codes, torch.tensor([1e-6]))):
         dense = _packed("p", weight.contiguous(), scale)
         assert isinstance(dense, torch.Tensor) and torch.equal(dense, weight.float() * scale.float().reshape(-1, 1))
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_int8_checkpoints_decode_through_the_c_step(tiny_models, tmp_path: Path, activations: str) -> None:
+    """A compressed-tensors W8A8 checkpoint, dynamic or static activation scales (q/k/v biases included), decodes
+    through the C decode step, which quantizes (per token, or round(x / input_scale) clamped) and multiplies as the
+    per-layer path does: equal bit for bit on the best ISA."""
+    from loom.kernels.decode_step import ModelDecodeStep, supports_model
+    from loom.kernels.registry import get_kernel, kernel_isas
+    from tests.kernels.test_decode_step import _assert_paths_agree, _both_paths
+
+    if get_kernel("decode_step") is None:
+        pytest.skip("the kernels do not build here (no compiler)")
+    ckpt = write_int8_checkpoint(tiny_models["qwen2_gqa"], tmp_path / "int8", activations)
+    loaded = load_model(str(ckpt), torch.float32, CPU)
+    inner = loaded.model.model
+    assert supports_model(inner) and inner.decode_step is not None
+    isa = kernel_isas("decode_step")[0]
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    results = _both_paths(loaded.model, loaded.arch, step, [[1, 2, 3, 4, 5], [9] * 20, [7] * 17])
+    _assert_paths_agree(isa, *results, 0.0)

@@ -62,8 +62,8 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
 /* A weight [N, K] in one of the layouts the step reads (`kind`): 0 q4g32 and 1 q8g with `group`
  * (loom/quant/layout.py: codes, float16 scales and minimums), 2 bfloat16 values row-major (a bf16 checkpoint
  * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL), 3 q8g under int8
- * activations quantized per token (W8A8, float32 models only), after a block Hadamard rotation of `rot`
- * channels (0: none; every part of a chain the same). A projection whose
+ * activations (W8A8, float32 models only), quantized per token or, where `act_scale` > 0, with that static
+ * scale, after a block Hadamard rotation of `rot` channels (0: none; every part of a chain the same). A projection whose
  * shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a chain of parts,
  * each giving the next output columns. */
 typedef struct LoomPacked {
@@ -74,6 +74,7 @@ typedef struct LoomPacked {
     int64_t n, k, group, kind;
     const struct LoomPacked *next; /* the part for the following output columns, or NULL */
     int64_t rot;                   /* kind 3: channels per Hadamard block of the input rotation, 0 = none */
+    float act_scale;               /* kind 3: a static activation scale (the checkpoint's input_scale), 0 = per token */
 } LoomPacked;
 
 typedef struct {
@@ -191,9 +192,21 @@ static int gemm_int8(const LoomPacked *w, const float *x, int64_t ldx, int64_t M
         x = rotated;
         ldx = K;
     }
-    loom_quantize_act(x, ldx, 0, M, K, 1, xq, xs, xsum, threads);
     int per_channel = 1; /* every part one scale per row and no mins: exact int32 dots (methods' int_gemm) */
     for (const LoomPacked *p = w; p; p = p->next) per_channel &= p->group == K && !p->mins;
+    if (w->act_scale > 0.0f) { /* static: round(x / s) clamped to +-127 (methods._int8_activations), s for every row;
+                                * clamped first, the same codes for integer bounds, and round_even stays in range */
+        for (int64_t m = 0; m < M; ++m) {
+            for (int64_t k = 0; k < K; ++k) {
+                float v = x[m * ldx + k] / w->act_scale;
+                v = v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;
+                xq[m * K + k] = (int8_t)loom_round_even(v);
+            }
+            for (int64_t b = 0; b < nb; ++b) xs[m * nb + b] = w->act_scale, xsum[m * nb + b] = 0.0f;
+        }
+    } else {
+        loom_quantize_act(x, ldx, 0, M, K, 1, xq, xs, xsum, threads);
+    }
     int64_t off = 0;
     for (const LoomPacked *p = w; p; p = p->next) {
         float *dst = chained ? tmp : y + off;
