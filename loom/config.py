@@ -34,6 +34,15 @@ SPARSE_ATTENTION_METHODS = ("none", "topk-blocks")
 QUANTIZATION_METHODS = ("none", "gguf", "bf16", "w8a16", "w4a16", "w8a8", "fp8", "gptq", "awq")
 
 
+def _has_gguf_magic(path: Path) -> bool:
+    """Whether path is a readable file whose first four bytes are GGUF's magic."""
+    try:
+        with path.open("rb") as f:
+            return path.is_file() and f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None  # GGUF path or Hugging Face model directory; None = bundled SmolLM2-135M-Instruct
@@ -50,10 +59,11 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)}, got {self.quantization!r}")
-        # the loader's rule (a file is a GGUF, a directory a Hugging Face checkpoint), and a path not there yet
-        # that names a .gguf; the bundled model is a GGUF file
+        # a file that starts with GGUF's magic (the loader reads any file as a GGUF and names a bad magic itself),
+        # or a path not there yet that names a .gguf; a directory is a Hugging Face checkpoint; the bundled model
+        # is a GGUF file
         path = None if self.model is None else Path(self.model).expanduser()
-        gguf = path is None or path.is_file() or (not path.exists() and path.suffix.lower() == ".gguf")
+        gguf = path is None or (not path.exists() and path.suffix.lower() == ".gguf") or _has_gguf_magic(path)
         if gguf and self.quantization in ("gptq", "awq"):  # refused now, not after seconds of loading the file
             article = "an" if self.quantization == "awq" else "a"
             raise ValueError(f"quantization={self.quantization!r} needs {article} {self.quantization.upper()} checkpoint "

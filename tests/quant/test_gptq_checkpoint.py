@@ -200,14 +200,21 @@ def test_a_checkpoint_method_on_a_gguf_file_is_refused_before_loading(method: st
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_the_early_refusal_follows_the_loader_not_the_file_name(method: str, tmp_path) -> None:
-    """A file is a GGUF to the loader whatever its name, a directory a Hugging Face checkpoint even if named
-    like a GGUF file: the early refusal takes the same view."""
+    """A GGUF file is one whatever its name, a directory a Hugging Face checkpoint even if named like a GGUF
+    file: the early refusal goes by the file's magic, not its suffix; a file that is no GGUF is left to the
+    loader, which says so (fresh-user trial: a text file was called a GGUF file)."""
     from loom.config import ModelConfig
+    from loom.model.loader import load_model
 
     renamed = tmp_path / "smollm2.bin"
-    renamed.write_bytes(b"GGUF")
+    renamed.write_bytes(b"GGUF" + bytes(60))
     with pytest.raises(ValueError, match="GGUF file"):
         ModelConfig(model=str(renamed), quantization=method)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    assert ModelConfig(model=str(text), quantization=method).quantization == method
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_model(str(text), torch.float32, CPU, quantization=method)
     folder = tmp_path / "checkpoint.gguf"
     folder.mkdir()
     assert ModelConfig(model=str(folder), quantization=method).quantization == method
