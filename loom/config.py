@@ -36,9 +36,11 @@ QUANTIZATION_METHODS = ("none", "gguf", "bf16", "w8a16", "w4a16", "w8a8", "fp8",
 
 def _has_gguf_magic(path: Path) -> bool:
     """Whether path is a readable file whose first four bytes are GGUF's magic."""
+    if not path.is_file():
+        return False
     try:
         with path.open("rb") as f:
-            return path.is_file() and f.read(4) == b"GGUF"
+            return f.read(4) == b"GGUF"
     except OSError:
         return False
 

@@ -14,8 +14,6 @@ from loom.engine.arg_utils import at_least
 POLICY_CHOICES = ("full", "sinks", "h2o", "snapkv", "topk-blocks")
 
 
-
-
 def register_longctx(bench_sub: argparse._SubParsersAction) -> None:
     """Add `loom bench longctx` to the `loom bench` subcommands."""
     from loom.engine.arg_utils import add_engine_args

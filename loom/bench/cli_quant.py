@@ -101,8 +101,6 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def register_quant(bench_sub: argparse._SubParsersAction) -> None:
     """Add `loom bench quant` to the `loom bench` subcommands."""
     from loom.config import QUANTIZATION_METHODS, SUPPORTED_KV_CACHE_DTYPES

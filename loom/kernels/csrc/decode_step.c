@@ -63,9 +63,9 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
  * (loom/quant/layout.py: codes, float16 scales and minimums), 2 bfloat16 values row-major (a bf16 checkpoint
  * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL), 3 q8g under int8
  * activations (W8A8, float32 models only), quantized per token or, where `act_scale` > 0, with that static
- * scale, after a block Hadamard rotation of `rot` channels (0: none; every part of a chain the same). A projection whose
- * shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a chain of parts,
- * each giving the next output columns. */
+ * scale, after a block Hadamard rotation of `rot` channels (0: none; every part of a chain the same). A
+ * projection whose shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a
+ * chain of parts, each giving the next output columns. */
 typedef struct LoomPacked {
     const void *qweight;
     const uint16_t *scales; /* float16 bits [N, K / group] */
@@ -158,7 +158,24 @@ static void store_kv(void *dst, const void *src, int64_t n, int src_bf16, int kv
     }
 }
 
-static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
+/* W8A8 (kind 3): the int8 activations every part of a projection multiplies (prepared once by int8_activations) */
+typedef struct {
+    const int8_t *xq;
+    const float *xs, *xsum;
+    int per_channel; /* every part one scale per row and no mins: exact int32 dots (methods' int_gemm) */
+} Int8Act;
+
+static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads,
+                     const Int8Act *a) {
+    if (w->kind == 3) { /* float32 models only */
+        if (a->per_channel) {
+            loom_gemm_q8c_q8t(a->xq, a->xs, w->k / 32, M, w->k, (const int8_t *)w->qweight, w->scales, w->bias, y,
+                              w->n, 0, threads);
+            return 0;
+        }
+        return loom_gemm_q8g_q8(a->xq, a->xs, a->xsum, M, w->k, (const int8_t *)w->qweight, w->scales, w->mins,
+                                w->group, w->bias, y, w->n, 0, threads);
+    }
     if (w->kind == 2) /* the binding sets up bf16 weights for float32 models only */
         return loom_gemv_w16((const float *)x, ldx, (const uint16_t *)w->qweight, w->bias, (float *)y, M, w->n, w->k,
                              threads);
@@ -169,31 +186,24 @@ static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M,
                              w->n, bf16, threads);
 }
 
-/* W8A8 (kind 3): x float32 [M, K] rotated (rot > 0), quantized to int8 per token once, then each part's
- * integer GEMM into y [M, N of all parts] (PackedLinearMethod.apply's calls: kernels.rotate_input,
- * quantize_activations(per_token), then per part gemm_q8_per_channel where every part has one scale per row and
- * no mins — the exact dots whose bits torch's int8 GEMM gives too — else the per-block gemm_q8; concatenated). */
-static int gemm_int8(const LoomPacked *w, const float *x, int64_t ldx, int64_t M, float *y, int threads) {
+/* W8A8 (kind 3): x float32 [M, K] rotated (rot > 0), then quantized to int8 once for all parts, per token or with
+ * the static scale (PackedLinearMethod.apply's kernels.rotate_input and _int8_activations); each part then runs
+ * gemm_q8_per_channel where every part has one scale per row and no mins (the exact dots whose bits torch's int8
+ * GEMM gives too), else the per-block gemm_q8. Returns the scratch the activations live in (the caller frees it),
+ * NULL when it cannot be allocated. */
+static char *int8_activations(const LoomPacked *w, const float *x, int64_t ldx, int64_t M, int threads,
+                              Int8Act *a) {
     const int64_t K = w->k, nb = K / 32;
-    int64_t total = 0, widest = 0;
-    for (const LoomPacked *p = w; p; p = p->next) {
-        total += p->n;
-        widest = p->n > widest ? p->n : widest;
-    }
-    const int chained = w->next && M > 1;
-    const size_t rot_floats = w->rot ? (size_t)(M * K) : 0, tmp_floats = chained ? (size_t)(M * widest) : 0;
-    char *scratch = (char *)loom_alloc64((rot_floats + tmp_floats + (size_t)(2 * M * nb)) * sizeof(float) +
-                                         (size_t)(M * K));
-    if (!scratch) return -1;
-    float *rotated = (float *)scratch, *tmp = rotated + rot_floats, *xs = tmp + tmp_floats, *xsum = xs + M * nb;
+    const size_t rot_floats = w->rot ? (size_t)(M * K) : 0;
+    char *scratch = (char *)loom_alloc64((rot_floats + (size_t)(2 * M * nb)) * sizeof(float) + (size_t)(M * K));
+    if (!scratch) return NULL;
+    float *rotated = (float *)scratch, *xs = rotated + rot_floats, *xsum = xs + M * nb;
     int8_t *xq = (int8_t *)(xsum + M * nb);
     if (w->rot) {
         loom_rotate_rows(x, ldx, M, K, w->rot, rotated, threads);
         x = rotated;
         ldx = K;
     }
-    int per_channel = 1; /* every part one scale per row and no mins: exact int32 dots (methods' int_gemm) */
-    for (const LoomPacked *p = w; p; p = p->next) per_channel &= p->group == K && !p->mins;
     if (w->act_scale > 0.0f) { /* static: round(x / s) clamped to +-127 (methods._int8_activations), s for every row;
                                 * clamped first, the same codes for integer bounds, and round_even stays in range */
         for (int64_t m = 0; m < M; ++m) {
@@ -207,29 +217,23 @@ static int gemm_int8(const LoomPacked *w, const float *x, int64_t ldx, int64_t M
     } else {
         loom_quantize_act(x, ldx, 0, M, K, 1, xq, xs, xsum, threads);
     }
-    int64_t off = 0;
-    for (const LoomPacked *p = w; p; p = p->next) {
-        float *dst = chained ? tmp : y + off;
-        if (per_channel)
-            loom_gemm_q8c_q8t(xq, xs, nb, M, K, (const int8_t *)p->qweight, p->scales, p->bias, dst, p->n, 0, threads);
-        else if (loom_gemm_q8g_q8(xq, xs, xsum, M, K, (const int8_t *)p->qweight, p->scales, p->mins, p->group,
-                                  p->bias, dst, p->n, 0, threads)) {
-            free(scratch);
-            return -1;
-        }
-        for (int64_t m = 0; chained && m < M; ++m)
-            memcpy(y + m * total + off, tmp + m * p->n, (size_t)p->n * sizeof(float));
-        off += p->n;
-    }
-    free(scratch);
-    return 0;
+    a->xq = xq, a->xs = xs, a->xsum = xsum, a->per_channel = 1;
+    for (const LoomPacked *p = w; p; p = p->next) a->per_channel &= p->group == K && !p->mins;
+    return scratch;
 }
 
 /* y [M, N of all parts] = x W^T, part after part (the same kernel calls as the per-layer path's, whose
  * outputs it concatenates). At M > 1 a part's rows are not contiguous in y: computed apart, then copied. */
 static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void *y, int bf16, int threads) {
-    if (w->kind == 3) return gemm_int8(w, (const float *)x, ldx, M, (float *)y, threads);
-    if (!w->next) return gemm_part(w, x, ldx, M, y, bf16, threads);
+    Int8Act act = {0};
+    char *act_scratch = NULL;
+    if (w->kind == 3 && !(act_scratch = int8_activations(w, (const float *)x, ldx, M, threads, &act))) return -1;
+    int rc = 0;
+    if (!w->next) {
+        rc = gemm_part(w, x, ldx, M, y, bf16, threads, &act);
+        free(act_scratch);
+        return rc;
+    }
     const size_t es = bf16 ? 2 : 4;
     int64_t total = 0, widest = 0;
     for (const LoomPacked *p = w; p; p = p->next) {
@@ -237,19 +241,18 @@ static int gemm(const LoomPacked *w, const void *x, int64_t ldx, int64_t M, void
         widest = p->n > widest ? p->n : widest;
     }
     char *tmp = M > 1 ? (char *)loom_alloc64((size_t)(M * widest) * es) : NULL;
-    if (M > 1 && !tmp) return -1;
+    if (M > 1 && !tmp) rc = -1;
     int64_t off = 0;
-    for (const LoomPacked *p = w; p; p = p->next) {
-        if (gemm_part(p, x, ldx, M, M > 1 ? (void *)tmp : (void *)((char *)y + (size_t)off * es), bf16, threads)) {
-            free(tmp);
-            return -1;
-        }
-        for (int64_t m = 0; M > 1 && m < M; ++m)
+    for (const LoomPacked *p = w; p && !rc; p = p->next) {
+        void *dst = M > 1 ? (void *)tmp : (void *)((char *)y + (size_t)off * es);
+        rc = gemm_part(p, x, ldx, M, dst, bf16, threads, &act);
+        for (int64_t m = 0; !rc && M > 1 && m < M; ++m)
             memcpy((char *)y + (size_t)(m * total + off) * es, tmp + (size_t)(m * p->n) * es, (size_t)p->n * es);
         off += p->n;
     }
     free(tmp);
-    return 0;
+    free(act_scratch);
+    return rc;
 }
 
 /* float32 -> bfloat16 rounded toward +inf (bf16_up) or -inf (bf16_down): truncation moves toward zero, so an
