@@ -26,7 +26,8 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
 
     result = quantize(ns.model, ns.output, ns.method, alpha=ns.alpha, calibration_file=ns.calibration_file,
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
-                      group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act, damp_percent=ns.damp_percent,
+                      group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act,
+                      static_groups=ns.static_groups, damp_percent=ns.damp_percent,
                       clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
                       sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score,
                       activation_scales=ns.activation_scales)
@@ -64,7 +65,7 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
                       if result.calibration_tokens else "")
         mixed = (f", per-layer overrides: {len(qc['dynamic'])} patterns" if qc.get("dynamic") else "")
         print(f"wrote {result.output} ({result.method}, {qc['bits']} bits, group size {qc['group_size']}, "
-              f"{'sym' if qc['sym'] else 'asym'}{', desc_act' if qc['desc_act'] else ''}{mixed}; "
+              f"{'sym' if qc['sym'] else 'asym'}{(', desc_act' + (', static groups' if qc.get('static_groups') else '')) if qc['desc_act'] else ''}{mixed}; "
               f"{result.bits_per_weight:.3f} stored bits per linear weight{calibrated}) in "
               f"{result.seconds:.1f} s; a GPTQ-format checkpoint, run by loom's packed kernels: "
               f"loom generate --model {result.output} ...")
@@ -163,8 +164,12 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                    help="symmetric grid (--no-sym / --asym: with a zero point) (default: symmetric)")
     g.add_argument("--asym", dest="sym", action="store_false", help=argparse.SUPPRESS)
-    g.add_argument("--desc-act", action="store_true",
-                   help="GPTQ act-order: quantize columns by decreasing Hessian diagonal (g_idx in the file)")
+    g.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ act-order: quantize columns by decreasing Hessian diagonal (default: on for gptq)")
+    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=True,
+                   help="with act-order: fix each group's scale and zero first, over consecutive columns, so the "
+                   "file keeps plain group order and runs in loom's C decode step (default: on; --no-static-groups: "
+                   "groups in act order, g_idx permuted, run per layer)")
     g.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
                    help="awq: search per-group weight clipping after the scales (default: on)")
     g.add_argument("--damp-percent", type=_fraction, default=0.01,

@@ -7,7 +7,10 @@ by [H^-1]_jj, is spread over the columns not yet rounded through row j of the up
 (H = 2 X X^T / n, dampened by `percdamp` times its mean diagonal). Updates are applied lazily in blocks of
 `block_size` columns (the paper's section 3, step 2); with `act_order` the columns are visited in order of
 decreasing diag(H) ("desc_act"), and group parameters are taken over that order, so g_idx is a permutation
-of the trivial map.
+of the trivial map. With `static_groups` (AutoGPTQ's option of that name) each group's parameters are fixed
+first, from the weights before any update, over the groups of consecutive input columns: the columns are still
+visited by decreasing diag(H), but g_idx stays the trivial map, so the checkpoint keeps the plain grouped
+layout that the packed kernels and loom's C decode step run (no input permutation at run time).
 
 The grid (one per group of `group_size` input columns and output row; AutoGPTQ's, which loaders expect):
     asymmetric: scale = (max - min) / maxq, zero = round(-min / scale), with min <= 0 <= max
@@ -113,7 +116,8 @@ def rtn_quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) ->
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, sym: bool, *,
-                  act_order: bool = False, percdamp: float = 0.01, block_size: int = 128) -> GPTQWeight:
+                  act_order: bool = False, static_groups: bool = False, percdamp: float = 0.01,
+                  block_size: int = 128) -> GPTQWeight:
     """GPTQ (Frantar et al. 2022, Algorithm 1) of one linear layer.
 
     Args:
@@ -122,6 +126,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         hessian: [K, K] float32, 2 X X^T / n over the layer's calibration inputs X [K, n] (accumulate_hessian).
         group_size: input columns per group (in visiting order), -1 = per channel.
         act_order: visit columns by decreasing diag(H) ("desc_act"); g_idx then records each column's group.
+        static_groups: each group's (scale, zero) from the unquantized weights of its consecutive columns, taken
+            before the column loop; g_idx is then k // group_size whatever the visiting order.
         percdamp: lambda = percdamp * mean(diag(H)) is added to the diagonal before inversion.
         block_size: columns per lazy batch update.
 
@@ -139,6 +145,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     dead = torch.diagonal(h) == 0  # inputs calibration never saw: any value; their weights do not matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    size = k if group_size == -1 else group_size
+    static = None
+    if static_groups and group_size != -1:  # per group, over consecutive columns, before any update
+        static = [grid_params(w[:, g * size : (g + 1) * size], bits, sym) for g in range(_groups_of(k, group_size))]
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
     h += percdamp * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
@@ -147,7 +157,6 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     except RuntimeError as exc:  # torch raises _LinAlgError, a RuntimeError
         raise ValueError(f"the dampened Hessian is not positive definite; raise percdamp ({exc})") from None
 
-    size = k if group_size == -1 else group_size
     codes = torch.empty(n, k, dtype=torch.float32)
     scales, zeros = [], []
     scale = zero = None
@@ -162,7 +171,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if group_size != -1 and col % group_size == 0:
+            if static is not None:
+                scale, zero = static[int(perm[col]) // size]
+            elif group_size != -1 and col % group_size == 0:
                 # the group's current (error-updated) weights: this block's rest, then columns not yet reached
                 group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :size]
                 scale, zero = grid_params(group, bits, sym)
@@ -176,7 +187,11 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     inverse = torch.argsort(perm)
-    g_idx = (torch.arange(k) // size)[inverse].to(torch.int32)  # group of original column c: its visit slot
+    if static is not None:
+        scales, zeros = [s for s, _ in static], [z for _, z in static]
+        g_idx = (torch.arange(k) // size).to(torch.int32)
+    else:
+        g_idx = (torch.arange(k) // size)[inverse].to(torch.int32)  # group of original column c: its visit slot
     return GPTQWeight(codes[:, inverse].to(torch.int32), torch.stack(scales).half(),
                       torch.stack(zeros).to(torch.int32), g_idx, bits)
 

@@ -48,6 +48,7 @@ class GPTQSettings:
     target_bits: float | None = None  # mixed precision: stored bits per weight of the linear layers (mixed.py)
     dynamic: dict[str, dict[str, Any]] | None = None  # per-module overrides (GPTQModel's form), ahead of the plan
     sensitivity_windows: int = 1  # calibration windows the sensitivity is measured on (mixed precision)
+    static_groups: bool = False  # with desc_act: group parameters over consecutive columns, fixed first (gptq.py)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -59,6 +60,8 @@ class GPTQSettings:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size}")
         if self.desc_act and self.method != "gptq":
             raise ValueError("desc_act (act-order) applies to method 'gptq' only")
+        if self.static_groups and not self.desc_act:
+            raise ValueError("static_groups applies with desc_act (act-order) only")
         if not 0 < self.damp_percent < 1:
             raise ValueError(f"damp_percent must be in (0, 1), got {self.damp_percent}")
         if self.block_size < 1:
@@ -86,7 +89,8 @@ class GPTQSettings:
         modules differ from the base settings."""
         config = {
             "quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
-            "sym": self.sym, "damp_percent": self.damp_percent, "true_sequential": True, "static_groups": False,
+            "sym": self.sym, "damp_percent": self.damp_percent, "true_sequential": True,
+            "static_groups": self.static_groups,
             "act_group_aware": False, "lm_head": False, "format": "gptq", "checkpoint_format": "gptq",
             "model_file_base_name": "model",
             "meta": {"quantizer": ["loom"], "method": self.method, "calibration": calibration,
@@ -163,7 +167,8 @@ def quantize_model_weights(model: torch.nn.Module, arch: Any, settings: GPTQSett
             if gptq:
                 hessian = _layer_hessian(model, arch, layer, lin, states)
                 q = gptq_quantize(lin.weight.data, hessian, bits, group_size, settings.sym,
-                                  act_order=settings.desc_act, percdamp=settings.damp_percent,
+                                  act_order=settings.desc_act, static_groups=settings.static_groups,
+                                  percdamp=settings.damp_percent,
                                   block_size=settings.block_size)
             else:
                 q = rtn_quantize(lin.weight.data, bits, group_size, settings.sym)

@@ -174,7 +174,7 @@ def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
 
 def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str = 0.5,
              calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512, bits: int = 4,
-             group_size: int = 128, sym: bool = True, desc_act: bool = False,
+             group_size: int = 128, sym: bool = True, desc_act: bool | None = None, static_groups: bool = True,
              damp_percent: float = 0.01, clip: bool = True, target_bits: float | None = None,
              dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int = 1,
              prune_score: str = "wanda", activation_scales: str = "dynamic") -> QuantizeResult:
@@ -186,8 +186,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         num_windows, window_len: calibration tokens, as windows run one prefill each.
         bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
-            grid; GPTQ act-order; GPTQ dampening. awq: bits 4, group_size 32, 64 or 128 (sym, desc_act and
-            damp_percent do not apply; AWQ's grid is asymmetric).
+            grid; GPTQ act-order (None = on for gptq, off for rtn); GPTQ dampening. awq: bits 4, group_size
+            32, 64 or 128 (sym, desc_act and damp_percent do not apply; AWQ's grid is asymmetric).
+        static_groups: with act-order, each group's scale and zero fixed before GPTQ's column loop over
+            consecutive columns (AutoGPTQ's static_groups), so the file keeps plain group order and runs through
+            loom's C decode step; False = groups taken in act order (g_idx permuted, run per layer).
         clip: awq's weight-clipping search.
         target_bits: rtn / gptq mixed precision: stored bits per weight of the decoder's linear layers, spent
             on the layers whose output KL suffers most (loom/quant/mixed.py); None = every layer in the base
@@ -237,7 +240,10 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     if method in ("rtn", "gptq"):
         from loom.quant.gptq_checkpoint import GPTQSettings
 
+        if desc_act is None:
+            desc_act = method == "gptq"
         settings = GPTQSettings(method, bits, group_size, sym, desc_act, damp_percent, target_bits=target_bits,
+                                static_groups=desc_act and static_groups,
                                 dynamic=dynamic, sensitivity_windows=sensitivity_windows)
         return _quantize_gptq_format(model, output, settings, calibration_file, num_windows, window_len)
     _check_alpha(alpha)

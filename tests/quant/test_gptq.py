@@ -53,6 +53,30 @@ def test_gptq_error_no_larger_than_rtn(bits: int, group_size: int, sym: bool, ac
         assert torch.equal(gptq.g_idx.long(), torch.arange(k) // (k if group_size == -1 else group_size))
 
 
+@pytest.mark.parametrize(("bits", "group_size", "sym"), [(4, 32, False), (4, 128, True), (8, 64, False)])
+def test_static_groups_keep_the_plain_group_order(bits: int, group_size: int, sym: bool) -> None:
+    """Act-order with static groups (AutoGPTQ's static_groups): columns visited by decreasing diag(H), but each
+    group's scale and zero are RTN's over its consecutive columns, and g_idx is the trivial map."""
+    n, k = 48, 256
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(5))
+    x = correlated_inputs(k, 1024, seed=6)
+    h = 2 * x.T @ x / 1024
+    assert not torch.equal(torch.argsort(torch.diagonal(h), descending=True), torch.arange(k))  # a real reorder
+    rtn = rtn_quantize(w, bits, group_size, sym)
+    q = gptq_quantize(w, h, bits, group_size, sym, act_order=True, static_groups=True)
+    assert torch.equal(q.g_idx.long(), torch.arange(k) // group_size)
+    assert torch.equal(q.scales, rtn.scales) and torch.equal(q.zeros, rtn.zeros)
+    assert not torch.equal(q.codes, rtn.codes)  # the error feedback moved codes
+    err_rtn = float((x @ (w - rtn.dequantize()).T).square().sum())
+    err_static = float((x @ (w - q.dequantize()).T).square().sum())
+    assert err_static < (0.8 if bits == 4 else 1.0) * err_rtn
+    loom = to_loom(from_checkpoint(to_checkpoint(q, "gptq"), bits, "gptq"))
+    assert loom.input_perm is None and loom.packed is not None  # runs without a permutation
+    # without act-order, static_groups changes nothing but where the parameters come from
+    plain = gptq_quantize(w, h, bits, group_size, sym, static_groups=True)
+    assert torch.equal(plain.g_idx, q.g_idx) and torch.equal(plain.scales, rtn.scales)
+
+
 def test_rtn_grid() -> None:
     w = torch.tensor([[-1.0, 0.5, 2.0, 0.0] * 8])
     sym = rtn_quantize(w, 4, 32, sym=True)

@@ -36,6 +36,7 @@ def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("name", "settings"), [
     ("llama_gqa", GPTQSettings("gptq", 4, 32, True, True)),
+    ("llama_gqa", GPTQSettings("gptq", 4, 32, False, True, static_groups=True)),
     ("qwen2_gqa", GPTQSettings("gptq", 8, -1, False, False)),
     ("llama_mha_tied", GPTQSettings("rtn", 4, 32, False, False)),
 ])
@@ -49,7 +50,7 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == {
         "quant_method": "gptq", "bits": settings.bits, "group_size": settings.group_size,
         "desc_act": settings.desc_act, "sym": settings.sym, "checkpoint_format": "gptq"}
-    assert qc["damp_percent"] == 0.01 and qc["true_sequential"] is True and qc["static_groups"] is False
+    assert qc["damp_percent"] == 0.01 and qc["true_sequential"] is True and qc["static_groups"] is settings.static_groups
     from transformers import GPTQConfig  # transformers' own reading of the config
 
     hf = GPTQConfig.from_dict(qc)
@@ -72,8 +73,10 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     if settings.sym:
         zero = 2 ** (settings.bits - 1) - 1  # v1 stores zero - 1
         assert bool((t["qzeros"] == sum(zero << (j * settings.bits) for j in range(per))).all())
-    if settings.desc_act:
+    if settings.desc_act and not settings.static_groups:
         assert bool((t["g_idx"][1:] < t["g_idx"][:-1]).any())  # a real act-order permutation
+    else:  # static groups keep the plain group order: no permutation at run time
+        assert torch.equal(t["g_idx"].long(), torch.arange(h) // (h if settings.group_size == -1 else settings.group_size))
     from_checkpoint(t, settings.bits)  # decodes
 
     loaded = load_model(str(out), torch.float32, CPU)  # quantization "gptq" by default
@@ -81,7 +84,7 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(lin.quant_method, GPTQLinearMethod)
         assert lin.dense_weight is None and lin.packed[0].layout == ("q4g32" if settings.bits == 4 else "q8g")
-    assert (layer.self_attn.qkv_proj.input_perm is not None) == settings.desc_act
+    assert (layer.self_attn.qkv_proj.input_perm is not None) == (settings.desc_act and not settings.static_groups)
     assert not isinstance(loaded.model.lm_head.quant_method, GPTQLinearMethod)
     fmt, _ = loaded.model.weight_report()["qkv_proj"]
     assert "gptq" in fmt and f"GPTQ {settings.bits}-bit" in fmt
@@ -158,6 +161,8 @@ def test_other_quantization_of_a_gptq_checkpoint_is_refused(tiny_models, tmp_pat
         write_gptq_checkpoint(str(tiny.path), str(tmp_path / "x"), GPTQSettings("rtn", 4, 32, True, True), [])
     with pytest.raises(ValueError, match="group_size"):
         GPTQSettings("gptq", 4, 48, True, False).check()
+    with pytest.raises(ValueError, match="static_groups applies with desc_act"):
+        GPTQSettings("gptq", 4, 32, True, False, static_groups=True).check()
 
 
 def test_gptq_v2_checkpoint_loads_the_same(tiny_models, tmp_path) -> None:
