@@ -28,13 +28,13 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
                       group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act,
                       static_groups=ns.static_groups, damp_percent=ns.damp_percent,
-                      clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
+                      awq_clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
                       sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score,
                       activation_scales=ns.activation_scales)
     if result.method == "sparse24":
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
-        print(f"wrote {result.output} (2:4 sparsity by {ns.prune_score}{calibrated}; dense float32 weights with two "
+        print(f"wrote {result.output} (2:4 sparsity by {ns.prune_score or 'wanda'}{calibrated}; dense float32 weights with two "
               f"zeros in every four) in {result.seconds:.1f} s: loom generate --model {result.output} ...")
         return 0
     if result.method == "fp8":
@@ -143,9 +143,9 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
     p.add_argument("--output", required=True, help="directory to write (must not exist, or be empty)")
     p.add_argument("--method", choices=QUANTIZE_METHODS, default="smoothquant", help="(default: %(default)s)")
-    p.add_argument("--alpha", type=_alpha, default=0.5,
-                   help="SmoothQuant migration strength in [0, 1], or 'search' for the best per layer on the "
-                   "calibration tokens (default: %(default)s)")
+    p.add_argument("--alpha", type=_alpha, default=None,
+                   help="smoothquant / w8a8: SmoothQuant migration strength in [0, 1], or 'search' for the best per "
+                   "layer on the calibration tokens (default: 0.5)")
     p.add_argument("--calibration-file", default=None,
                    help="UTF-8 text to calibrate on (default: ShareGPT conversations and Jane Austen's Emma, window by "
                    "window; needs loom[bench])")
@@ -153,30 +153,30 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="calibration windows, one prefill each (default: %(default)s)")
     p.add_argument("--calibration-window-len", type=at_least(1), default=512,
                    help="tokens per calibration window (default: %(default)s)")
-    p.add_argument("--activation-scales", choices=("dynamic", "static"), default="dynamic",
+    p.add_argument("--activation-scales", choices=("dynamic", "static"), default=None,
                    help="w8a8: int8 activations with a scale per token at run time, or one per layer input "
-                   "calibrated here (default: %(default)s)")
+                   "calibrated here (default: dynamic)")
     g = p.add_argument_group("rtn / gptq / awq / sparse24")
-    g.add_argument("--bits", type=int, choices=(4, 8), default=4, help="(default: %(default)s)")
-    g.add_argument("--group-size", type=_group_size, default=128,
-                   help="input columns per scale: 32, 64, 128, or -1 for one per output channel "
-                   "(default: %(default)s)")
-    g.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
-                   help="symmetric grid (--no-sym / --asym: with a zero point) (default: symmetric)")
-    g.add_argument("--asym", dest="sym", action="store_false", help=argparse.SUPPRESS)
+    g.add_argument("--bits", type=int, choices=(4, 8), default=None, help="rtn / gptq / awq (default: 4)")
+    g.add_argument("--group-size", type=_group_size, default=None,
+                   help="rtn / gptq / awq: input columns per scale: 32, 64, 128, or -1 for one per output channel "
+                   "(default: 128)")
+    g.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
+                   help="rtn / gptq: symmetric grid; --no-sym or --asym: with a zero point (default: symmetric)")
+    g.add_argument("--asym", dest="sym", action="store_false", default=None, help=argparse.SUPPRESS)
     g.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPTQ act-order: quantize columns by decreasing Hessian diagonal (default: on for gptq)")
-    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=True,
-                   help="with act-order: fix each group's scale and zero first, over consecutive columns, so the "
-                   "file keeps plain group order and runs in loom's C decode step (default: on; --no-static-groups: "
-                   "groups in act order, g_idx permuted, run per layer)")
-    g.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="gptq: act-order, quantize columns by decreasing Hessian diagonal (default: on)")
+    g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
+                   help="gptq with act-order: fix each group's scale and zero first, over consecutive columns, so the "
+                   "file keeps plain group order and runs in loom's C decode step (default: on with act-order; "
+                   "--no-static-groups: groups in act order, g_idx permuted, run per layer)")
+    g.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
                    help="awq: search per-group weight clipping after the scales (default: on)")
-    g.add_argument("--damp-percent", type=_fraction, default=0.01,
-                   help="GPTQ dampening, a fraction of the Hessian's mean diagonal (default: %(default)s)")
-    g.add_argument("--prune-score", choices=("wanda", "magnitude"), default="wanda",
+    g.add_argument("--damp-percent", type=_fraction, default=None,
+                   help="gptq: dampening, a fraction of the Hessian's mean diagonal (default: 0.01)")
+    g.add_argument("--prune-score", choices=("wanda", "magnitude"), default=None,
                    help="sparse24: importance of each weight, |W| * ||X|| (Wanda, Sun et al. 2023) or |W| "
-                   "(default: %(default)s)")
+                   "(default: wanda)")
     m = p.add_argument_group("mixed precision (rtn / gptq)")
     m.add_argument("--target-bits", type=_target_bits, default=None,
                    help="stored bits per weight of the decoder's linear layers (e.g. 4.5): the layers whose "
@@ -186,6 +186,6 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="per-module overrides as GPTQModel's quantization_config.dynamic, inline JSON or a file: "
                    "'{\"+:.*\\.down_proj\": {\"bits\": 8}, \"-:model\\.layers\\.0\\..*\": {}}' ('-:' keeps a "
                    "module in 16 bits); they win over --target-bits")
-    m.add_argument("--sensitivity-windows", type=at_least(1), default=1,
-                   help="calibration windows the sensitivity is measured on (default: %(default)s)")
+    m.add_argument("--sensitivity-windows", type=at_least(1), default=None,
+                   help="calibration windows the sensitivity is measured on (default: 1)")
     p.set_defaults(func=cmd_quantize)

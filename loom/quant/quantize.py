@@ -42,6 +42,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse24")
+# quantize()'s method-specific options -> the methods that read them (any other method refuses them)
+METHOD_OPTIONS = {
+    "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",),
+    "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
+    "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq",), "awq_clip": ("awq",),
+    "target_bits": ("rtn", "gptq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq"),
+    "prune_score": ("sparse24",),
+}
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 # the architectures loom quantize writes (its writers and AWQ / SmoothQuant's folds assume pre-norm layers with
 # separate q/k/v and gate/up tensors: not OLMo 2's post-norms, Phi-3's fused checkpoints or MoE experts)
@@ -91,7 +99,7 @@ def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int,
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"calibration_file {text_file!r}: {exc}") from exc
         ids = list(tokenizer.encode(text, add_special_tokens=False))
-        return _cut(ids, num_windows, window_len, "calibration text"), text_file
+        return _cut(ids, num_windows, window_len, f"calibration_file {text_file!r}"), text_file
     num_prose = num_windows // 2
     prose: list[list[int]] = []
     source = f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK}, alternating windows"
@@ -116,7 +124,8 @@ def _cut(ids: list[int], num_windows: int, window_len: int, what: str) -> list[l
         ValueError: fewer tokens than that, naming `what`.
     """
     if len(ids) < num_windows * window_len:
-        raise ValueError(f"{what} has {len(ids)} tokens, fewer than {num_windows} x {window_len}")
+        raise ValueError(f"{what} has {len(ids)} tokens, fewer than calibration_windows x calibration_window_len = "
+                         f"{num_windows} x {window_len}")
     return [ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)]
 
 
@@ -172,26 +181,32 @@ def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
     }
 
 
-def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str = 0.5,
-             calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512, bits: int = 4,
-             group_size: int = 128, sym: bool = True, desc_act: bool | None = None, static_groups: bool = True,
-             damp_percent: float = 0.01, clip: bool = True, target_bits: float | None = None,
-             dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int = 1,
-             prune_score: str = "wanda", activation_scales: str = "dynamic") -> QuantizeResult:
+def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str | None = None,
+             calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512,
+             bits: int | None = None, group_size: int | None = None, sym: bool | None = None,
+             desc_act: bool | None = None, static_groups: bool | None = None, damp_percent: float | None = None,
+             awq_clip: bool | None = None, target_bits: float | None = None,
+             dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int | None = None,
+             prune_score: str | None = None, activation_scales: str | None = None) -> QuantizeResult:
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
+    Every method-specific option is None when not given (its default below applies); one given to a method it
+    does not apply to (METHOD_OPTIONS) is an error, not ignored.
+
     Args:
-        alpha: SmoothQuant's migration strength in [0, 1], or "search" (per layer, smoothquant.search_alpha).
+        alpha: SmoothQuant's migration strength in [0, 1], or "search" (per layer, smoothquant.search_alpha);
+            default 0.5.
         calibration_file: UTF-8 text to calibrate on; None = ShareGPT conversations (smoothquant, gptq).
         num_windows, window_len: calibration tokens, as windows run one prefill each.
         bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
-            grid; GPTQ act-order (None = on for gptq, off for rtn); GPTQ dampening. awq: bits 4, group_size
+            grid; GPTQ act-order; GPTQ dampening. Defaults 4, 128, symmetric, act-order on (gptq), 0.01. awq: bits 4, group_size
             32, 64 or 128 (sym, desc_act and damp_percent do not apply; AWQ's grid is asymmetric).
         static_groups: with act-order, each group's scale and zero fixed before GPTQ's column loop over
             consecutive columns (AutoGPTQ's static_groups), so the file keeps plain group order and runs through
-            loom's C decode step; False = groups taken in act order (g_idx permuted, run per layer).
-        clip: awq's weight-clipping search.
+            loom's C decode step (the default with act-order); False = groups taken in act order (g_idx
+            permuted, run per layer).
+        awq_clip: awq's weight-clipping search (default on).
         target_bits: rtn / gptq mixed precision: stored bits per weight of the decoder's linear layers, spent
             on the layers whose output KL suffers most (loom/quant/mixed.py); None = every layer in the base
             format.
@@ -212,13 +227,29 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
 
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
-    for name, value in (("target_bits", target_bits), ("dynamic", dynamic)):
-        if value is not None and method not in ("rtn", "gptq"):
-            raise ValueError(f"{name} applies to methods 'rtn' and 'gptq', not {method!r}")
+    given = {"alpha": alpha, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
+             "static_groups": static_groups, "damp_percent": damp_percent, "awq_clip": awq_clip,
+             "target_bits": target_bits, "dynamic": dynamic, "sensitivity_windows": sensitivity_windows, "prune_score": prune_score,
+             "activation_scales": activation_scales}
+    for name, value in given.items():
+        methods = METHOD_OPTIONS[name]
+        if value is not None and method not in methods:
+            names = [repr(m) for m in methods]
+            applies = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+            raise ValueError(f"{name} applies to method{'s' if len(methods) > 1 else ''} {applies}, not {method!r}")
+    alpha = 0.5 if alpha is None else alpha
+    bits = 4 if bits is None else bits
+    group_size = 128 if group_size is None else group_size
+    sym = True if sym is None else sym
+    desc_act = (method == "gptq") if desc_act is None else desc_act
+    static_groups = desc_act if static_groups is None else static_groups  # refused without act-order (check())
+    damp_percent = 0.01 if damp_percent is None else damp_percent
+    clip = True if awq_clip is None else awq_clip
+    sensitivity_windows = 1 if sensitivity_windows is None else sensitivity_windows
+    prune_score = "wanda" if prune_score is None else prune_score
+    activation_scales = "dynamic" if activation_scales is None else activation_scales
     if activation_scales not in ("dynamic", "static"):
         raise ValueError(f"activation_scales must be 'dynamic' or 'static', got {activation_scales!r}")
-    if activation_scales != "dynamic" and method != "w8a8":
-        raise ValueError(f"activation_scales applies to method 'w8a8', not {method!r}")
     if method == "sparse24":
         from loom.quant.sparsity import SCORES, write_sparse_checkpoint
 
@@ -240,10 +271,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     if method in ("rtn", "gptq"):
         from loom.quant.gptq_checkpoint import GPTQSettings
 
-        if desc_act is None:
-            desc_act = method == "gptq"
         settings = GPTQSettings(method, bits, group_size, sym, desc_act, damp_percent, target_bits=target_bits,
-                                static_groups=desc_act and static_groups,
+                                static_groups=static_groups,
                                 dynamic=dynamic, sensitivity_windows=sensitivity_windows)
         return _quantize_gptq_format(model, output, settings, calibration_file, num_windows, window_len)
     _check_alpha(alpha)
@@ -421,6 +450,8 @@ def _check_output(output: str) -> Path:
     Raises:
         ValueError: a file, a directory with files in it, or a path that cannot be created.
     """
+    if not str(output).strip():
+        raise ValueError("output must name a directory, got an empty path")
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} is a file, not a directory")

@@ -166,8 +166,11 @@ def test_quantize_refuses_bad_arguments(tmp_path) -> None:
 
     text = tmp_path / "cal.txt"
     text.write_text("one two three")
-    with pytest.raises(ValueError, match="fewer than 2 x 4"):
+    with pytest.raises(ValueError, match="calibration_file .* fewer than calibration_windows x "
+                                         "calibration_window_len = 2 x 4"):
         calibration_windows(Tok(), str(text), 2, 4)
+    with pytest.raises(ValueError, match="output must name a directory, got an empty path"):
+        quantize(None, "  ")
     with pytest.raises(ValueError, match="calibration_file"):
         calibration_windows(Tok(), str(tmp_path / "missing.txt"), 1, 2)
     windows, source = calibration_windows(Tok(), str(text), 1, 2)
@@ -207,6 +210,37 @@ def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--output", str(tmp_path / "o"), *args])
     assert exc.value.code == 2 and args[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("method", "option", "value"), [
+    ("rtn", "static_groups", True), ("rtn", "desc_act", True), ("rtn", "damp_percent", 0.1), ("awq", "desc_act", True),
+    ("awq", "sym", True), ("fp8", "bits", 4), ("gptq", "alpha", 0.3), ("smoothquant", "awq_clip", False),
+    ("sparse24", "group_size", 32), ("gptq", "prune_score", "magnitude"), ("smoothquant", "activation_scales", "static"),
+    ("w8a8", "target_bits", 4.5)])
+def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: str, option: str, value) -> None:
+    """Every method-specific option given to another method is an error before any work (a fresh-user trial found
+    `--method awq --desc-act`, `--method fp8 --bits 4`, `--method rtn --static-groups` silently ignored)."""
+    from loom.quant.quantize import METHOD_OPTIONS, quantize
+
+    assert method not in METHOD_OPTIONS[option]
+    with pytest.raises(ValueError, match=f"^{option} applies to methods? .*, not '{method}'$"):
+        quantize(None, str(tmp_path / "o"), method, **{option: value})
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--method", "awq", "--desc-act"], "--desc-act applies to method 'gptq', not 'awq'"),
+    (["--method", "smoothquant", "--awq-clip"], "--awq-clip applies to method 'awq', not 'smoothquant'"),
+    (["--method", "gptq", "--no-desc-act", "--static-groups"], "--static-groups applies with --desc-act"),
+    (["--method", "fp8", "--bits", "4"], "--bits applies to methods 'rtn', 'gptq' and 'awq', not 'fp8'")])
+def test_loom_quantize_cli_names_the_flag_a_method_does_not_read(tmp_path, capsys, args: list[str],
+                                                                  message: str) -> None:
+    from loom.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--output", str(tmp_path / "o"), *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_default_calibration_alternates_chat_and_prose(monkeypatch) -> None:
