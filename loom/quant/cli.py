@@ -157,10 +157,11 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="w8a8: int8 activations with a scale per token at run time, or one per layer input "
                    "calibrated here (default: dynamic)")
     g = p.add_argument_group("rtn / gptq / awq / sparse24")
-    g.add_argument("--bits", type=int, choices=(4, 8), default=None, help="rtn / gptq / awq (default: 4)")
+    g.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                   help="rtn / gptq: 4 or 8; awq: 4 (default: 4)")
     g.add_argument("--group-size", type=_group_size, default=None,
-                   help="rtn / gptq / awq: input columns per scale: 32, 64, 128, or -1 for one per output channel "
-                   "(default: 128)")
+                   help="rtn / gptq / awq: input columns per scale: 32, 64, 128, or (rtn / gptq) -1 for one per "
+                   "output channel (default: 128)")
     g.add_argument("--sym", action=argparse.BooleanOptionalAction, default=None,
                    help="rtn / gptq: symmetric grid; --no-sym or --asym: with a zero point (default: symmetric)")
     g.add_argument("--asym", dest="sym", action="store_false", default=None, help=argparse.SUPPRESS)
@@ -187,5 +188,5 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    "'{\"+:.*\\.down_proj\": {\"bits\": 8}, \"-:model\\.layers\\.0\\..*\": {}}' ('-:' keeps a "
                    "module in 16 bits); they win over --target-bits")
     m.add_argument("--sensitivity-windows", type=at_least(1), default=None,
-                   help="calibration windows the sensitivity is measured on (default: 1)")
+                   help="with --target-bits: calibration windows the sensitivity is measured on (default: 1)")
     p.set_defaults(func=cmd_quantize)

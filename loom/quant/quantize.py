@@ -451,7 +451,7 @@ def _check_output(output: str) -> Path:
         ValueError: a file, a directory with files in it, or a path that cannot be created.
     """
     if not str(output).strip():
-        raise ValueError("output must name a directory, got an empty path")
+        raise ValueError("output must be a directory path, got an empty one")
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} is a file, not a directory")

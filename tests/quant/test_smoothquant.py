@@ -169,7 +169,7 @@ def test_quantize_refuses_bad_arguments(tmp_path) -> None:
     with pytest.raises(ValueError, match="calibration_file .* fewer than calibration_windows x "
                                          "calibration_window_len = 2 x 4"):
         calibration_windows(Tok(), str(text), 2, 4)
-    with pytest.raises(ValueError, match="output must name a directory, got an empty path"):
+    with pytest.raises(ValueError, match="output must be a directory path, got an empty one"):
         quantize(None, "  ")
     with pytest.raises(ValueError, match="calibration_file"):
         calibration_windows(Tok(), str(tmp_path / "missing.txt"), 1, 2)
@@ -232,7 +232,8 @@ def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: s
     (["--method", "awq", "--desc-act"], "--desc-act applies to method 'gptq', not 'awq'"),
     (["--method", "smoothquant", "--awq-clip"], "--awq-clip applies to method 'awq', not 'smoothquant'"),
     (["--method", "gptq", "--no-desc-act", "--static-groups"], "--static-groups applies with --desc-act"),
-    (["--method", "fp8", "--bits", "4"], "--bits applies to methods 'rtn', 'gptq' and 'awq', not 'fp8'")])
+    (["--method", "fp8", "--bits", "4"], "--bits applies to methods 'rtn', 'gptq' and 'awq', not 'fp8'"),
+    (["--output", ""], "--output must be a directory path, got an empty one")])
 def test_loom_quantize_cli_names_the_flag_a_method_does_not_read(tmp_path, capsys, args: list[str],
                                                                   message: str) -> None:
     from loom.cli import main
