@@ -34,7 +34,8 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
     if result.method == "sparse24":
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
-        print(f"wrote {result.output} (2:4 sparsity by {ns.prune_score or 'wanda'}{calibrated}; dense float32 weights with two "
+        score = ns.prune_score or "wanda"
+        print(f"wrote {result.output} (2:4 sparsity by {score}{calibrated}; dense float32 weights with two "
               f"zeros in every four) in {result.seconds:.1f} s: loom generate --model {result.output} ...")
         return 0
     if result.method == "fp8":
@@ -64,8 +65,9 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
         mixed = (f", per-layer overrides: {len(qc['dynamic'])} patterns" if qc.get("dynamic") else "")
+        order = (", desc_act" + (", static groups" if qc.get("static_groups") else "")) if qc["desc_act"] else ""
         print(f"wrote {result.output} ({result.method}, {qc['bits']} bits, group size {qc['group_size']}, "
-              f"{'sym' if qc['sym'] else 'asym'}{(', desc_act' + (', static groups' if qc.get('static_groups') else '')) if qc['desc_act'] else ''}{mixed}; "
+              f"{'sym' if qc['sym'] else 'asym'}{order}{mixed}; "
               f"{result.bits_per_weight:.3f} stored bits per linear weight{calibrated}) in "
               f"{result.seconds:.1f} s; a GPTQ-format checkpoint, run by loom's packed kernels: "
               f"loom generate --model {result.output} ...")

@@ -150,6 +150,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     if static_groups and group_size != -1:  # per group, over consecutive columns, before any update
         static = [grid_params(w[:, g * size : (g + 1) * size], bits, sym) for g in range(_groups_of(k, group_size))]
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
+    group_of = (perm // size).tolist() if static is not None else None  # a visiting slot's static group
     w, h = w[:, perm], h[perm][:, perm]
     h += percdamp * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
     try:
@@ -172,7 +173,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         for i in range(i2 - i1):
             col = i1 + i
             if static is not None:
-                scale, zero = static[int(perm[col]) // size]
+                scale, zero = static[group_of[col]]
             elif group_size != -1 and col % group_size == 0:
                 # the group's current (error-updated) weights: this block's rest, then columns not yet reached
                 group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :size]

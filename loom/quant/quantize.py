@@ -200,8 +200,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         num_windows, window_len: calibration tokens, as windows run one prefill each.
         bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
-            grid; GPTQ act-order; GPTQ dampening. Defaults 4, 128, symmetric, act-order on (gptq), 0.01. awq: bits 4, group_size
-            32, 64 or 128 (sym, desc_act and damp_percent do not apply; AWQ's grid is asymmetric).
+            grid; GPTQ act-order; GPTQ dampening. Defaults 4, 128, symmetric, act-order on (gptq), 0.01. awq:
+            bits 4, group_size 32, 64 or 128 (sym, desc_act and damp_percent do not apply; AWQ's grid is asymmetric).
         static_groups: with act-order, each group's scale and zero fixed before GPTQ's column loop over
             consecutive columns (AutoGPTQ's static_groups), so the file keeps plain group order and runs through
             loom's C decode step (the default with act-order); False = groups taken in act order (g_idx
@@ -229,8 +229,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
     given = {"alpha": alpha, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
              "static_groups": static_groups, "damp_percent": damp_percent, "awq_clip": awq_clip,
-             "target_bits": target_bits, "dynamic": dynamic, "sensitivity_windows": sensitivity_windows, "prune_score": prune_score,
-             "activation_scales": activation_scales}
+             "target_bits": target_bits, "dynamic": dynamic, "sensitivity_windows": sensitivity_windows,
+             "prune_score": prune_score, "activation_scales": activation_scales}
     for name, value in given.items():
         methods = METHOD_OPTIONS[name]
         if value is not None and method not in methods:

@@ -50,7 +50,8 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format")} == {
         "quant_method": "gptq", "bits": settings.bits, "group_size": settings.group_size,
         "desc_act": settings.desc_act, "sym": settings.sym, "checkpoint_format": "gptq"}
-    assert qc["damp_percent"] == 0.01 and qc["true_sequential"] is True and qc["static_groups"] is settings.static_groups
+    assert qc["damp_percent"] == 0.01 and qc["true_sequential"] is True
+    assert qc["static_groups"] is settings.static_groups
     from transformers import GPTQConfig  # transformers' own reading of the config
 
     hf = GPTQConfig.from_dict(qc)
@@ -76,7 +77,8 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     if settings.desc_act and not settings.static_groups:
         assert bool((t["g_idx"][1:] < t["g_idx"][:-1]).any())  # a real act-order permutation
     else:  # static groups keep the plain group order: no permutation at run time
-        assert torch.equal(t["g_idx"].long(), torch.arange(h) // (h if settings.group_size == -1 else settings.group_size))
+        size = h if settings.group_size == -1 else settings.group_size
+        assert torch.equal(t["g_idx"].long(), torch.arange(h) // size)
     from_checkpoint(t, settings.bits)  # decodes
 
     loaded = load_model(str(out), torch.float32, CPU)  # quantization "gptq" by default

@@ -215,7 +215,8 @@ def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]
 @pytest.mark.parametrize(("method", "option", "value"), [
     ("rtn", "static_groups", True), ("rtn", "desc_act", True), ("rtn", "damp_percent", 0.1), ("awq", "desc_act", True),
     ("awq", "sym", True), ("fp8", "bits", 4), ("gptq", "alpha", 0.3), ("smoothquant", "awq_clip", False),
-    ("sparse24", "group_size", 32), ("gptq", "prune_score", "magnitude"), ("smoothquant", "activation_scales", "static"),
+    ("sparse24", "group_size", 32), ("gptq", "prune_score", "magnitude"),
+    ("smoothquant", "activation_scales", "static"),
     ("w8a8", "target_bits", 4.5)])
 def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: str, option: str, value) -> None:
     """Every method-specific option given to another method is an error before any work (a fresh-user trial found
