@@ -27,6 +27,10 @@ class ScheduledRequest:
     # holding start_position and scratch blocks from there (the runner copies that block's earlier rows in
     # first). Only for greedy requests; the runner keeps the branch with the longest accepted run.
     spec_branches: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    # each token a decode row of its own (row j attends to positions <= start_position + j), as verify rows are, but
+    # only the last sampled (when sample): a short chunk then runs the batched decode path and the one-call C step
+    # instead of the chunked-prefill path (the draft model's catch-up of its last draft and the target's token)
+    decode_rows: bool = False
     # a hybrid KV cache (loom/core/kv_groups.py): each KV cache group's block table, group order (block_table is
     # group 0's); None = one group, block_table serves every layer
     group_block_tables: list[list[int]] | None = None

@@ -34,11 +34,17 @@ class _DraftState:
     blocks: list[int] = field(default_factory=list)  # the draft cache's blocks for them, in position order
 
 
+# Catch-ups up to this many tokens (the last kept draft and the target's token, after a verify pass) run as decode
+# rows, so the draft's one-call C decode step serves them; longer ones (a prompt) run as a prefill chunk.
+MAX_DECODE_ROWS_CATCH_UP = 16
+
+
 def _row(request_id: str, state: _DraftState, token_ids: list[int], sample: bool) -> ScheduledRequest:
     """The draft runner's row for `token_ids` following the tokens `state` caches, greedy."""
     return ScheduledRequest(request_id=request_id, token_ids=token_ids, start_position=len(state.tokens),
                             block_table=state.blocks, sample=sample, sampling_params=_GREEDY, prompt_token_ids=[],
-                            output_token_ids=[], is_new=False)
+                            output_token_ids=[], is_new=False,
+                            decode_rows=1 < len(token_ids) <= MAX_DECODE_ROWS_CATCH_UP)
 
 
 class DraftModelProposer:

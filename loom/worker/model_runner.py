@@ -434,6 +434,14 @@ class ModelRunner:
                 for tokens, branch_table in req.spec_branches:
                     ids = [req.token_ids[0], *tokens]
                     add_verify_rows(add_tokens(ids, start, [branch_table]), len(ids), start, [branch_table])
+            elif req.decode_rows:
+                for j in range(n):
+                    query_start_loc.append(base + j + 1)
+                    seq_lens.append(start + j + 1 - dropped)
+                    add_rows(tables)
+                if req.sample:
+                    sample_indices.append(base + n - 1)
+                    sample_reqs.append(req)
             else:
                 query_start_loc.append(base + n)
                 seq_lens.append(start + n - dropped)

@@ -175,3 +175,41 @@ def test_the_draft_can_be_quantized_apart_from_the_target(tiny_dirs: dict[str, P
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = LLM(model=str(tiny_dirs["target"]), dtype="float32")
     assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == plain.generate([PROMPT], params)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("quantization", [None, "w4a16"])
+def test_a_short_catch_up_runs_as_decode_rows_with_the_chunks_result(tiny_dirs: dict[str, Path],
+                                                                     quantization: str | None) -> None:
+    """decode_rows: each token a decode row of its own, only the last sampled; the same K/V and token as the chunk
+    path computes, and with packed weights the one-call C decode step serves the step (it declines q_len > 1)."""
+    from loom.core.sched_output import ScheduledRequest, SchedulerOutput
+    from loom.spec.draft_model import _GREEDY
+
+    results = []
+    for decode_rows in (False, True):
+        runner = ModelRunner(ModelConfig(model=str(tiny_dirs["other"]), dtype="float32", quantization=quantization),
+                             CacheConfig(block_size=4, num_blocks=16, enable_prefix_caching=False),
+                             torch.device("cpu"))
+
+        def row(tokens: list[int], start: int, rows: bool) -> SchedulerOutput:
+            req = ScheduledRequest(request_id="a", token_ids=tokens, start_position=start, block_table=[0, 1, 2],
+                                   sample=True, sampling_params=_GREEDY, prompt_token_ids=[], output_token_ids=[],
+                                   is_new=start == 0, decode_rows=rows)
+            return SchedulerOutput([req], len(tokens))
+
+        runner.execute_model(row(PROMPT[:6], 0, False))
+        step = runner.model.model.decode_step
+        served = []
+        if step is not None:
+            run = step.run
+            step.run = lambda *a, **k: served.append(run(*a, **k)) or served[-1]
+        token = runner.execute_model(row(PROMPT[6:9], 6, decode_rows)).sampled_token_ids["a"]
+        if step is not None and decode_rows:
+            assert served and served[-1] is not None  # the C step ran the three rows
+        results.append((token, [c[:, :3].clone() for c in runner.kv_caches]))
+    (chunk_token, chunk_kv), (rows_token, rows_kv) = results
+    assert rows_token == chunk_token and len(rows_token) == 1
+    for a, b in zip(chunk_kv, rows_kv, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    if quantization is not None:
+        assert served, "the packed model should run the C decode step"
