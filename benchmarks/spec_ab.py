@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--speculative-method", required=True, choices=["ngram", "suffix", "draft_model"])
     ap.add_argument("--speculative-model")
     ap.add_argument("--speculative-quantization")
+    ap.add_argument("--speculative-draft-vocab-size", type=int)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--prompts", default="code", choices=["code", "mtbench"])
     ap.add_argument("--mtbench-file")
@@ -49,6 +50,8 @@ def main() -> None:
     spec = dict(speculative_method=args.speculative_method, num_speculative_tokens=args.k)
     if args.speculative_model:
         spec["speculative_model"] = args.speculative_model
+    if args.speculative_draft_vocab_size:
+        spec["speculative_draft_vocab_size"] = args.speculative_draft_vocab_size
     if args.speculative_quantization:
         spec["speculative_quantization"] = args.speculative_quantization
     baseline = {} if args.baseline_tree_width is None else dict(spec, speculative_tree_width=args.baseline_tree_width)

@@ -20,7 +20,8 @@ _SPECULATIVE_OPTIONS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_l
                         "speculative_disable_by_batch_size", "suffix_decoding_max_tree_depth",
                         "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
                         "suffix_decoding_max_spec_offset", "suffix_decoding_min_token_prob",
-                        "speculative_tree_width", "speculative_quantization")
+                        "speculative_tree_width", "speculative_quantization",
+                        "speculative_draft_vocab_size", "speculative_draft_vocab_corpus")
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache storage; "auto" = the model dtype (float16 for packed weights on the CPU, as llama.cpp stores KV).
@@ -199,6 +200,9 @@ class EngineArgs:
     speculative_tree_width: int = 1  # ngram/suffix: most candidate branches per greedy request and step
     speculative_model: str | None = None  # draft_model: the draft's GGUF file or Hugging Face directory
     speculative_quantization: str | None = None  # draft_model: the draft's --quantization; None = the target's
+    # draft_model: the draft's LM head computes only this many most frequent tokens' logits (FR-Spec); None = all
+    speculative_draft_vocab_size: int | None = None
+    speculative_draft_vocab_corpus: str | None = None  # ... counted on this file or directory; None = Python's stdlib
     tensor_parallel_size: int = 1  # processes that split every weight matrix (loom/executor/multiproc.py)
     pipeline_parallel_size: int = 1  # stages the layers are split into (loom/distributed/pipeline_parallel.py)
     pipeline_microbatches: int = 2  # pipeline parallel: most micro-batches a step is cut into
@@ -332,6 +336,8 @@ class EngineArgs:
             suffix_max_spec_offset=self.suffix_decoding_max_spec_offset,
             suffix_min_token_prob=self.suffix_decoding_min_token_prob,
             model=self.speculative_model, quantization=self.speculative_quantization,
+            draft_vocab_size=self.speculative_draft_vocab_size,
+            draft_vocab_corpus=self.speculative_draft_vocab_corpus,
             tree_width=self.speculative_tree_width)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -125,6 +125,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="draft_model: the draft's weight quantization (default: the target's --quantization); "
                         "a coarser draft reads fewer bytes per draft token and can only cost acceptance")
+    g.add_argument("--speculative-draft-vocab-size", type=int, default=None,
+                   help="draft_model: the draft's LM head computes the logits of only this many most frequent tokens "
+                        "(FR-Spec; frequencies from --speculative-draft-vocab-corpus) plus the special tokens: a "
+                        "cheaper draft token, at some acceptance; the target still verifies over its whole "
+                        "vocabulary (default: the whole vocabulary)")
+    g.add_argument("--speculative-draft-vocab-corpus", default=None,
+                   help="draft_model with --speculative-draft-vocab-size: a text file, or a directory of .py/.txt/.md/"
+                        ".rst/.json/.jsonl files, whose token frequencies rank the vocabulary (default: the Python "
+                        "standard library's source)")
     g.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                    help="most draft tokens per request and step (default: %(default)s)")
     g.add_argument("--speculative-tree-width", type=int, default=defaults.speculative_tree_width,

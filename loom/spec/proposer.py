@@ -62,6 +62,11 @@ class SpeculativeConfig:
     # draft_model: the draft's weight quantization method (vLLM's speculative_config "quantization");
     # None = the target's. A draft's error costs acceptance, never a wrong token.
     quantization: str | None = None
+    # draft_model: the draft's LM head restricted to this many most frequent tokens plus the special ones (FR-Spec,
+    # loom/spec/draft_vocab.py), counted on draft_vocab_corpus (a file or directory; None = Python's stdlib source);
+    # None = the whole vocabulary
+    draft_vocab_size: int | None = None
+    draft_vocab_corpus: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -86,6 +91,15 @@ class SpeculativeConfig:
         if self.quantization is not None and self.method != "draft_model":
             raise ValueError(f"speculative_quantization is only used by speculative_method 'draft_model', "
                              f"got method {self.method!r}")
+        if self.draft_vocab_size is not None and self.method != "draft_model":
+            raise ValueError(f"speculative_draft_vocab_size is only used by speculative_method 'draft_model', "
+                             f"got method {self.method!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"speculative_draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.draft_vocab_corpus is not None and self.draft_vocab_size is None:
+            raise ValueError("speculative_draft_vocab_corpus needs speculative_draft_vocab_size")
+        if self.draft_vocab_corpus is not None and not os.path.exists(self.draft_vocab_corpus):
+            raise ValueError(f"speculative_draft_vocab_corpus path {self.draft_vocab_corpus!r} does not exist")
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"speculative_model path {self.model!r} does not exist")
         if self.model is not None and self.method != "draft_model":
@@ -256,6 +270,12 @@ def _draft_model(c: SpeculativeConfig, ctx: ProposerContext | None) -> Proposer:
     if runner.tokenizer is None or list(runner.tokenizer.encode(probe)) != list(ctx.tokenizer.encode(probe)):
         raise ValueError(f"speculative_model {c.model!r} tokenizes text differently from the target: the draft "
                          "must share the target's tokenizer")
+    if c.draft_vocab_size is not None and c.draft_vocab_size < runner.arch.vocab_size:
+        from loom.spec.draft_vocab import draft_vocabulary, restrict_lm_head, special_token_ids, token_counts
+
+        counts = token_counts(runner.tokenizer, runner.arch.vocab_size, c.draft_vocab_corpus)
+        vocabulary = draft_vocabulary(counts, c.draft_vocab_size, special_token_ids(runner.tokenizer))
+        restrict_lm_head(runner.model, vocabulary)
     return DraftModelProposer(runner, ctx.max_model_len)
 
 
