@@ -151,10 +151,10 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration-file", default=None,
                    help="UTF-8 text to calibrate on (default: ShareGPT conversations and Jane Austen's Emma, window by "
                    "window; needs loom[bench])")
-    p.add_argument("--calibration-windows", type=at_least(1), default=8,
-                   help="calibration windows, one prefill each (default: %(default)s)")
-    p.add_argument("--calibration-window-len", type=at_least(1), default=512,
-                   help="tokens per calibration window (default: %(default)s)")
+    p.add_argument("--calibration-windows", type=at_least(1), default=None,
+                   help="calibration windows, one prefill each (default: 8)")
+    p.add_argument("--calibration-window-len", type=at_least(1), default=None,
+                   help="tokens per calibration window (default: 512)")
     p.add_argument("--activation-scales", choices=("dynamic", "static"), default=None,
                    help="w8a8: int8 activations with a scale per token at run time, or one per layer input "
                    "calibrated here (default: dynamic)")

@@ -181,8 +181,18 @@ def hf_config_of(arch: Any, eos_token_ids: set[int]) -> dict[str, Any]:
     }
 
 
+def calibrates(method: str, target_bits: float | None, prune_score: str) -> bool:
+    """Whether `loom quantize --method method` reads calibration tokens (rtn only for target_bits' sensitivity,
+    sparse24 only for Wanda's activation norms)."""
+    if method == "rtn":
+        return target_bits is not None
+    if method == "sparse24":
+        return prune_score != "magnitude"
+    return method != "fp8"
+
+
 def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str | None = None,
-             calibration_file: str | None = None, num_windows: int = 8, window_len: int = 512,
+             calibration_file: str | None = None, num_windows: int | None = None, window_len: int | None = None,
              bits: int | None = None, group_size: int | None = None, sym: bool | None = None,
              desc_act: bool | None = None, static_groups: bool | None = None, damp_percent: float | None = None,
              awq_clip: bool | None = None, target_bits: float | None = None,
@@ -191,13 +201,14 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
     Every method-specific option is None when not given (its default below applies); one given to a method it
-    does not apply to (METHOD_OPTIONS) is an error, not ignored.
+    does not apply to (METHOD_OPTIONS) is an error, not ignored; so are calibration options given to a run that
+    calibrates nothing (fp8, rtn without target_bits, sparse24 by magnitude).
 
     Args:
         alpha: SmoothQuant's migration strength in [0, 1], or "search" (per layer, smoothquant.search_alpha);
             default 0.5.
         calibration_file: UTF-8 text to calibrate on; None = ShareGPT conversations (smoothquant, gptq).
-        num_windows, window_len: calibration tokens, as windows run one prefill each.
+        num_windows, window_len: calibration tokens, as windows run one prefill each (default 8 x 512).
         bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
             grid; GPTQ act-order; GPTQ dampening. Defaults 4, 128, symmetric, act-order on (gptq), 0.01. awq:
@@ -248,6 +259,16 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     sensitivity_windows = 1 if sensitivity_windows is None else sensitivity_windows
     prune_score = "wanda" if prune_score is None else prune_score
     activation_scales = "dynamic" if activation_scales is None else activation_scales
+    if not calibrates(method, target_bits, prune_score):
+        for name, value in (("calibration_file", calibration_file), ("calibration_windows", num_windows),
+                            ("calibration_window_len", window_len)):
+            if value is not None:
+                raise ValueError(f"{name} applies to a run that calibrates (smoothquant, w8a8, gptq, awq, sparse24 "
+                                 f"with prune_score 'wanda', rtn with target_bits), not method {method!r}"
+                                 + (" without target_bits" if method == "rtn" else "")
+                                 + (" with prune_score 'magnitude'" if method == "sparse24" else ""))
+    num_windows = 8 if num_windows is None else num_windows
+    window_len = 512 if window_len is None else window_len
     if activation_scales not in ("dynamic", "static"):
         raise ValueError(f"activation_scales must be 'dynamic' or 'static', got {activation_scales!r}")
     if method == "sparse24":

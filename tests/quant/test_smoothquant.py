@@ -234,7 +234,13 @@ def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: s
     (["--method", "smoothquant", "--awq-clip"], "--awq-clip applies to method 'awq', not 'smoothquant'"),
     (["--method", "gptq", "--no-desc-act", "--static-groups"], "--static-groups applies with --desc-act"),
     (["--method", "fp8", "--bits", "4"], "--bits applies to methods 'rtn', 'gptq' and 'awq', not 'fp8'"),
-    (["--output", ""], "--output must be a directory path, got an empty one")])
+    (["--output", ""], "--output must be a directory path, got an empty one"),
+    (["--method", "rtn", "--calibration-windows", "4"],
+     "--calibration-windows applies to a run that calibrates (smoothquant, w8a8, gptq, awq, sparse24 with "
+     "--prune-score 'wanda', rtn with --target-bits), not method 'rtn' without --target-bits"),
+    (["--method", "fp8", "--calibration-file", "x.txt"], "--calibration-file applies to a run that calibrates"),
+    (["--method", "sparse24", "--prune-score", "magnitude", "--calibration-window-len", "64"],
+     "not method 'sparse24' with --prune-score 'magnitude'")])
 def test_loom_quantize_cli_names_the_flag_a_method_does_not_read(tmp_path, capsys, args: list[str],
                                                                   message: str) -> None:
     from loom.cli import main
@@ -243,6 +249,21 @@ def test_loom_quantize_cli_names_the_flag_a_method_does_not_read(tmp_path, capsy
         main(["quantize", "--output", str(tmp_path / "o"), *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("method", "options"), [
+    ("rtn", {}), ("fp8", {}), ("sparse24", {"prune_score": "magnitude"})])
+def test_calibration_options_are_refused_where_nothing_calibrates(tmp_path, method: str, options: dict) -> None:
+    """A run that reads no calibration tokens refuses calibration options instead of ignoring them (they defaulted
+    to numbers, so `--method rtn --calibration-windows 32` once ran as if the flag were not there)."""
+    from loom.quant.quantize import calibrates, quantize
+
+    assert not calibrates(method, options.get("target_bits"), options.get("prune_score", "wanda"))
+    for option, value in (("calibration_file", "x.txt"), ("num_windows", 4), ("window_len", 64)):
+        with pytest.raises(ValueError, match=r"^calibration_\w+ applies to a run that calibrates"):
+            quantize(None, str(tmp_path / "o"), method, **options, **{option: value})
+    assert not (tmp_path / "o").exists()
+    assert calibrates("rtn", 4.5, "wanda") and calibrates("sparse24", None, "wanda") and calibrates("awq", None, "")
 
 
 def test_default_calibration_alternates_chat_and_prose(monkeypatch) -> None:
