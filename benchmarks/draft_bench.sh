@@ -5,6 +5,8 @@
 # Usage:  bash benchmarks/draft_bench.sh [num_prompts] [max_tokens] [k]
 # Needs:  the two GGUFs (shared/DESIGN.md) in $QWEN_DIR (default ~/.cache/loom/qwen), the llama.cpp peers
 #         (benchmarks/install_peers.sh).
+# Options: $LOOM_DRAFT_ARGS, added to loom's draft run (e.g. "--speculative-quantization w4a16
+#          --speculative-draft-vocab-size 32768").
 # Output: $OUT (default /tmp/draft_bench): loom JSONs and llama.cpp logs; a summary on stdout.
 set -euo pipefail
 N="${1:-5}"; MAXTOK="${2:-128}"; K="${3:-3}"
@@ -19,7 +21,7 @@ lscpu | grep -o 'avx512[a-z_0-9]*\|avx2\|fma\|f16c' | sort -u | tr '\n' ' '; ech
 "$PY" "$ROOT/benchmarks/spec_bench.py" --model "$TARGET" --num-prompts "$N" --max-tokens "$MAXTOK" \
   --out "$OUT/plain.json" 2>&1 | grep -v -i warn | tail -2
 "$PY" "$ROOT/benchmarks/spec_bench.py" --model "$TARGET" --num-prompts "$N" --max-tokens "$MAXTOK" \
-  --speculative-method draft_model --speculative-model "$DRAFT" --k "$K" --out "$OUT/draft.json" 2>&1 | grep -v -i warn | tail -2
+  --speculative-method draft_model --speculative-model "$DRAFT" --k "$K" ${LOOM_DRAFT_ARGS:-} --out "$OUT/draft.json" 2>&1 | grep -v -i warn | tail -2
 "$PY" "$ROOT/benchmarks/spec_bench.py" --compare "$OUT/plain.json" "$OUT/draft.json"
 
 # llama.cpp: the same templated prompts; plain decode from llama-bench, draft mode from llama-speculative-simple

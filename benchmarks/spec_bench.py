@@ -129,6 +129,10 @@ def run(args: argparse.Namespace) -> None:
         kwargs.update(speculative_method=args.speculative_method, num_speculative_tokens=args.k)
     if args.speculative_model:
         kwargs["speculative_model"] = args.speculative_model
+    if args.speculative_quantization:
+        kwargs["speculative_quantization"] = args.speculative_quantization
+    if args.speculative_draft_vocab_size:
+        kwargs["speculative_draft_vocab_size"] = args.speculative_draft_vocab_size
     llm = LLM(**kwargs)
     from loom.sampling_params import StructuredOutputParams
 
@@ -194,6 +198,8 @@ def main() -> None:
     ap.add_argument("--speculative-method", default="none", choices=["none", "ngram", "suffix", "draft_model"])
     ap.add_argument("--model", help="target model (default: the bundled SmolLM2)")
     ap.add_argument("--speculative-model", help="draft model, for --speculative-method draft_model")
+    ap.add_argument("--speculative-quantization", help="draft_model: the draft's --quantization")
+    ap.add_argument("--speculative-draft-vocab-size", type=int, help="draft_model: the draft's LM head rows")
     ap.add_argument("--print-prompts", action="store_true",
                     help="print each prompt with the target's chat template applied (for llama.cpp), as JSON lines")
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens")

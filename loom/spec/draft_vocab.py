@@ -77,7 +77,11 @@ def _cache_path(tokenizer: Any, files: list[Path]) -> Path:
 
 def token_counts(tokenizer: Any, vocab_size: int, corpus: str | None = None) -> np.ndarray:
     """int64 [vocab_size]: how often each token id occurs in the corpus's files, tokenized one file at a time without
-    special tokens (cached on disk; an unwritable cache is skipped)."""
+    special tokens (cached on disk; an unwritable cache is skipped).
+
+    Raises:
+        ValueError: the corpus is not a file or directory of text, or holds no token (empty files).
+    """
     files = corpus_files(corpus)
     cache = _cache_path(tokenizer, files)
     if cache.is_file():
@@ -90,6 +94,8 @@ def token_counts(tokenizer: Any, vocab_size: int, corpus: str | None = None) -> 
         for ids in _encode_all(tokenizer, texts):
             a = np.asarray(ids, dtype=np.int64)
             counts += np.bincount(a[(a >= 0) & (a < vocab_size)], minlength=vocab_size)
+    if not counts.any():
+        raise ValueError(f"speculative_draft_vocab_corpus {corpus!r} holds no text to count tokens on")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         np.save(cache, counts)

@@ -66,6 +66,9 @@ def test_token_counts_are_the_corpus_tokens_and_the_cache_follows_the_files(
     assert np.array_equal(token_counts(hf_tokenizer, vocab, str(corpus)), again)
     with pytest.raises(ValueError, match="neither a file nor a directory"):
         corpus_files(str(tmp_path / "missing"))
+    (tmp_path / "blank.txt").write_text("")
+    with pytest.raises(ValueError, match="holds no text"):
+        token_counts(hf_tokenizer, vocab, str(tmp_path / "blank.txt"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no"):
         corpus_files(str(tmp_path / "empty"))
