@@ -49,6 +49,9 @@ class GPTQSettings:
     dynamic: dict[str, dict[str, Any]] | None = None  # per-module overrides (GPTQModel's form), ahead of the plan
     sensitivity_windows: int = 1  # calibration windows the sensitivity is measured on (mixed precision)
     static_groups: bool = False  # with desc_act: group parameters over consecutive columns, fixed first (gptq.py)
+    # the LM head by RTN at this many bits (the settings' group size and grid), written as GPTQModel's lm_head: true;
+    # None = kept dense, as AutoGPTQ and GPTQModel write by default (a tied embedding then stays one float matrix)
+    lm_head_bits: int | None = None
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -68,6 +71,8 @@ class GPTQSettings:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.target_bits is not None and not 2.0 <= self.target_bits <= 16.0:
             raise ValueError(f"target_bits must be in [2, 16], got {self.target_bits}")
+        if self.lm_head_bits not in (None, 4, 8):
+            raise ValueError(f"lm_head_bits must be 4 or 8, got {self.lm_head_bits}")
         if self.sensitivity_windows < 1:
             raise ValueError(f"sensitivity_windows must be >= 1, got {self.sensitivity_windows}")
         if self.dynamic is not None:
@@ -91,11 +96,14 @@ class GPTQSettings:
             "quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
             "sym": self.sym, "damp_percent": self.damp_percent, "true_sequential": True,
             "static_groups": self.static_groups,
-            "act_group_aware": False, "lm_head": False, "format": "gptq", "checkpoint_format": "gptq",
+            "act_group_aware": False, "lm_head": self.lm_head_bits is not None, "format": "gptq",
+            "checkpoint_format": "gptq",
             "model_file_base_name": "model",
             "meta": {"quantizer": ["loom"], "method": self.method, "calibration": calibration,
                      "calibration_tokens": tokens, "block_size": self.block_size},
         }
+        if self.lm_head_bits is not None and self.lm_head_bits != self.bits:
+            dynamic = {"+:lm_head": {"bits": self.lm_head_bits}, **(dynamic or {})}  # first: no decoder name matches
         if dynamic:
             config["dynamic"] = dynamic
         if self.target_bits is not None:
@@ -322,6 +330,22 @@ def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPT
     return tensors
 
 
+def lm_head_tensors(source: dict[str, torch.Tensor], settings: GPTQSettings) -> dict[str, torch.Tensor]:
+    """The LM head (its own weight, or the tied embedding's) by RTN at settings.lm_head_bits, as GPTQ tensors under
+    "lm_head." (group size and grid as the settings'; g_idx the plain group order).
+
+    Raises:
+        ValueError: the source has neither lm_head.weight nor model.embed_tokens.weight.
+    """
+    from loom.quant.gptq_format import to_checkpoint
+
+    weight = source.get("lm_head.weight", source.get("model.embed_tokens.weight"))
+    if weight is None:
+        raise ValueError("the source checkpoint has no lm_head.weight or model.embed_tokens.weight to quantize")
+    q = rtn_quantize(weight.float(), settings.lm_head_bits, settings.group_size, settings.sym)
+    return {f"lm_head.{key}": t for key, t in to_checkpoint(q, "gptq").items()}
+
+
 @dataclass(slots=True)
 class GPTQResult:
     output: Path
@@ -355,6 +379,10 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
     if loaded.arch.architecture not in MODEL_TYPES:
         raise ValueError(f"{settings.method} cannot write a config for {loaded.arch.architecture}")
+    if settings.lm_head_bits is not None and loaded.arch.vocab_size % (32 // settings.lm_head_bits):
+        raise ValueError(f"lm_head_bits: a vocabulary of {loaded.arch.vocab_size} tokens does not pack "
+                         f"{32 // settings.lm_head_bits} to an int32 (GPTQ's qzeros pack the output channels); keep "
+                         "the head dense")
     calibrated = settings.method == "gptq" or settings.target_bits is not None
     tokens = sum(len(w) for w in windows) if calibrated else 0
     plan, dynamic, bits = mixed_precision_plan(loaded.model, loaded.arch, settings, windows)
@@ -363,6 +391,10 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     config["quantization_config"] = settings.quantization_config(calibration if tokens else "", tokens, dynamic)
     tensors = checkpoint_tensors(source, quantized, loaded.model, half)
+    if settings.lm_head_bits is not None:
+        tensors.update(lm_head_tensors(source, settings))
+        tensors.pop("lm_head.weight", None)
+        config["tie_word_embeddings"] = False  # the embedding stays float, the head reads its own packed copy
     write_checkpoint(out, tensors, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
     logger.info("wrote %s in %.1f s", out, seconds)

@@ -225,3 +225,53 @@ def test_the_early_refusal_follows_the_loader_not_the_file_name(method: str, tmp
     folder = tmp_path / "checkpoint.gguf"
     folder.mkdir()
     assert ModelConfig(model=str(folder), quantization=method).quantization == method
+
+
+@pytest.mark.parametrize(("tied", "head_bits", "base_bits"), [(True, 8, 4), (False, 8, 8), (False, 4, 4)])
+def test_the_lm_head_quantized_too_loads_untied_and_runs_packed(tmp_path, tied: bool, head_bits: int,
+                                                                base_bits: int) -> None:
+    """lm_head_bits: the head (a tied embedding's matrix) written as GPTQ tensors, GPTQModel's `lm_head: true`, its
+    bits in a `dynamic` rule when they differ from the base; the embedding stays float and the config untied; loom
+    runs the head packed, computing what RTN's values say."""
+    from transformers import LlamaConfig
+
+    from loom.quant.gptq import rtn_quantize
+    from tests.model.model_harness import save_tiny_model
+
+    hf = save_tiny_model(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     tie_word_embeddings=tied), tmp_path / "src", seed=5)
+    out = tmp_path / "q"
+    settings = GPTQSettings("rtn", base_bits, 32, True, False, lm_head_bits=head_bits)
+    write_gptq_checkpoint(str(tmp_path / "src"), str(out), settings, [])
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["lm_head"] is True and config["tie_word_embeddings"] is False
+    assert qc.get("dynamic") == ({"+:lm_head": {"bits": head_bits}} if head_bits != base_bits else None)
+    vocab, h = hf.config.vocab_size, hf.config.hidden_size
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        embedding = f.get_tensor("model.embed_tokens.weight")
+        head = {k: f.get_tensor(f"lm_head.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
+    assert "lm_head.weight" not in names and embedding.dtype == torch.float32
+    assert head["qweight"].shape == (h * head_bits // 32, vocab)
+    source = hf.get_output_embeddings().weight.detach().float()
+    expected = rtn_quantize(source, head_bits, 32, True).dequantize()
+    torch.testing.assert_close(from_checkpoint(head, head_bits).dequantize(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(embedding, hf.get_input_embeddings().weight.detach().float(), rtol=0, atol=0)
+
+    loaded = load_model(str(out), torch.float32, CPU)
+    lm_head = loaded.model.lm_head
+    assert isinstance(lm_head.quant_method, GPTQLinearMethod) and lm_head.quant_method.bits == head_bits
+    assert lm_head.packed and lm_head.packed[0].layout == ("q4g32" if head_bits == 4 else "q8g")
+    assert "GPTQ" in loaded.model.weight_report()["lm_head"][0]
+    hidden = torch.randn(3, h, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(loaded.model.compute_logits(hidden), hidden @ expected.T, rtol=1e-3, atol=2e-3)
+
+
+def test_lm_head_bits_are_checked(tiny_models, tmp_path) -> None:
+    with pytest.raises(ValueError, match="lm_head_bits must be 4 or 8, got 3"):
+        GPTQSettings("rtn", 4, 32, True, False, lm_head_bits=3).check()
+    with pytest.raises(ValueError, match="lm_head_bits: a vocabulary of 97 tokens does not pack"):  # GPTQ packs N too
+        write_gptq_checkpoint(str(tiny_models["llama_gqa"].path), str(tmp_path / "q"),
+                              GPTQSettings("rtn", 4, 32, True, False, lm_head_bits=8), [])
