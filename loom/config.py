@@ -230,7 +230,8 @@ class EngineArgs:
         check_switches()  # a bad LOOM_* on/off value fails here, before a model loads (the CLI checks it too)
         # the speculative options are checked even while speculation is off, so a typo is not silently ignored
         method = self._method()
-        self._speculative_config(method or "ngram")
+        # off: the rest validated as ngram's, the options only a draft model reads warned of below
+        self._speculative_config(method or "ngram", draft_options=method is not None)
         if method is None:
             defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
             unused = [name for name in _SPECULATIVE_OPTIONS if getattr(self, name) != defaults[name]]
@@ -325,7 +326,7 @@ class EngineArgs:
     def _method(self) -> str | None:
         return self.speculative_method or ("draft_model" if self.speculative_model else None)
 
-    def _speculative_config(self, method: str) -> SpeculativeConfig:
+    def _speculative_config(self, method: str, draft_options: bool = True) -> SpeculativeConfig:
         return SpeculativeConfig(
             method=method, num_speculative_tokens=self.num_speculative_tokens,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
@@ -335,9 +336,9 @@ class EngineArgs:
             suffix_max_spec_factor=self.suffix_decoding_max_spec_factor,
             suffix_max_spec_offset=self.suffix_decoding_max_spec_offset,
             suffix_min_token_prob=self.suffix_decoding_min_token_prob,
-            model=self.speculative_model, quantization=self.speculative_quantization,
-            draft_vocab_size=self.speculative_draft_vocab_size,
-            draft_vocab_corpus=self.speculative_draft_vocab_corpus,
+            model=self.speculative_model, quantization=self.speculative_quantization if draft_options else None,
+            draft_vocab_size=self.speculative_draft_vocab_size if draft_options else None,
+            draft_vocab_corpus=self.speculative_draft_vocab_corpus if draft_options else None,
             tree_width=self.speculative_tree_width)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -64,7 +64,10 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
         qc = result.quantization_config
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
-        mixed = (f", per-layer overrides: {len(qc['dynamic'])} patterns" if qc.get("dynamic") else "")
+        layer_rules = [k for k in qc.get("dynamic", {}) if k != "+:lm_head"]
+        mixed = f", per-layer overrides: {len(layer_rules)} patterns" if layer_rules else ""
+        if qc.get("lm_head"):
+            mixed += f", LM head {ns.lm_head_bits}-bit"
         order = (", desc_act" + (", static groups" if qc.get("static_groups") else "")) if qc["desc_act"] else ""
         print(f"wrote {result.output} ({result.method}, {qc['bits']} bits, group size {qc['group_size']}, "
               f"{'sym' if qc['sym'] else 'asym'}{order}{mixed}; "

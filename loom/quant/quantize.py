@@ -260,6 +260,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     static_groups = desc_act if static_groups is None else static_groups  # refused without act-order (check())
     damp_percent = 0.01 if damp_percent is None else damp_percent
     clip = True if awq_clip is None else awq_clip
+    if sensitivity_windows is not None and target_bits is None:
+        raise ValueError("sensitivity_windows applies with target_bits (mixed precision's sensitivity), not without")
     sensitivity_windows = 1 if sensitivity_windows is None else sensitivity_windows
     prune_score = "wanda" if prune_score is None else prune_score
     activation_scales = "dynamic" if activation_scales is None else activation_scales
@@ -273,6 +275,9 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
                                  + (" with prune_score 'magnitude'" if method == "sparse24" else ""))
     num_windows = 8 if num_windows is None else num_windows
     window_len = 512 if window_len is None else window_len
+    if target_bits is not None and sensitivity_windows > num_windows:
+        raise ValueError(f"sensitivity_windows ({sensitivity_windows}) must be <= calibration_windows ({num_windows}): "
+                         "the sensitivity is measured on the first calibration windows")
     if activation_scales not in ("dynamic", "static"):
         raise ValueError(f"activation_scales must be 'dynamic' or 'static', got {activation_scales!r}")
     if method == "sparse24":

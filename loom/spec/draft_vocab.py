@@ -15,8 +15,10 @@ under $LOOM_CACHE_DIR (default ~/.cache/loom)/draft_vocab, keyed by the tokenize
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sysconfig
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 
 # standard-library directories left out of the default corpus: test suites (fixtures, binary-like data) and tools
+logger = logging.getLogger(__name__)
+
 _SKIPPED_STDLIB_PARTS = frozenset({"test", "tests", "site-packages", "dist-packages", "idlelib", "lib2to3"})
 _CORPUS_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
@@ -57,6 +61,30 @@ def corpus_files(corpus: str | None) -> list[Path]:
     return files
 
 
+# Text is read and tokenized in pieces of about this many characters (a fast tokenizer holds ~120 bytes of memory per
+# character of a batch: a 125 MB file read whole took 19 GB), and at most MAX_CORPUS_CHARS of a corpus is counted.
+PIECE_CHARS = 1 << 20
+MAX_CORPUS_CHARS = 64 << 20
+
+
+def _pieces(files: list[Path], limit: int):
+    """The files' text in pieces of <= PIECE_CHARS characters (cut after a newline where one is near), at most
+    `limit` characters in all; yields (piece, file)."""
+    left = limit
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as handle:
+            while left > 0:
+                piece = handle.read(min(PIECE_CHARS, left))
+                if not piece:
+                    break
+                if len(piece) == PIECE_CHARS:  # finish the line, so a token is rarely cut in two
+                    piece += handle.readline()
+                left -= len(piece)
+                yield piece, f
+        if left <= 0:
+            return
+
+
 def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     if callable(tokenizer):  # a transformers tokenizer: one batched call (its Rust backend, ~1M tokens/s)
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -70,14 +98,15 @@ def _cache_path(tokenizer: Any, files: list[Path]) -> Path:
         h.update(f"{index}:{piece}\n".encode("utf-8", "surrogatepass"))
     for f in files:
         st = f.stat()
-        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+        h.update(os.fsencode(f.resolve()) + f"|{st.st_size}|{st.st_mtime_ns}\n".encode())
     root = Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom"))
     return root / "draft_vocab" / f"{h.hexdigest()[:32]}.npy"
 
 
 def token_counts(tokenizer: Any, vocab_size: int, corpus: str | None = None) -> np.ndarray:
-    """int64 [vocab_size]: how often each token id occurs in the corpus's files, tokenized one file at a time without
-    special tokens (cached on disk; an unwritable cache is skipped).
+    """int64 [vocab_size]: how often each token id occurs in the corpus's files (their first MAX_CORPUS_CHARS
+    characters), tokenized in pieces of ~1 M characters without special tokens. Cached on disk, written atomically; an
+    unwritable cache is skipped and an unreadable one recounted.
 
     Raises:
         ValueError: the corpus is not a file or directory of text, or holds no token (empty files).
@@ -85,23 +114,46 @@ def token_counts(tokenizer: Any, vocab_size: int, corpus: str | None = None) -> 
     files = corpus_files(corpus)
     cache = _cache_path(tokenizer, files)
     if cache.is_file():
-        counts = np.load(cache)
-        if counts.shape == (vocab_size,):
-            return counts
+        try:
+            counts = np.load(cache, allow_pickle=False)
+            if counts.shape == (vocab_size,) and counts.dtype == np.int64 and counts.any():
+                logger.info("draft vocabulary: token counts of %d corpus files from %s", len(files), cache)
+                return counts
+        except (OSError, ValueError, EOFError):
+            pass  # a cache cut short or overwritten: count again
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for start in range(0, len(files), 64):
-        texts = [f.read_text(encoding="utf-8", errors="replace") for f in files[start : start + 64]]
-        for ids in _encode_all(tokenizer, texts):
-            a = np.asarray(ids, dtype=np.int64)
-            counts += np.bincount(a[(a >= 0) & (a < vocab_size)], minlength=vocab_size)
+    chars = 0
+    batch: list[str] = []
+    for piece, _ in _pieces(files, MAX_CORPUS_CHARS):
+        batch.append(piece)
+        chars += len(piece)
+        if sum(map(len, batch)) >= PIECE_CHARS or len(batch) >= 64:
+            _count(tokenizer, batch, counts)
+            batch = []
+    _count(tokenizer, batch, counts)
     if not counts.any():
         raise ValueError(f"speculative_draft_vocab_corpus {corpus!r} holds no text to count tokens on")
+    logger.info("draft vocabulary: counted %d tokens (%d distinct) in %d characters of %d corpus files%s",
+                int(counts.sum()), int(np.count_nonzero(counts)), chars, len(files),
+                f" (the first {MAX_CORPUS_CHARS} characters)" if chars >= MAX_CORPUS_CHARS else "")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        np.save(cache, counts)
+        fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as out:
+            np.save(out, counts)
+        os.replace(tmp, cache)  # atomic: a reader sees the old file or the whole new one
     except OSError:
         pass
     return counts
+
+
+def _count(tokenizer: Any, texts: list[str], counts: np.ndarray) -> None:
+    if not texts:
+        return
+    vocab_size = len(counts)
+    for ids in _encode_all(tokenizer, texts):
+        a = np.asarray(ids, dtype=np.int64)
+        counts += np.bincount(a[(a >= 0) & (a < vocab_size)], minlength=vocab_size)
 
 
 def draft_vocabulary(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> torch.Tensor:

@@ -7,12 +7,15 @@ verified position, never a wrong token (loom/spec/verify.py).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
@@ -94,8 +97,11 @@ class SpeculativeConfig:
         if self.draft_vocab_size is not None and self.method != "draft_model":
             raise ValueError(f"speculative_draft_vocab_size is only used by speculative_method 'draft_model', "
                              f"got method {self.method!r}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"speculative_draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool) or not isinstance(
+                self.draft_vocab_size, int) or self.draft_vocab_size < 1):
+            raise ValueError(f"speculative_draft_vocab_size must be an integer >= 1, got {self.draft_vocab_size!r}")
+        if self.draft_vocab_corpus is not None and not isinstance(self.draft_vocab_corpus, (str, os.PathLike)):
+            raise ValueError(f"speculative_draft_vocab_corpus must be a path, got {self.draft_vocab_corpus!r}")
         if self.draft_vocab_corpus is not None and self.draft_vocab_size is None:
             raise ValueError("speculative_draft_vocab_corpus needs speculative_draft_vocab_size")
         if self.draft_vocab_corpus is not None and not os.path.exists(self.draft_vocab_corpus):
@@ -254,6 +260,14 @@ def _draft_model(c: SpeculativeConfig, ctx: ProposerContext | None) -> Proposer:
 
     if ctx is None:
         raise ValueError("speculative_method 'draft_model' needs the engine's context (ProposerContext)")
+    counts = None
+    if c.draft_vocab_size is not None and c.draft_vocab_size < ctx.vocab_size:
+        from loom.spec.draft_vocab import token_counts
+
+        if ctx.tokenizer is None:
+            raise ValueError("speculative_draft_vocab_size needs the target's tokenizer to count tokens with")
+        # before the draft loads, so a bad corpus fails fast; the draft must share this tokenizer (checked below)
+        counts = token_counts(ctx.tokenizer, ctx.vocab_size, c.draft_vocab_corpus)
     try:
         runner = ModelRunner(
             ModelConfig(model=c.model, dtype=ctx.dtype, max_model_len=None, seed=ctx.seed,
@@ -270,12 +284,22 @@ def _draft_model(c: SpeculativeConfig, ctx: ProposerContext | None) -> Proposer:
     if runner.tokenizer is None or list(runner.tokenizer.encode(probe)) != list(ctx.tokenizer.encode(probe)):
         raise ValueError(f"speculative_model {c.model!r} tokenizes text differently from the target: the draft "
                          "must share the target's tokenizer")
-    if c.draft_vocab_size is not None and c.draft_vocab_size < runner.arch.vocab_size:
-        from loom.spec.draft_vocab import draft_vocabulary, restrict_lm_head, special_token_ids, token_counts
+    if counts is not None:
+        from loom.spec.draft_vocab import draft_vocabulary, restrict_lm_head, special_token_ids
 
-        counts = token_counts(runner.tokenizer, runner.arch.vocab_size, c.draft_vocab_corpus)
         vocabulary = draft_vocabulary(counts, c.draft_vocab_size, special_token_ids(runner.tokenizer))
         restrict_lm_head(runner.model, vocabulary)
+        logger.info("draft vocabulary: the draft's LM head computes %d of %d tokens (the %d most frequent in %s, "
+                    "plus the special ones)", len(vocabulary), runner.arch.vocab_size, c.draft_vocab_size,
+                    c.draft_vocab_corpus or "Python's standard library source")
+        seen = int(np.count_nonzero(counts))
+        if seen < c.draft_vocab_size:
+            logger.warning("speculative_draft_vocab_corpus has only %d distinct tokens, fewer than "
+                           "speculative_draft_vocab_size %d: the rest are taken by lowest id", seen,
+                           c.draft_vocab_size)
+    elif c.draft_vocab_size is not None:
+        logger.info("draft vocabulary: speculative_draft_vocab_size %d >= the vocabulary (%d): the whole head runs",
+                    c.draft_vocab_size, runner.arch.vocab_size)
     return DraftModelProposer(runner, ctx.max_model_len)
 
 

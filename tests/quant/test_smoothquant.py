@@ -240,7 +240,10 @@ def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: s
      "--prune-score 'wanda', rtn with --target-bits), not method 'rtn' without --target-bits"),
     (["--method", "fp8", "--calibration-file", "x.txt"], "--calibration-file applies to a run that calibrates"),
     (["--method", "sparse24", "--prune-score", "magnitude", "--calibration-window-len", "64"],
-     "not method 'sparse24' with --prune-score 'magnitude'")])
+     "not method 'sparse24' with --prune-score 'magnitude'"),
+    (["--method", "rtn", "--sensitivity-windows", "2"], "--sensitivity-windows applies with --target-bits"),
+    (["--method", "rtn", "--target-bits", "4.5", "--sensitivity-windows", "5", "--calibration-windows", "2"],
+     "--sensitivity-windows (5) must be <= --calibration-windows (2)")])
 def test_loom_quantize_cli_names_the_flag_a_method_does_not_read(tmp_path, capsys, args: list[str],
                                                                   message: str) -> None:
     from loom.cli import main

@@ -3,6 +3,7 @@ restricted to the chosen rows (packed and dense, tied or not), and the engine's 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -133,10 +134,76 @@ def test_bad_draft_vocabulary_settings_are_refused(tiny_dirs: dict[str, Path], t
     target = str(tiny_dirs["target"])
     with pytest.raises(ValueError, match="speculative_draft_vocab_size is only used by speculative_method"):
         LLM(model=target, speculative_method="ngram", speculative_draft_vocab_size=100)
-    with pytest.raises(ValueError, match="speculative_draft_vocab_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="speculative_draft_vocab_size must be an integer >= 1, got 0"):
         LLM(model=target, speculative_model=target, speculative_draft_vocab_size=0)
     with pytest.raises(ValueError, match="speculative_draft_vocab_corpus needs speculative_draft_vocab_size"):
         LLM(model=target, speculative_model=target, speculative_draft_vocab_corpus=str(tmp_path))
     with pytest.raises(ValueError, match="speculative_draft_vocab_corpus path '/nonexistent' does not exist"):
         LLM(model=target, speculative_model=target, speculative_draft_vocab_size=10,
             speculative_draft_vocab_corpus="/nonexistent")
+
+
+def test_a_corrupt_cache_is_counted_again_and_odd_file_names_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  hf_tokenizer) -> None:
+    """Fresh-user trial: a cache cut short, empty or overwritten failed every later run; a file name that is not
+    UTF-8 failed the cache key."""
+    import loom.spec.draft_vocab as dv
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("alpha beta gamma\n" * 10)
+    (corpus / os.fsdecode(b"b\xff.txt")).write_text("delta\n")
+    vocab = len(hf_tokenizer)
+    expected = token_counts(hf_tokenizer, vocab, str(corpus))
+    (cache,) = (tmp_path / "cache" / "draft_vocab").glob("*.npy")
+    good = cache.read_bytes()
+    for bad in (b"", good[: len(good) // 3], b"garbage" * 100):
+        cache.write_bytes(bad)
+        assert np.array_equal(token_counts(hf_tokenizer, vocab, str(corpus)), expected)
+        assert cache.read_bytes() == good  # rewritten whole
+    assert not list(cache.parent.glob("*.tmp"))
+    # long files are read in pieces and a corpus is counted up to a bound
+    (corpus / "a.txt").write_text("alpha beta gamma\n" * 1000)
+    whole = token_counts(hf_tokenizer, vocab, str(corpus))
+    monkeypatch.setattr(dv, "PIECE_CHARS", 100)
+    (corpus / "a.txt").write_text("alpha beta gamma\n" * 1000 + "\n")  # new size: not from the cache
+    pieces = token_counts(hf_tokenizer, vocab, str(corpus))
+    # tokens differ only where a piece ends (after a line: at most a few per cut, 171 cuts)
+    assert np.abs(pieces - whole).sum() <= 4 * 171 and abs(int(pieces.sum()) - int(whole.sum())) < 0.05 * whole.sum()
+    monkeypatch.setattr(dv, "MAX_CORPUS_CHARS", 170)
+    (corpus / "a.txt").write_text("alpha beta gamma\n" * 1000)
+    assert 0 < token_counts(hf_tokenizer, vocab, str(corpus)).sum() < whole.sum() / 50
+
+
+def test_a_bad_corpus_fails_before_the_draft_loads(tiny_dirs: dict[str, Path], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import loom.spec.proposer as proposer
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "blank.txt").write_text("")
+    context = _context(tiny_dirs)
+    monkeypatch.setattr("loom.worker.model_runner.ModelRunner.__init__",
+                        lambda *a, **k: pytest.fail("the draft loaded before its corpus was checked"))
+    target = str(tiny_dirs["target"])
+    with pytest.raises(ValueError, match="holds no text"):
+        proposer._draft_model(proposer.SpeculativeConfig(method="draft_model", model=target, draft_vocab_size=10,
+                                                         draft_vocab_corpus=str(tmp_path / "blank.txt")),
+                              context)
+
+
+def _context(tiny_dirs: dict[str, Path]):
+    llm = LLM(model=str(tiny_dirs["target"]), dtype="float32")
+    runner = llm.engine.runner
+    from loom.spec.proposer import ProposerContext
+
+    return ProposerContext(dtype="float32", quantization=None, seed=0, block_size=4, kv_cache_memory_bytes=1 << 20,
+                           device=torch.device("cpu"), max_model_len=512, vocab_size=runner.arch.vocab_size,
+                           tokenizer=runner.tokenizer)
+
+
+@pytest.mark.parametrize("value", ["4096", 4096.0, True, -1])
+def test_the_size_must_be_an_integer(tiny_dirs: dict[str, Path], value) -> None:
+    with pytest.raises(ValueError, match="speculative_draft_vocab_size must be an integer >= 1"):
+        LLM(model=str(tiny_dirs["target"]), speculative_model=str(tiny_dirs["target"]),
+            speculative_draft_vocab_size=value)
