@@ -23,6 +23,8 @@ _SPECULATIVE_OPTIONS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_l
                         "speculative_tree_width", "speculative_quantization",
                         "speculative_draft_vocab_size", "speculative_draft_vocab_corpus")
 
+_WARNED: set[str] = set()  # EngineArgs warnings already given in this process
+
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache storage; "auto" = the model dtype (float16 for packed weights on the CPU, as llama.cpp stores KV).
 # int8: asymmetric codes with a float16 scale + min per 32 values of a (token slot, kv head) row; fp8_e4m3: a
@@ -235,8 +237,10 @@ class EngineArgs:
         if method is None:
             defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
             unused = [name for name in _SPECULATIVE_OPTIONS if getattr(self, name) != defaults[name]]
-            if unused:
-                logger.warning("%s: no effect without speculative_method (speculation is off)", ", ".join(unused))
+            message = f"{', '.join(unused)}: no effect without speculative_method (speculation is off)"
+            if unused and message not in _WARNED:  # once: the CLI and LLM() each build EngineArgs from the same flags
+                _WARNED.add(message)
+                logger.warning("%s", message)
         for name in ("kv_cache_memory_gb", "kv_offload_memory_gb"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number of GiB, got {getattr(self, name)}")

@@ -105,3 +105,19 @@ def test_disable_by_batch_size_flag_takes_an_int_or_none() -> None:
     assert engine_args_from_namespace(parser.parse_args([])).speculative_disable_by_batch_size == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-disable-by-batch-size", "many"])
+
+
+def test_options_without_speculation_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The CLI and LLM() each build EngineArgs from the same flags: the warning about speculative options that do
+    nothing while speculation is off is given once, and draft-model options warn too instead of being refused as
+    ngram's (a fresh-user trial saw "... got method 'ngram'" for --speculative-draft-vocab-size alone)."""
+    import logging
+
+    from loom.config import EngineArgs
+
+    with caplog.at_level(logging.WARNING, logger="loom.config"):
+        for _ in range(2):
+            EngineArgs(num_speculative_tokens=13, speculative_draft_vocab_size=777, speculative_quantization="w4a16")
+    warned = [r.getMessage() for r in caplog.records if "no effect without speculative_method" in r.getMessage()]
+    assert warned == ["num_speculative_tokens, speculative_quantization, speculative_draft_vocab_size: no effect "
+                      "without speculative_method (speculation is off)"]
