@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--speculative-model")
     ap.add_argument("--speculative-quantization")
     ap.add_argument("--speculative-draft-vocab-size", type=int)
+    ap.add_argument("--speculative-draft-vocab-corpus")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--prompts", default="code", choices=["code", "mtbench"])
     ap.add_argument("--mtbench-file")
@@ -52,6 +53,8 @@ def main() -> None:
         spec["speculative_model"] = args.speculative_model
     if args.speculative_draft_vocab_size:
         spec["speculative_draft_vocab_size"] = args.speculative_draft_vocab_size
+    if args.speculative_draft_vocab_corpus:
+        spec["speculative_draft_vocab_corpus"] = args.speculative_draft_vocab_corpus
     if args.speculative_quantization:
         spec["speculative_quantization"] = args.speculative_quantization
     baseline = {} if args.baseline_tree_width is None else dict(spec, speculative_tree_width=args.baseline_tree_width)
