@@ -4,9 +4,15 @@ by `env_flag`, so every switch takes the same values and a value it does not kno
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 TRUE_VALUES = ("1", "true", "yes", "on")
 FALSE_VALUES = ("0", "false", "no", "off")
+
+
+def cache_root() -> Path:
+    """loom's cache directory: $LOOM_CACHE_DIR when set and non-empty, else ~/.cache/loom (not created)."""
+    return Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
 
 
 def env_flag(name: str, default: bool) -> bool:

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loom.env import cache_root
+
 # files of a Hugging Face model directory that can change what the model answers (weights, config, tokenizer,
 # chat template); READMEs and images cannot
 _DIRECTORY_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".gguf", ".bin", ".pt", ".pth")
@@ -48,8 +50,7 @@ class ModelIdentity:
 
 def cache_dir() -> Path:
     """$LOOM_CACHE_DIR/model_identity, else ~/.cache/loom/model_identity (not created)."""
-    root = os.environ.get("LOOM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "loom")
-    return Path(root) / "model_identity"
+    return cache_root() / "model_identity"
 
 
 def file_sha256(path: Path, use_cache: bool = True) -> str:

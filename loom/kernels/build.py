@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from loom.env import cache_root
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -32,8 +34,7 @@ def cache_dir() -> Path:
     Raises:
         OSError: the directory cannot be created, naming it and where its path came from.
     """
-    root = Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
-    path = root / "kernels"
+    path = cache_root() / "kernels"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -370,7 +370,7 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     from loom.model.loader import load_model
     from loom.model.loader.model_loader import resolve_model_path
     from loom.quant.mixed import units_of
-    from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
+    from loom.quant.quantize import MODEL_TYPES, _check_output, calibrates, source_checkpoint, write_checkpoint
 
     settings.check()
     out = _check_output(output)
@@ -383,8 +383,7 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
         raise ValueError(f"lm_head_bits: a vocabulary of {loaded.arch.vocab_size} tokens does not pack "
                          f"{32 // settings.lm_head_bits} to an int32 (GPTQ's qzeros pack the output channels); keep "
                          "the head dense")
-    calibrated = settings.method == "gptq" or settings.target_bits is not None
-    tokens = sum(len(w) for w in windows) if calibrated else 0
+    tokens = sum(len(w) for w in windows) if calibrates(settings.method, settings.target_bits, "") else 0
     plan, dynamic, bits = mixed_precision_plan(loaded.model, loaded.arch, settings, windows)
     quantized = quantize_model_weights(loaded.model, loaded.arch, settings, windows, plan)
     half = frozenset(f"{p}.weight" for u in units_of(loaded.model) if plan[u.name] is None for p in u.projections)

@@ -285,8 +285,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
 
         if prune_score not in SCORES:
             raise ValueError(f"prune_score must be one of {list(SCORES)}, got {prune_score!r}")
-        windows, source = ([], "") if prune_score == "magnitude" else calibration_for(
-            model, output, calibration_file, num_windows, window_len)
+        windows, source = calibration_for(model, output, calibration_file, num_windows, window_len) if calibrates(
+            method, target_bits, prune_score) else ([], "")
         pruned = write_sparse_checkpoint(model, output, prune_score, windows, calibration=source)
         return QuantizeResult(pruned.output, "sparse24", pruned.calibration, pruned.calibration_tokens, None,
                               pruned.seconds, None, 16.0 * (1 - pruned.sparsity))
@@ -334,7 +334,7 @@ def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibra
     settings.check()
     windows: list[list[int]] = []
     source = ""
-    if settings.method == "gptq" or settings.target_bits is not None:
+    if calibrates(settings.method, settings.target_bits, ""):
         windows, source = calibration_for(model, output, calibration_file, num_windows, window_len)
     result = write_gptq_checkpoint(model, output, settings, windows, calibration=source)
     return QuantizeResult(result.output, settings.method, result.calibration, result.calibration_tokens, None,

@@ -19,7 +19,7 @@ import logging
 import os
 import sysconfig
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
-# standard-library directories left out of the default corpus: test suites (fixtures, binary-like data) and tools
+from loom.env import cache_root
+
 logger = logging.getLogger(__name__)
 
+# standard-library directories left out of the default corpus: test suites (fixtures, binary-like data) and tools
 _SKIPPED_STDLIB_PARTS = frozenset({"test", "tests", "site-packages", "dist-packages", "idlelib", "lib2to3"})
 _CORPUS_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
@@ -67,9 +69,9 @@ PIECE_CHARS = 1 << 20
 MAX_CORPUS_CHARS = 32 << 20  # ~25 s of tokenizing on two cores; the stdlib source is 11 M
 
 
-def _pieces(files: list[Path], limit: int):
-    """The files' text in pieces of <= PIECE_CHARS characters (cut after a newline where one is near), at most
-    `limit` characters in all; yields (piece, file)."""
+def _pieces(files: list[Path], limit: int) -> Iterator[str]:
+    """The files' text in pieces of about PIECE_CHARS characters (a full piece runs on to the end of its line), at
+    most `limit` characters in all."""
     left = limit
     for f in files:
         with open(f, encoding="utf-8", errors="replace") as handle:
@@ -80,7 +82,7 @@ def _pieces(files: list[Path], limit: int):
                 if len(piece) == PIECE_CHARS:  # finish the line, so a token is rarely cut in two
                     piece += handle.readline()
                 left -= len(piece)
-                yield piece, f
+                yield piece
         if left <= 0:
             return
 
@@ -99,8 +101,7 @@ def _cache_path(tokenizer: Any, files: list[Path]) -> Path:
     for f in files:
         st = f.stat()
         h.update(os.fsencode(f.resolve()) + f"|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    root = Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom"))
-    return root / "draft_vocab" / f"{h.hexdigest()[:32]}.npy"
+    return cache_root() / "draft_vocab" / f"{h.hexdigest()[:32]}.npy"
 
 
 def token_counts(tokenizer: Any, vocab_size: int, corpus: str | None = None) -> np.ndarray:
@@ -123,14 +124,17 @@ def token_counts(tokenizer: Any, vocab_size: int, corpus: str | None = None) -> 
             pass  # a cache cut short or overwritten: count again
     counts = np.zeros(vocab_size, dtype=np.int64)
     chars = 0
-    batch: list[str] = []
-    for piece, _ in _pieces(files, MAX_CORPUS_CHARS):
+    batch: list[str] = []  # small files' pieces, tokenized together up to PIECE_CHARS
+    batch_chars = 0
+    for piece in _pieces(files, MAX_CORPUS_CHARS):
         batch.append(piece)
-        chars += len(piece)
-        if sum(map(len, batch)) >= PIECE_CHARS or len(batch) >= 64:
+        batch_chars += len(piece)
+        if batch_chars >= PIECE_CHARS or len(batch) >= 64:
             _count(tokenizer, batch, counts)
-            batch = []
+            chars += batch_chars
+            batch, batch_chars = [], 0
     _count(tokenizer, batch, counts)
+    chars += batch_chars
     if not counts.any():
         raise ValueError(f"speculative_draft_vocab_corpus {corpus!r} holds no text to count tokens on")
     logger.info("draft vocabulary: counted %d tokens (%d distinct) in %d characters of %d corpus files%s",

@@ -12,6 +12,8 @@ from typing import Any
 import transformers
 from transformers import AutoTokenizer
 
+from loom.env import cache_root
+
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -41,8 +43,7 @@ def tokenizer_eos_ids(tokenizer: Any) -> set[int]:
 
 def tokenizer_cache_dir() -> Path:
     """Where converted GGUF tokenizers are kept: $LOOM_CACHE_DIR/tokenizers, else ~/.cache/loom/tokenizers."""
-    root = os.environ.get("LOOM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "loom")
-    return Path(root) / "tokenizers"
+    return cache_root() / "tokenizers"
 
 
 def _gguf_tokenizer(path: Path) -> Any:
