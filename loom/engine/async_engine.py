@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from loom.core.scheduler import QueueFullError
 from loom.executor.base import ExecutorDiedError
+from loom.kernels.openmp import release_thread_pool
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.engine.beam_search import BeamSearchParams
 from loom.sampling_params import SamplingParams
@@ -177,9 +178,15 @@ class AsyncLLMEngine:
 
     # -- lifecycle --
     def start(self) -> None:
-        """Start the engine thread. Raises RuntimeError when already started."""
+        """Start the engine thread. Raises RuntimeError when already started.
+
+        The calling thread (which built the engine, and so opened parallel regions loading it) hands back its
+        OpenMP workers first: with two pools alive libgomp counts more threads than a small machine's CPUs and
+        makes every barrier of the engine thread's steps sleep (loom/kernels/openmp.py).
+        """
         if self._thread is not None:
             raise RuntimeError("AsyncLLMEngine already started")
+        release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="loom-engine", daemon=True)
         self._thread.start()
 
