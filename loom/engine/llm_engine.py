@@ -29,6 +29,7 @@ from loom.sampling_params import SamplingParams
 from loom.spec.proposer import ProposerContext, make_proposer
 from loom.executor import Executor, ExecutorDiedError, make_executor
 from loom.executor.worker import threads_per_rank
+from loom.kernels.openmp import release_thread_pool
 from loom.kv_transfer.base import PARAM as KV_TRANSFER_PARAM, KVTransferRequest, RemoteKV, parse_kv_transfer_request
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,11 @@ class LLMEngine:
                 "; ".join(f"{kind} {fmt} {nbytes / 1e6:.1f} MB" for kind, (fmt, nbytes) in parts.items()),
                 sum(n for kind, (_, n) in parts.items() if kind != "embed_tokens") / 1e6,
             )
+        # Loading opened parallel regions on this thread, and the thread that steps the engine may be another
+        # (AsyncLLMEngine's engine thread, a caller's worker thread): a pool left here would make libgomp count
+        # more threads than a small machine's CPUs and sleep at every barrier of a step (loom/kernels/openmp.py).
+        # If this thread steps, its first region starts a new pool.
+        release_thread_pool()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

@@ -88,3 +88,20 @@ def test_async_engine_start_hands_back_the_builders_workers(default_gguf):
     """)
     assert out["built"], "building the engine started no thread"
     assert len(out["left"]) < len(out["built"]), f"start() left every worker of the builder's pool alive: {out}"
+
+
+def test_building_an_engine_leaves_no_pool_on_the_building_thread(default_gguf):
+    """LLMEngine hands back the pool its loading opened, so whichever thread steps it owns the only one (a user's
+    worker thread as much as AsyncLLMEngine's). A region on the builder afterwards must start a new worker: with
+    the old pool alive it would reuse that pool's worker and start none."""
+    out = _run(f"""
+        import json, torch
+        from loom.config import EngineArgs
+        from loom.engine.llm_engine import LLMEngine
+        engine = LLMEngine.from_engine_args(EngineArgs(model={str(default_gguf)!r}, num_threads=2, max_model_len=256))
+        before = tids()
+        x = torch.randn(512, 512)
+        x @ x
+        print(json.dumps({{"new": sorted(tids() - before)}}))
+    """)
+    assert out["new"], "the building thread's pool outlived LLMEngine's construction"
