@@ -106,6 +106,13 @@ class SpeculativeConfig:
             raise ValueError("speculative_draft_vocab_corpus needs speculative_draft_vocab_size")
         if self.draft_vocab_corpus is not None and not os.path.exists(self.draft_vocab_corpus):
             raise ValueError(f"speculative_draft_vocab_corpus path {self.draft_vocab_corpus!r} does not exist")
+        if self.draft_vocab_corpus is not None and self.draft_vocab_size is not None:
+            # a corpus with nothing to count is refused here, not after both models have loaded
+            from loom.spec.draft_vocab import corpus_files
+
+            corpus = os.fspath(self.draft_vocab_corpus)
+            if not any(path.stat().st_size for path in corpus_files(corpus)):
+                raise ValueError(f"speculative_draft_vocab_corpus {corpus!r} holds only empty files")
         if self.model is not None and not os.path.exists(self.model):
             raise ValueError(f"speculative_model path {self.model!r} does not exist")
         if self.model is not None and self.method != "draft_model":

@@ -13,6 +13,7 @@ import torch
 from loom import LLM, SamplingParams
 from loom.config import CacheConfig, ModelConfig
 from loom.spec.draft_model import DraftModelProposer
+from loom.config import EngineArgs
 from loom.spec.draft_vocab import (corpus_files, default_corpus, draft_vocabulary, restrict_lm_head,
                                    special_token_ids, token_counts)
 from loom.worker.model_runner import ModelRunner
@@ -141,6 +142,14 @@ def test_bad_draft_vocabulary_settings_are_refused(tiny_dirs: dict[str, Path], t
     with pytest.raises(ValueError, match="speculative_draft_vocab_corpus path '/nonexistent' does not exist"):
         LLM(model=target, speculative_model=target, speculative_draft_vocab_size=10,
             speculative_draft_vocab_corpus="/nonexistent")
+    # a corpus with nothing to count: refused by the options themselves, before either model loads
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / "x.bin").write_bytes(b"\x00")
+    for corpus, message in ((tmp_path / "empty.txt", "holds only empty files"), (tmp_path / "binary", "holds no")):
+        with pytest.raises(ValueError, match=f"speculative_draft_vocab_corpus .*{message}"):
+            EngineArgs(model=target, speculative_model=target, speculative_draft_vocab_size=10,
+                       speculative_draft_vocab_corpus=str(corpus)).speculative_config()
 
 
 def test_a_corrupt_cache_is_counted_again_and_odd_file_names_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -186,7 +195,7 @@ def test_a_bad_corpus_fails_before_the_draft_loads(tiny_dirs: dict[str, Path], t
     monkeypatch.setattr("loom.worker.model_runner.ModelRunner.__init__",
                         lambda *a, **k: pytest.fail("the draft loaded before its corpus was checked"))
     target = str(tiny_dirs["target"])
-    with pytest.raises(ValueError, match="holds no text"):
+    with pytest.raises(ValueError, match="holds only empty files"):  # refused by the options themselves now
         proposer._draft_model(proposer.SpeculativeConfig(method="draft_model", model=target, draft_vocab_size=10,
                                                          draft_vocab_corpus=str(tmp_path / "blank.txt")),
                               context)
