@@ -11,6 +11,7 @@ from tqdm import tqdm
 from loom.config import EngineArgs
 from loom.engine.beam_search import BeamSearchParams
 from loom.engine.llm_engine import LLMEngine
+from loom.kernels.openmp import release_thread_pool
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
 
@@ -124,6 +125,7 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort_request([request_id])
+            release_thread_pool()  # as _run does: the next call may come from another thread
 
     def _add(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> str:
         request_id = str(next(self._ids))
@@ -146,6 +148,9 @@ class LLM:
             raise
         finally:
             bar.close()
+            # the next call may come from another thread (a warm-up here, then a web app's worker thread): a pool
+            # left on this one would make every barrier of that thread's steps sleep (loom/kernels/openmp.py)
+            release_thread_pool()
         return [results[i] for i in ids]
 
 

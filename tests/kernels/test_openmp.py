@@ -105,3 +105,23 @@ def test_building_an_engine_leaves_no_pool_on_the_building_thread(default_gguf):
         print(json.dumps({{"new": sorted(tids() - before)}}))
     """)
     assert out["new"], "the building thread's pool outlived LLMEngine's construction"
+
+
+def test_llm_hands_back_its_pool_when_a_call_returns(default_gguf):
+    """Fresh-user trial: LLM warmed up on the main thread, then called from a worker thread (a web app's), slept at
+    ~155 barriers a token, because the main thread's call left its pool alive. Each call now ends by handing it back:
+    a region on the calling thread afterwards must start a new worker."""
+    out = _run(f"""
+        import json, torch
+        from loom import LLM, SamplingParams
+        llm = LLM(model={str(default_gguf)!r}, num_threads=2, max_model_len=256)
+        first = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
+        before = tids()
+        x = torch.randn(512, 512)
+        x @ x
+        new = sorted(tids() - before)
+        again = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))
+        print(json.dumps({{"new": new, "same": first[0].outputs[0].token_ids == again[0].outputs[0].token_ids}}))
+    """)
+    assert out["new"], "LLM.generate left the calling thread's pool alive"
+    assert out["same"] is True
