@@ -125,7 +125,7 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort_request([request_id])
-            release_thread_pool()  # as _run does: the next call may come from another thread
+            release_thread_pool(rescan=False)  # as _run does: the next call may come from another thread
 
     def _add(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> str:
         request_id = str(next(self._ids))
@@ -149,8 +149,9 @@ class LLM:
         finally:
             bar.close()
             # the next call may come from another thread (a warm-up here, then a web app's worker thread): a pool
-            # left on this one would make every barrier of that thread's steps sleep (loom/kernels/openmp.py)
-            release_thread_pool()
+            # left on this one would make every barrier of that thread's steps sleep (loom/kernels/openmp.py); the
+            # engine's construction scanned the loaded runtimes
+            release_thread_pool(rescan=False)
         return [results[i] for i in ids]
 
 

@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import sys
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +50,32 @@ def loaded_runtimes() -> list[str]:
     return paths
 
 
-def release_thread_pool() -> bool:
+_pause_functions: list[tuple[str, Any]] | None = None  # (runtime path, its omp_pause_resource_all), from the last scan
+
+
+def release_thread_pool(rescan: bool = True) -> bool:
     """Hand back the calling thread's OpenMP worker threads in every loaded runtime
     (`omp_pause_resource_all(omp_pause_soft)` in each).
 
     Call it on a thread that will open no more parallel regions (they would start a new pool) once another thread
-    takes over the parallel work. Returns True when some runtime released them; False where no OpenMP runtime is
-    loaded, none has the OpenMP 5.0 routine, or each refused (inside a parallel region). Never raises.
+    takes over the parallel work. rescan: read /proc/self/maps again for runtimes loaded since the last call (~1 ms);
+    False reuses the last scan's (for a call after every request, once the engine's libraries are all loaded).
+    Returns True when some runtime released them; False where no OpenMP runtime is loaded, none has the OpenMP 5.0
+    routine, or each refused (inside a parallel region). Never raises.
     """
+    global _pause_functions
+    if rescan or _pause_functions is None:
+        found = []
+        for path in loaded_runtimes():
+            try:
+                pause = ctypes.CDLL(path).omp_pause_resource_all
+            except (OSError, AttributeError):
+                continue
+            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+            found.append((path, pause))
+        _pause_functions = found
     released = False
-    for path in loaded_runtimes():
-        try:
-            pause = ctypes.CDLL(path).omp_pause_resource_all
-        except (OSError, AttributeError):
-            continue
-        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    for path, pause in _pause_functions:
         rc = pause(OMP_PAUSE_SOFT)
         if rc != 0:
             logger.debug("omp_pause_resource_all in %s returned %d", path, rc)

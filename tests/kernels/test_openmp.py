@@ -58,11 +58,16 @@ def test_release_without_a_pool_is_harmless_and_the_next_region_starts_a_new_one
         x = torch.randn(512, 512)
         y = x @ x
         again = release_thread_pool()
+        before = tids()
         z = x @ x  # a new pool after the release, and the same product
-        print(json.dumps({"first": first, "again": again, "same": bool(torch.equal(y, z))}))
+        workers = tids() - before
+        cached = release_thread_pool(rescan=False)  # the last scan's runtimes
+        print(json.dumps({"first": first, "again": again, "same": bool(torch.equal(y, z)), "workers": sorted(workers),
+                          "cached": cached, "left": sorted(workers & tids())}))
     """)
     assert out["again"] is True
     assert out["same"] is True
+    assert out["workers"] and out["cached"] is True and out["left"] == []
 
 
 def test_async_engine_start_hands_back_the_builders_workers(default_gguf):
