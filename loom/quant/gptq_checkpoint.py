@@ -33,6 +33,9 @@ PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 LINEAR_NAMES = tuple(p for group in PROJECTIONS.values() for p in group)  # the checkpoint's projection names
 
+# The GPTQModel `dynamic` rule giving the LM head its own bits ("+:" = a regex that includes the module)
+LM_HEAD_RULE = "+:lm_head"
+
 
 @dataclass(frozen=True, slots=True)
 class GPTQSettings:
@@ -103,7 +106,7 @@ class GPTQSettings:
                      "calibration_tokens": tokens, "block_size": self.block_size},
         }
         if self.lm_head_bits is not None and self.lm_head_bits != self.bits:
-            dynamic = {"+:lm_head": {"bits": self.lm_head_bits}, **(dynamic or {})}  # first: no decoder name matches
+            dynamic = {LM_HEAD_RULE: {"bits": self.lm_head_bits}, **(dynamic or {})}  # first: no decoder name matches
         if dynamic:
             config["dynamic"] = dynamic
         if self.target_bits is not None:
