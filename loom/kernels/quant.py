@@ -124,6 +124,19 @@ class QuantKernels:
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
         self._rotate = self._fn(lib.loom_rotate_rows, [p, i64, i64, i64, i64, p, i32], None)
         self._q8c = self._fn(lib.loom_gemm_q8c_q8t, [p, p, i64, i64, i64, p, p, p, p, i64, i32, i32], None)
+        self._nx16_min = self._fn(lib.loom_set_nx16_min_rows, [i64], i64)
+        # rows from which gemm_f of q4g32 runs the 16-row groups, faster there than dequantization + torch's
+        # float32 GEMM (benchmarks/NOTES.md, "q4g32 at many rows"); None in builds without them
+        default = self._nx16_min(1 << 40)
+        if default >= 0:
+            self._nx16_min(default)
+        self.row_group_min_rows: int | None = int(default) if default >= 0 else None
+
+    def set_row_group_min_rows(self, rows: int) -> int:
+        """Sets the row count from which q4g32's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16;
+        avx512_vnni builds); returns the previous value, or -1 in builds without them (nothing changes).
+        Tests force the groups at any M with it; `row_group_min_rows` keeps the default."""
+        return int(self._nx16_min(int(rows)))
 
     @staticmethod
     def _fn(fn: Any, argtypes: list[Any], restype: Any) -> Any:

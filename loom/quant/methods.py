@@ -225,7 +225,10 @@ class PackedLinearMethod:
                 xa = self._int8_activations(layer, x)
                 m, k = xa.xq.shape
                 x = (xa.xq.to(x.dtype).view(m, k // 32, 32) * xa.xs.to(x.dtype).unsqueeze(-1)).view(m, k)
-            outs = [F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
+            groups = self.scheme.activations == "float" and x.shape[0] >= (
+                getattr(kernels, "row_group_min_rows", None) or sys.maxsize)
+            outs = [kernels.gemm_f(x, p, b, x.dtype) if groups and p.layout == "q4g32"
+                    else F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
                     for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif self.scheme.activations == "float":
             outs = [kernels.gemm_f(x, p, b, x.dtype) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]

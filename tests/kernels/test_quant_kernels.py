@@ -512,3 +512,74 @@ def test_per_channel_int8_gemm_is_the_exact_integer_product(impl: str) -> None:
     grouped = random_weight("q8g", 8, 64, 32, False, g)
     with pytest.raises(ValueError, match="one scale per row"):
         kern.gemm_q8_per_channel(kern.quantize_activations(torch.randn(2, 64), per_token=True), grouped)
+
+
+ROW_GROUP_ISAS = [isa for isa in C_ISAS if kernels(isa).row_group_min_rows is not None]
+
+
+@pytest.fixture
+def row_groups_from():
+    """Moves the row count from which q4g32's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16), for
+    the test, on every build that has them; the default comes back afterwards."""
+    saved = {isa: kernels(isa).row_group_min_rows for isa in ROW_GROUP_ISAS}
+
+    def set_to(isa: str, rows: int) -> None:
+        kernels(isa).set_row_group_min_rows(rows)
+
+    yield set_to
+    for isa, rows in saved.items():
+        kernels(isa).set_row_group_min_rows(rows)
+
+
+def test_row_groups_take_over_where_the_layer_used_to_dequantize() -> None:
+    """The 16-row groups start above DENSE_MIN_ROWS_BY_LAYOUT['q4g32'] rows, where PackedLinearMethod ran
+    dequantization + torch's GEMM: every row count the tiles served keeps their bits. Builds without them
+    report None (the AVX2 and generic builds); the avx512_vnni build has them."""
+    from loom.quant.methods import DENSE_MIN_ROWS_BY_LAYOUT
+
+    for isa in C_ISAS:
+        rows = kernels(isa).row_group_min_rows
+        assert rows == (DENSE_MIN_ROWS_BY_LAYOUT["q4g32"] + 1 if isa == "avx512_vnni" else None), isa
+        if rows is None:
+            assert kernels(isa).set_row_group_min_rows(1) == -1  # nothing to move
+
+
+@pytest.mark.parametrize("isa", ROW_GROUP_ISAS)
+@pytest.mark.parametrize("mins", [True, False])
+def test_row_groups_match_float64(isa: str, mins: bool, row_groups_from) -> None:
+    """gemm_f of q4g32 through the 16-row groups, forced at every M: every x-row tail of a pass of 8 (M = 1-9,
+    17), N in and past whole groups of 16 (a last group of 1, 15 or 1 row), odd block counts, bias, bfloat16
+    and strided x, float32 and bfloat16 output; against float64 with the weight-only path's bound."""
+    kern = kernels(isa)
+    row_groups_from(isa, 1)
+    shapes = [(1, 16, 32), (2, 17, 64), (3, 33, 96), (4, 15, 544), (5, 1, 576), (6, 48, 1536), (7, 577, 576),
+              (8, 31, 160), (9, 64, 576), (17, 40, 576), (130, 23, 96)]
+    for i, (m, n, k) in enumerate(shapes):
+        g = torch.Generator().manual_seed(1000 + i)
+        w = random_weight("q4g32", n, k, 32, mins, g)
+        bias = torch.randn(n, generator=g) if i % 2 else None
+        x = random_x(m, k, torch.bfloat16 if i % 3 == 1 else torch.float32, g, strided=i % 4 == 2)
+        ref, s = reference_f(dequantize16(x), w, bias)
+        label = f"{isa} row groups mins={mins} M={m} N={n} K={k} bias={bias is not None} x={x.dtype}"
+        check_outputs(isa, lambda dt: kern.gemm_f(x, w, bias, dt), ref, s, k // 16 + k // 32 + 8, label)
+
+
+@pytest.mark.parametrize("isa", ROW_GROUP_ISAS)
+def test_row_groups_give_a_row_the_same_bits_in_any_batch(isa: str, row_groups_from) -> None:
+    """Through the 16-row groups a row's outputs do not depend on the other rows of x (passes of 8), on the
+    weight rows beside it (groups of 16), nor on the thread count."""
+    kern = kernels(isa)
+    row_groups_from(isa, 1)
+    g = torch.Generator().manual_seed(6)
+    x = random_x(19, 576, torch.float32, g)
+    w = random_weight("q4g32", 70, 576, 32, True, g)
+    full = kern.gemm_f(x, w)
+    for i in range(19):
+        assert torch.equal(kern.gemm_f(x[i : i + 1], w), full[i : i + 1]), i
+    assert torch.equal(kern.gemm_f(x, w.rows(slice(5, 40))), full[:, 5:40])
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kern.gemm_f(x, w), full)
+    finally:
+        torch.set_num_threads(old)

@@ -1479,11 +1479,176 @@ static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stri
             }
 }
 
+#if LOOM_Q512
+/* ---- q4g32 at many rows of x (prefill, large batches): 16 weight rows per vector ----------------------------
+ * The tiles above put the K of one weight row across a vector's lanes, so each 128 products cost a dot, a
+ * conversion, a scale product and an FMA (their int16 rate is torch's float32 GEMM's, ~1 product per float
+ * FMA). Here a lane is a weight row instead: a group of 16 rows is copied once per call into lanes (each
+ * 32-bit word of a block's 16 bytes, for the 16 rows side by side, rows past N zero), and each VPDPWSSD takes a
+ * pair of x codes broadcast from memory against 16 rows; a block of 32 values is 16 of them per x row, then one
+ * conversion, one scale product and one or two FMAs. The raw word W of bytes 4j..4j+3 of a block (low nibble of
+ * byte i = value i, high = value i + 16) gives the int16 pairs (W >> s) & 0x000F000F, s = 0, 4, 8, 12: values
+ * (4j, 4j+2), (4j+16, 4j+18), (4j+1, 4j+3), (4j+17, 4j+19); the x codes of each block are laid out in that
+ * order (nx16_codes). Exact integer dots per block as the other tiles (|sum| <= 32 * 15 * 32767 < 2^31); the
+ * same definition as section 3, summed in another order. */
+#define NX16_MR 8 /* x rows per pass: 8 int32 + 8 float accumulators, 4 weight vectors */
+/* rows of x from which gemm_16 takes this path for q4g32: above loom/quant/methods.py's DENSE_MIN_ROWS_BY_LAYOUT
+ * (128), where the layer used to dequantize and run torch's float32 GEMM, so that every row count at which the
+ * tiles ran keeps their bits (a row's result does not depend on its batch up to 128 rows); tests move it with
+ * loom_set_nx16_min_rows */
+static int64_t loom_nx16_min_rows = 129;
+
+/* int16 codes c [M, K] (value order) -> cp [M, K], each block in the pair order of the words above */
+static void nx16_codes(const int16_t *c, int64_t M, int64_t K, int16_t *cp) {
+    static const int order[32] = {0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20, 22, 5,  7,  21, 23,
+                                  8,  10, 24, 26, 9,  11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31};
+    for (int64_t i = 0; i < M * K; i += 32)
+        for (int j = 0; j < 32; ++j) cp[i + j] = c[i + order[j]];
+}
+
+/* rows n0 .. n0 + nr - 1 (nr <= 16) of the weight into pk [nb][4][16] words, scales and mins (float32) into
+ * pd / pm [nb][16]; lanes past nr zero */
+static void nx16_pack(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, const uint16_t *mn, int64_t nb,
+                      int64_t n0, int nr, uint32_t *pk, float *pd, float *pm) {
+    if (nr < 16) {
+        memset(pk, 0, (size_t)nb * 64 * sizeof(uint32_t));
+        memset(pd, 0, (size_t)nb * 16 * sizeof(float));
+        if (mn) memset(pm, 0, (size_t)nb * 16 * sizeof(float));
+    }
+    for (int r = 0; r < nr; ++r) {
+        const uint8_t *wr = w + (n0 + r) * row_bytes;
+        const uint16_t *sr = sc + (n0 + r) * nb, *mr = mn ? mn + (n0 + r) * nb : NULL;
+        for (int64_t b = 0; b < nb; ++b) {
+            uint32_t v[4];
+            memcpy(v, wr + 16 * b, 16);
+            for (int j = 0; j < 4; ++j) pk[(b * 4 + j) * 16 + r] = v[j];
+            pd[b * 16 + r] = loom_f16_to_f32(sr[b]);
+            if (mr) pm[b * 16 + r] = loom_f16_to_f32(mr[b]);
+        }
+    }
+}
+
+/* mc (compile-time) rows of x codes xc (stride K, pair order), their block scales xs and block sums gs (stride
+ * nb; gs NULL without mins) against the packed group: the 16 outputs of each row into out (stride 16) */
+ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const float *pd, const float *pm, int64_t nb,
+                             const int16_t *xc, int64_t K, const float *xs, const float *gs, float *out) {
+    const __m512i m4 = _mm512_set1_epi32(0x000F000F);
+    __m512 af[NX16_MR];
+    for (int r = 0; r < mc; ++r) af[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i ai[NX16_MR];
+        for (int r = 0; r < mc; ++r) ai[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+            const __m512i W = _mm512_loadu_si512((const void *)(pk + (b * 4 + j) * 16));
+            const __m512i A = _mm512_and_si512(W, m4), B = _mm512_and_si512(_mm512_srli_epi32(W, 4), m4);
+            const __m512i C = _mm512_and_si512(_mm512_srli_epi32(W, 8), m4);
+            const __m512i D = _mm512_and_si512(_mm512_srli_epi32(W, 12), m4);
+            for (int r = 0; r < mc; ++r) {
+                const int32_t *xp = (const int32_t *)(xc + r * K + 32 * b + 8 * j);
+                ai[r] = _mm512_dpwssd_epi32(ai[r], A, _mm512_set1_epi32(xp[0]));
+                ai[r] = _mm512_dpwssd_epi32(ai[r], B, _mm512_set1_epi32(xp[1]));
+                ai[r] = _mm512_dpwssd_epi32(ai[r], C, _mm512_set1_epi32(xp[2]));
+                ai[r] = _mm512_dpwssd_epi32(ai[r], D, _mm512_set1_epi32(xp[3]));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(pd + b * 16);
+        for (int r = 0; r < mc; ++r)
+            af[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * nb + b])), af[r]);
+        if (gs) {
+            const __m512 mv = _mm512_loadu_ps(pm + b * 16);
+            for (int r = 0; r < mc; ++r) af[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r * nb + b]), af[r]);
+        }
+    }
+    for (int r = 0; r < mc; ++r) _mm512_storeu_ps(out + 16 * r, af[r]);
+}
+
+/* y [M, N] = the q4g32 weight-only product (section 3) by the 16-row groups above; x codes, scales and half
+ * sums from loom_quantize_act16. Returns -1 when malloc failed (nothing written). */
+static int gemm16_q4_nx16(const int16_t *codes, const float *xs, const float *h, int64_t M, int64_t K,
+                          const uint8_t *w, const uint16_t *sc, const uint16_t *mn, const float *bias, void *y,
+                          int64_t N, int y_bf16, int num_threads) {
+    const int64_t nb = K / 32, row_bytes = K / 2, groups = (N + 15) / 16;
+    int16_t *xc = (int16_t *)loom_alloc64((size_t)(M * K) * sizeof(int16_t));
+    float *gs = mn ? (float *)loom_alloc64((size_t)(M * nb) * sizeof(float)) : NULL;
+    if (!xc || (mn && !gs)) {
+        free(xc);
+        free(gs);
+        return -1;
+    }
+    nx16_codes(codes, M, K, xc);
+    if (gs)
+        for (int64_t i = 0; i < M * nb; ++i) gs[i] = h[2 * i] + h[2 * i + 1];
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
+    {
+        char *buf = (char *)loom_alloc64((size_t)nb * 16 * (4 * sizeof(uint32_t) + 2 * sizeof(float)));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            if (!buf) continue;
+            uint32_t *pk = (uint32_t *)buf;
+            float *pd = (float *)(pk + nb * 64), *pm = pd + nb * 16;
+            const int64_t n0 = 16 * g;
+            const int nr = N - n0 < 16 ? (int)(N - n0) : 16;
+            nx16_pack(w, row_bytes, sc, mn, nb, n0, nr, pk, pd, pm);
+            float out[16 * NX16_MR];
+            for (int64_t m0 = 0; m0 < M; m0 += NX16_MR) {
+                const int mc = M - m0 < NX16_MR ? (int)(M - m0) : NX16_MR;
+                const int16_t *xr = xc + m0 * K;
+                const float *xsr = xs + m0 * nb, *gsr = gs ? gs + m0 * nb : NULL;
+                switch (mc) {
+#define NX16_CASE(MC) \
+    case MC: nx16_rows(MC, pk, pd, pm, nb, xr, K, xsr, gsr, out); break;
+                    NX16_CASE(1) NX16_CASE(2) NX16_CASE(3) NX16_CASE(4) NX16_CASE(5) NX16_CASE(6) NX16_CASE(7)
+                    NX16_CASE(8)
+#undef NX16_CASE
+                }
+                for (int r = 0; r < mc; ++r)
+                    for (int i = 0; i < nr; ++i)
+                        loom_store_out(y, (m0 + r) * N + n0 + i, out[16 * r + i] + (bias ? bias[n0 + i] : 0.0f), y_bf16);
+            }
+        }
+        free(buf);
+    }
+    free(xc);
+    free(gs);
+    return failed ? -1 : 0;
+}
+#endif /* LOOM_Q512 */
+
+/* Sets the row count from which q4g32's weight-only product runs the 16-row groups (avx512_vnni builds);
+ * returns the previous value, or -1 in builds without them. */
+int64_t loom_set_nx16_min_rows(int64_t rows) {
+#if LOOM_Q512
+    const int64_t old = loom_nx16_min_rows;
+    loom_nx16_min_rows = rows < 1 ? 1 : rows;
+    return old;
+#else
+    (void)rows;
+    return -1;
+#endif
+}
+
 static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
                    const uint16_t *sc, const uint16_t *mn, int64_t G, const float *bias, void *y, int64_t N,
                    int y_bf16, int num_threads) {
     const int64_t nb = K / 32, ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
     const int64_t bpg = G >= 32 ? G / 32 : 1;
+#if LOOM_Q512
+    if (kind == KIND_Q4 && M >= loom_nx16_min_rows) {
+        char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+        if (!s16) return -1;
+        int16_t *c16 = (int16_t *)s16;
+        float *xs16 = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h16 = xs16 + M * nb;
+        loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs16, h16, num_threads);
+        const int rc = gemm16_q4_nx16(c16, xs16, h16, M, K, w, sc, mn, bias, y, N, y_bf16, num_threads);
+        free(s16);
+        return rc;
+    }
+#endif
     const int paired = kind == KIND_Q4 && LOOM_QSIMD;
     const int64_t np = (nb + Q4_UNIT - 1) / Q4_UNIT, vw = 4 * Q4_UNIT; /* q4 units per row, floats per unit vector */
     const int64_t xstride = paired ? 32 * Q4_UNIT * np : K; /* int16 codes per row, as the kernel reads them */
