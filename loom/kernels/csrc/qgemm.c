@@ -1499,11 +1499,13 @@ static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stri
 static int64_t loom_nx16_min_rows = 129;
 
 /* int16 codes c [M, K] (value order) -> cp [M, K], each block in the pair order of the words above */
-static void nx16_codes(const int16_t *c, int64_t M, int64_t K, int16_t *cp) {
+static void nx16_codes(const int16_t *c, int64_t M, int64_t K, int16_t *cp, int num_threads) {
     static const int order[32] = {0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20, 22, 5,  7,  21, 23,
                                   8,  10, 24, 26, 9,  11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31};
-    for (int64_t i = 0; i < M * K; i += 32)
-        for (int j = 0; j < 32; ++j) cp[i + j] = c[i + order[j]];
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = m * K; i < (m + 1) * K; i += 32)
+            for (int j = 0; j < 32; ++j) cp[i + j] = c[i + order[j]];
 }
 
 /* rows n0 .. n0 + nr - 1 (nr <= 16) of the weight into pk [nb][4][16] words, scales and mins (float32) into
@@ -1575,7 +1577,7 @@ static int gemm16_q4_nx16(const int16_t *codes, const float *xs, const float *h,
         free(gs);
         return -1;
     }
-    nx16_codes(codes, M, K, xc);
+    nx16_codes(codes, M, K, xc, num_threads);
     if (gs)
         for (int64_t i = 0; i < M * nb; ++i) gs[i] = h[2 * i] + h[2 * i + 1];
     int failed = 0;
