@@ -43,6 +43,9 @@ class ThroughputResult:
                 "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s}
 
 
+WARMUP_PROMPT = list(range(1000, 1016))  # token ids of the untimed warm-up request
+
+
 def run_loom_throughput(llm: Any, requests: list[SampleRequest], use_tqdm: bool = True) -> ThroughputResult:
     """All requests through loom.LLM.generate at once; token counts taken from the outputs."""
     from loom import SamplingParams
@@ -53,8 +56,7 @@ def run_loom_throughput(llm: Any, requests: list[SampleRequest], use_tqdm: bool 
     # warm-up, untimed, as llama-batched-bench's 16-token decode before its runs: the first step of a process
     # pays one-off costs (thread pools, first-touch pages); 16 fixed token ids that no request's prompt starts
     # with, so the prefix cache gives the timed requests nothing
-    llm.generate([list(range(1000, 1016))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate([WARMUP_PROMPT], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)], use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start

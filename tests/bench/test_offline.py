@@ -14,7 +14,7 @@ from loom.bench.cli import register
 from loom.bench.datasets import SampleRequest, synthetic_requests
 from loom.bench.hf_backend import HFRunner, hf_throughput
 from loom.bench.latency import LatencyConfig, latency_prompts, run_hf_latency, run_loom_latency
-from loom.bench.throughput import run_loom_throughput
+from loom.bench.throughput import WARMUP_PROMPT, run_loom_throughput
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import SamplingParams
 
@@ -24,6 +24,7 @@ class FakeLLM:
 
     def __init__(self) -> None:
         self.prompts: list[list[int] | str] = []
+        self.generate_calls: list[list[list[int] | str]] = []
 
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
         self.prompts.append(prompt)
@@ -38,6 +39,7 @@ class FakeLLM:
 
     def generate(self, prompts: Sequence[list[int] | str], params: Sequence[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        self.generate_calls.append(list(prompts))
         return [RequestOutput(str(i), None, [0] * (len(p) if isinstance(p, list) else 2), None,
                               [CompletionOutput(0, "", list(range(sp.max_tokens or 0)), finish_reason="length")], True)
                 for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -57,7 +59,11 @@ def test_loom_latency_with_fake_llm() -> None:
 
 def test_loom_throughput_counts_tokens() -> None:
     reqs = synthetic_requests(6, input_len=10, output_len=5, vocab_size=1000, range_ratio=0.5)
-    res = run_loom_throughput(FakeLLM(), reqs, use_tqdm=False)
+    llm = FakeLLM()
+    res = run_loom_throughput(llm, reqs, use_tqdm=False)
+    # one untimed warm-up request first, whose tokens start no timed prompt (no prefix-cache help), then all of them
+    assert len(llm.generate_calls) == 2 and llm.generate_calls[0] == [WARMUP_PROMPT]
+    assert all(r.prompt[:4] != WARMUP_PROMPT[:4] for r in reqs) and len(llm.generate_calls[1]) == 6
     assert res.num_requests == 6
     assert res.input_tokens == sum(r.prompt_len for r in reqs)
     assert res.output_tokens == sum(r.expected_output_len for r in reqs)
