@@ -31,7 +31,9 @@ the CPU has no int8 dot-product instruction torch's exact fallback is a scalar l
 (groups of 32 agreed on ~0.5-1 point more top-1 tokens but cannot be one integer GEMM: benchmarks/NOTES.md,
 "W8A8 prefill"). Above `dense_min_rows` rows (prefill, large batches) the other methods' matmuls are
 compute-bound, and the weight is dequantized (in C) and multiplied by torch's GEMM instead (benchmarks/NOTES.md,
-"Quantized kernels").
+"Quantized kernels"), except q4g32 under float activations where the kernels have row groups (`row_group_min_rows`:
+the avx512_vnni build, 16 weight rows per vector, ~1.9x torch's float32 GEMM on a Zen 4; benchmarks/NOTES.md,
+"q4g32 at many rows").
 """
 
 from __future__ import annotations
