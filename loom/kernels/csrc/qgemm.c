@@ -1498,14 +1498,17 @@ static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stri
  * loom_set_nx16_min_rows */
 static int64_t loom_nx16_min_rows = 129;
 
-/* int16 codes c [M, K] (value order) -> cp [M, K], each block in the pair order of the words above */
-static void nx16_codes(const int16_t *c, int64_t M, int64_t K, int16_t *cp, int num_threads) {
+/* int16 codes c [M, K] from value order to the pair order of the words above, block by block, in place */
+static void nx16_codes(int16_t *c, int64_t M, int64_t K, int num_threads) {
     static const int order[32] = {0,  2,  16, 18, 1,  3,  17, 19, 4,  6,  20, 22, 5,  7,  21, 23,
                                   8,  10, 24, 26, 9,  11, 25, 27, 12, 14, 28, 30, 13, 15, 29, 31};
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t i = m * K; i < (m + 1) * K; i += 32)
-            for (int j = 0; j < 32; ++j) cp[i + j] = c[i + order[j]];
+        for (int64_t i = m * K; i < (m + 1) * K; i += 32) {
+            int16_t block[32];
+            memcpy(block, c + i, sizeof(block));
+            for (int j = 0; j < 32; ++j) c[i + j] = block[order[j]];
+        }
 }
 
 /* rows n0 .. n0 + nr - 1 (nr <= 16) of the weight into pk [nb][4][16] words, scales and mins (float32) into
@@ -1564,20 +1567,15 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const float *pd, 
     for (int r = 0; r < mc; ++r) _mm512_storeu_ps(out + 16 * r, af[r]);
 }
 
-/* y [M, N] = the q4g32 weight-only product (section 3) by the 16-row groups above; x codes, scales and half
- * sums from loom_quantize_act16. Returns -1 when malloc failed (nothing written). */
-static int gemm16_q4_nx16(const int16_t *codes, const float *xs, const float *h, int64_t M, int64_t K,
+/* y [M, N] = the q4g32 weight-only product (section 3) by the 16-row groups above; x codes (reordered here, in
+ * place), scales and half sums from loom_quantize_act16. Returns -1 when malloc failed (y then incomplete). */
+static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t M, int64_t K,
                           const uint8_t *w, const uint16_t *sc, const uint16_t *mn, const float *bias, void *y,
                           int64_t N, int y_bf16, int num_threads) {
     const int64_t nb = K / 32, row_bytes = K / 2, groups = (N + 15) / 16;
-    int16_t *xc = (int16_t *)loom_alloc64((size_t)(M * K) * sizeof(int16_t));
     float *gs = mn ? (float *)loom_alloc64((size_t)(M * nb) * sizeof(float)) : NULL;
-    if (!xc || (mn && !gs)) {
-        free(xc);
-        free(gs);
-        return -1;
-    }
-    nx16_codes(codes, M, K, xc, num_threads);
+    if (mn && !gs) return -1;
+    nx16_codes(xc, M, K, num_threads);
     if (gs)
         for (int64_t i = 0; i < M * nb; ++i) gs[i] = h[2 * i] + h[2 * i + 1];
     int failed = 0;
@@ -1615,7 +1613,6 @@ static int gemm16_q4_nx16(const int16_t *codes, const float *xs, const float *h,
         }
         free(buf);
     }
-    free(xc);
     free(gs);
     return failed ? -1 : 0;
 }
