@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from loom.quant.layout import PackedWeight
+from loom.quant.layout import Q4_LAYOUTS, PackedWeight, deinterleave_rows16
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -61,10 +61,10 @@ def _check_weight(w: PackedWeight, k: int) -> int:
         raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
     qw, sc, mn, g = w.qweight, w.scales, w.mins, w.group_size
     n, cols = qw.shape
-    if w.layout == "q4g32":
+    if w.layout in Q4_LAYOUTS:
         wk = 2 * cols
-        if qw.dtype != torch.uint8 or g != 32:
-            raise ValueError("q4g32 weight must have uint8 qweight and groups of 32")
+        if qw.dtype != torch.uint8 or g != 32 or (w.layout == "q4g32r16" and n % 16):
+            raise ValueError(f"{w.layout} weight must have uint8 qweight and groups of 32 (and q4g32r16 N % 16 == 0)")
     else:
         wk = cols
         if w.layout != "q8g" or qw.dtype != torch.int8 or not (g == 16 or (g % 32 == 0 and 0 < g <= wk)) or wk % g:
@@ -119,6 +119,7 @@ class QuantKernels:
         self._q8_q8 = self._fn(lib.loom_gemm_q8g_q8, [p, p, p, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._quant16 = self._fn(lib.loom_quantize_act16, [p, i64, i32, i64, i64, p, p, p, i32], None)
         self._q4_f = self._fn(lib.loom_gemm_q4g32_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
+        self._q4r16_f = self._fn(lib.loom_gemm_q4g32r16_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
         self._q8_f = self._fn(lib.loom_gemm_q8g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._dq4 = self._fn(lib.loom_dequant_q4g32, [p, p, p, i64, i64, p, i32, i32], None)
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
@@ -131,6 +132,10 @@ class QuantKernels:
         if default >= 0:
             self._nx16_min(default)
         self.row_group_min_rows: int | None = int(default) if default >= 0 else None
+        # layouts this build's gemm_f runs fastest: q4g32r16, whose 16-row groups run at every row count (one
+        # summation order for any batch; PackedLinearMethod interleaves q4g32 weights at load where listed). Every
+        # build reads q4g32r16 with the same bits, the others a lane at a time (tests force them on any CPU).
+        self.interleaved_layouts: tuple[str, ...] = ("q4g32r16",) if default >= 0 else ()
 
     def set_row_group_min_rows(self, rows: int) -> int:
         """Sets the row count from which q4g32's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16;
@@ -212,6 +217,8 @@ class QuantKernels:
                 and xa.xsum.is_contiguous()):
             raise ValueError("QuantizedActivations must hold contiguous CPU tensors")
         n = _check_weight(w, k)
+        if w.layout == "q4g32r16":
+            raise ValueError("gemm_q8 reads q4g32 and q8g weights; a q4g32r16 weight runs under float activations")
         _check_bias(bias, n)
         _check_out(out_dtype)
         y = torch.empty(m, n, dtype=out_dtype)
@@ -280,7 +287,10 @@ class QuantKernels:
         head = (x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), m, k, w.qweight.data_ptr(), w.scales.data_ptr(),
                 mins)
         tail = (b, y.data_ptr(), n, int(out_dtype == torch.bfloat16), torch.get_num_threads())
-        rc = self._q4_f(*head, *tail) if w.layout == "q4g32" else self._q8_f(*head, w.group_size, *tail)
+        if w.layout == "q4g32r16":  # every build; fast in avx512_vnni ones (`interleaved_layouts`)
+            rc = self._q4r16_f(*head, *tail)
+        else:
+            rc = self._q4_f(*head, *tail) if w.layout == "q4g32" else self._q8_f(*head, w.group_size, *tail)
         if rc:
             raise MemoryError("qgemm: scratch allocation failed")
         return y
@@ -295,6 +305,8 @@ class QuantKernels:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         if not isinstance(w, PackedWeight):
             raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
+        if w.layout == "q4g32r16":
+            w = deinterleave_rows16(w)
         n, k = w.shape
         _check_weight(w, k)
         out = torch.empty(n, k, dtype=dtype)

@@ -1,12 +1,19 @@
 """loom's packed weight layouts: every quantized format is repacked, exactly, into one of these, so kernels
 exist only for them.
 
-Two layouts, both row-major over the output rows n < N and grouped along the input k < K:
+Two layouts, both row-major over the output rows n < N and grouped along the input k < K, and one arrangement
+of the first for loom's AVX-512 VNNI kernels:
 
 - `q4g32`: 4-bit unsigned codes in groups of 32. `qweight` uint8 [N, K // 2]: each group is 16 bytes, and
   byte i of a group holds element i in its low nibble and element i + 16 in its high nibble (the order of
   GGUF's Q4_0 / Q4_1 blocks, so those repack as copies).
 - `q8g`: 8-bit signed codes in groups of `group_size` (16, or a multiple of 32 up to K). `qweight` int8 [N, K].
+- `q4g32r16`: q4g32's bytes with every 16 rows interleaved (N a multiple of 16), as the kernels' 16-row groups
+  read them, one weight row per 32-bit lane (loom/kernels/csrc/qgemm.c, "16 weight rows per vector"): for rows
+  16 g .. 16 g + 15, group (block) b, word j < 4 (bytes 4j .. 4j+3 of the row's 16-byte group), the 16 rows'
+  words lie side by side; scales and mins likewise, [g][b][16 rows]. The tensors keep q4g32's shapes ([N, K // 2],
+  [N, K // 32]) and bytes; only their order differs (`interleave_rows16` / `deinterleave_rows16`). Made at load
+  (PackedLinearMethod) where the kernels have the groups, so that every row count runs one summation order.
 
 Both: `scales` float16 [N, K // group_size], `mins` float16 [N, K // group_size] or None, and
 
@@ -22,15 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("q4g32", "q8g")
+LAYOUTS = ("q4g32", "q8g", "q4g32r16")
+Q4_LAYOUTS = ("q4g32", "q4g32r16")  # 4-bit codes, two per byte
 
 
 @dataclass(slots=True)
 class PackedWeight:
     """A weight matrix [N, K] in one of loom's layouts (see the module docstring)."""
 
-    layout: str  # "q4g32" or "q8g"
-    qweight: torch.Tensor  # q4g32: uint8 [N, K // 2]; q8g: int8 [N, K]
+    layout: str  # "q4g32", "q8g" or "q4g32r16"
+    qweight: torch.Tensor  # q4g32 / q4g32r16: uint8 [N, K // 2]; q8g: int8 [N, K]
     scales: torch.Tensor  # float16 [N, K // group_size]
     mins: torch.Tensor | None  # float16 [N, K // group_size], or None (symmetric codes)
     group_size: int  # values per scale: 32 for q4g32; 16 or a multiple of 32 for q8g
@@ -39,12 +47,15 @@ class PackedWeight:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         n = self.qweight.shape[0]
-        k = self.qweight.shape[1] * (2 if self.layout == "q4g32" else 1)
-        want_dtype = torch.uint8 if self.layout == "q4g32" else torch.int8
+        q4 = self.layout in Q4_LAYOUTS
+        k = self.qweight.shape[1] * (2 if q4 else 1)
+        want_dtype = torch.uint8 if q4 else torch.int8
         if self.qweight.dtype != want_dtype or self.qweight.dim() != 2:
             raise ValueError(f"{self.layout} qweight must be {want_dtype} [N, K{' // 2' if k != self.qweight.shape[1] else ''}]")
-        if self.layout == "q4g32" and self.group_size != 32:
-            raise ValueError("q4g32 has groups of 32")
+        if q4 and self.group_size != 32:
+            raise ValueError(f"{self.layout} has groups of 32")
+        if self.layout == "q4g32r16" and n % 16:
+            raise ValueError(f"q4g32r16 needs a multiple of 16 rows, got N={n}")
         if self.group_size != 16 and (self.group_size % 32 or self.group_size > k) or k % self.group_size:
             raise ValueError(f"group_size {self.group_size} must be 16 or a multiple of 32 dividing K={k}")
         for name, t in (("scales", self.scales), ("mins", self.mins)):
@@ -55,7 +66,7 @@ class PackedWeight:
     def shape(self) -> tuple[int, int]:
         """(N, K) of the matrix it holds."""
         n, cols = self.qweight.shape
-        return n, cols * 2 if self.layout == "q4g32" else cols
+        return n, cols * 2 if self.layout in Q4_LAYOUTS else cols
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +81,12 @@ class PackedWeight:
                             None if self.mins is None else self.mins.to(device), self.group_size)
 
     def rows(self, index: torch.Tensor | slice) -> PackedWeight:
-        """The packed rows `index` (a permutation, a slice), same layout: rows are independent."""
+        """The packed rows `index` (a permutation, a slice), same layout: rows are independent.
+
+        Raises:
+            ValueError: a q4g32r16 weight (its rows are interleaved: deinterleave_rows16 first).
+        """
+        _row_major(self)
         return PackedWeight(self.layout, self.qweight[index].contiguous(), self.scales[index].contiguous(),
                             None if self.mins is None else self.mins[index].contiguous(), self.group_size)
 
@@ -80,6 +96,7 @@ class PackedWeight:
         Raises:
             ValueError: start or stop not on a group boundary (a group's codes share one scale).
         """
+        _row_major(self)
         g = 32 if self.layout == "q4g32" else self.group_size
         if start % g or stop % g or not 0 <= start < stop <= self.shape[1]:
             raise ValueError(f"columns [{start}, {stop}) of a {self.layout} matrix with groups of {g} and "
@@ -91,8 +108,54 @@ class PackedWeight:
                             None if self.mins is None else self.mins[:, gs].contiguous(), self.group_size)
 
 
+def _row_major(w: PackedWeight) -> None:
+    if w.layout == "q4g32r16":
+        raise ValueError("a q4g32r16 weight's rows are interleaved: take deinterleave_rows16(w) first")
+
+
+def interleave_rows16(w: PackedWeight) -> PackedWeight:
+    """A q4g32 weight [N, K] (N a multiple of 16) in the q4g32r16 arrangement (module docstring): the same bytes,
+    reordered. Runs on any device.
+
+    Raises:
+        ValueError: not q4g32, or N not a multiple of 16.
+    """
+    if w.layout != "q4g32":
+        raise ValueError(f"interleave_rows16 takes a q4g32 weight, got {w.layout!r}")
+    n, k = w.shape
+    if n % 16:
+        raise ValueError(f"interleave_rows16 needs a multiple of 16 rows, got N={n}")
+    g, nb = n // 16, k // 32
+    words = w.qweight.view(torch.int32).view(g, 16, nb, 4).permute(0, 2, 3, 1).contiguous()
+
+    def side(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.view(g, 16, nb).transpose(1, 2).contiguous().view(n, nb)
+
+    return PackedWeight("q4g32r16", words.view(torch.uint8).view(n, k // 2), side(w.scales), side(w.mins), 32)
+
+
+def deinterleave_rows16(w: PackedWeight) -> PackedWeight:
+    """The q4g32 weight a q4g32r16 weight holds (the inverse of interleave_rows16).
+
+    Raises:
+        ValueError: not q4g32r16.
+    """
+    if w.layout != "q4g32r16":
+        raise ValueError(f"deinterleave_rows16 takes a q4g32r16 weight, got {w.layout!r}")
+    n, k = w.shape
+    g, nb = n // 16, k // 32
+    words = w.qweight.contiguous().view(torch.int32).view(g, nb, 4, 16).permute(0, 3, 1, 2).contiguous()
+
+    def side(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.contiguous().view(g, nb, 16).transpose(1, 2).contiguous().view(n, nb)
+
+    return PackedWeight("q4g32", words.view(torch.uint8).view(n, k // 2), side(w.scales), side(w.mins), 32)
+
+
 def unpack_codes(packed: PackedWeight) -> torch.Tensor:
-    """The integer codes q [N, K] int16 (q4g32: 0..15; q8g: -128..127)."""
+    """The integer codes q [N, K] int16 (q4g32, q4g32r16: 0..15, in row-major order; q8g: -128..127)."""
+    if packed.layout == "q4g32r16":
+        packed = deinterleave_rows16(packed)
     if packed.layout == "q8g":
         return packed.qweight.to(torch.int16)
     n, half = packed.qweight.shape
@@ -103,6 +166,8 @@ def unpack_codes(packed: PackedWeight) -> torch.Tensor:
 def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The matrix W [N, K] the layout defines, in float32 arithmetic, then cast to `dtype` (reference
     implementation; runs on any device)."""
+    if packed.layout == "q4g32r16":
+        packed = deinterleave_rows16(packed)
     n, k = packed.shape
     groups = k // packed.group_size
     q = unpack_codes(packed).view(n, groups, packed.group_size).float()

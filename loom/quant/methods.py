@@ -51,7 +51,7 @@ from loom.kernels.build import cpu_flags
 from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import Linear, copy_rows
 from loom.quant.hadamard import rotate_weight, rotation_block
-from loom.quant.layout import PackedWeight, dequantize
+from loom.quant.layout import PackedWeight, dequantize, interleave_rows16
 from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quantize_q8_asym
 from loom.quant.torch_kernels import TorchQuantKernels
 
@@ -198,13 +198,19 @@ class PackedLinearMethod:
                 # per-token int8 activations without a fast exact int8 GEMM: loom's kernel at every row count, so
                 # that a token's result does not depend on its step's row count (as the GEMM's does not)
                 self.dense_min_rows = sys.maxsize
+        self.kernels = quant_kernels(device)
+        if self.scheme.activations == "float" and "q4g32r16" in getattr(self.kernels, "interleaved_layouts", ()):
+            # the 16-row groups at every row count: faster than the tiles from 2 rows up and at one row as fast,
+            # and one summation order, so a row's bits do not depend on its batch (benchmarks/NOTES.md, "One
+            # summation order at every batch"); a part whose rows are not a multiple of 16 keeps q4g32 and the tiles
+            layer.packed = [interleave_rows16(p) if p.layout == "q4g32" and p.shape[0] % 16 == 0 else p
+                            for p in layer.packed]
         bias = layer.bias.data.float() if layer.bias is not None else None
         layer.packed_bias, start = [], 0
         for p in layer.packed:
             rows = p.shape[0]
             layer.packed_bias.append(None if bias is None else bias[start : start + rows].contiguous())
             start += rows
-        self.kernels = quant_kernels(device)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.dense_weight is not None:
@@ -229,7 +235,7 @@ class PackedLinearMethod:
                 x = (xa.xq.to(x.dtype).view(m, k // 32, 32) * xa.xs.to(x.dtype).unsqueeze(-1)).view(m, k)
             groups = self.scheme.activations == "float" and x.shape[0] >= (
                 getattr(kernels, "row_group_min_rows", None) or sys.maxsize)
-            outs = [kernels.gemm_f(x, p, b, x.dtype) if groups and p.layout == "q4g32"
+            outs = [kernels.gemm_f(x, p, b, x.dtype) if (groups and p.layout == "q4g32") or p.layout == "q4g32r16"
                     else F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
                     for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif self.scheme.activations == "float":

@@ -23,7 +23,8 @@ import torch
 
 from loom.kernels import build, registry
 from loom.kernels.quant import QuantizedActivations
-from loom.quant.layout import PackedWeight, dequantize, pack_q4g32, unpack_codes
+from loom.quant.layout import (PackedWeight, deinterleave_rows16, dequantize, interleave_rows16, pack_q4g32,
+                               unpack_codes)
 from loom.quant.torch_kernels import TorchQuantKernels
 
 EPS = 2.0 ** -23
@@ -583,3 +584,92 @@ def test_row_groups_give_a_row_the_same_bits_in_any_batch(isa: str, row_groups_f
         assert torch.equal(kern.gemm_f(x, w), full)
     finally:
         torch.set_num_threads(old)
+
+
+# ---- q4g32r16: q4g32 with every 16 rows interleaved (layout.py), read by the 16-row groups at every M ----------
+
+def test_interleaving_rows_is_a_reordering_that_dequantizes_the_same() -> None:
+    """interleave_rows16 keeps every byte and the shapes; deinterleave_rows16 gives the q4g32 weight back bit for
+    bit; layout.dequantize of either is the same matrix; row-major operations refuse the interleaved form;
+    N % 16 != 0 is refused with the reason."""
+    g = torch.Generator().manual_seed(11)
+    for mins in (True, False):
+        w = random_weight("q4g32", 48, 96, 32, mins, g)
+        r = interleave_rows16(w)
+        assert r.layout == "q4g32r16" and r.shape == w.shape and r.nbytes == w.nbytes
+        assert not torch.equal(r.qweight, w.qweight)  # rows really moved
+        assert torch.equal(torch.sort(r.qweight.flatten()).values, torch.sort(w.qweight.flatten()).values)
+        back = deinterleave_rows16(r)
+        assert back.layout == "q4g32" and torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+        assert (back.mins is None) == (not mins) and (not mins or torch.equal(back.mins, w.mins))
+        assert torch.equal(dequantize(r), dequantize(w)) and torch.equal(unpack_codes(r), unpack_codes(w))
+        # word j of block b of row 16 g + r sits at [g][b][j][r]
+        words, rwords = w.qweight.view(torch.int32), r.qweight.view(torch.int32).view(3, 3, 4, 16)
+        assert int(rwords[1, 2, 3, 5]) == int(words[16 + 5, 2 * 4 + 3])
+        assert float(r.scales.view(3, 3, 16)[2, 1, 7]) == float(w.scales[32 + 7, 1])
+    with pytest.raises(ValueError, match="interleaved"):
+        r.rows(slice(0, 16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        interleave_rows16(random_weight("q4g32", 40, 64, 32, True, g))
+    with pytest.raises(ValueError, match="q4g32 weight"):
+        interleave_rows16(random_weight("q8g", 16, 64, 32, False, g))
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+@pytest.mark.parametrize("mins", [True, False])
+def test_interleaved_weights_match_float64_and_the_groups_bit_for_bit(isa: str, mins: bool, row_groups_from) -> None:
+    """gemm_f of a q4g32r16 weight in every build (the avx512_vnni build's 16-row groups; the others a lane at a
+    time with the same arithmetic): within the weight-only bound of float64 at every pass tail, bias, bfloat16 and
+    strided x, both output dtypes; and the same bits as the avx512_vnni build's groups over the q4g32 weight
+    (forced at every M), so every machine computes one result."""
+    kern = kernels(isa)
+    shapes = [(1, 16, 32), (2, 32, 64), (3, 48, 96), (4, 16, 544), (7, 64, 576), (8, 16, 160), (9, 64, 576),
+              (17, 48, 1536), (130, 32, 96)]
+    for i, (m, n, k) in enumerate(shapes):
+        g = torch.Generator().manual_seed(2000 + i)
+        w = random_weight("q4g32", n, k, 32, mins, g)
+        r = interleave_rows16(w)
+        bias = torch.randn(n, generator=g) if i % 2 else None
+        x = random_x(m, k, torch.bfloat16 if i % 3 == 1 else torch.float32, g, strided=i % 4 == 2)
+        ref, s = reference_f(dequantize16(x), w, bias)
+        label = f"{isa} q4g32r16 mins={mins} M={m} N={n} K={k} bias={bias is not None} x={x.dtype}"
+        check_outputs(isa, lambda dt: kern.gemm_f(x, r, bias, dt), ref, s, k // 16 + k // 32 + 8, label)
+        if ROW_GROUP_ISAS:
+            row_groups_from(ROW_GROUP_ISAS[0], 1)
+            assert torch.equal(kern.gemm_f(x, r, bias), kernels(ROW_GROUP_ISAS[0]).gemm_f(x, w, bias)), label
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+def test_interleaved_weights_give_a_row_the_same_bits_in_any_batch(isa: str) -> None:
+    """With q4g32r16 a row's output does not depend on how many rows its call has (1, a pass tail, past the
+    tiles' 128-row limit), on which rows are beside it, nor on the thread count: what makes a prefix-cache hit,
+    a batch and a speculative verify step agree with a lone fresh request bit for bit."""
+    kern = kernels(isa)
+    g = torch.Generator().manual_seed(12)
+    x = random_x(140, 576, torch.float32, g)
+    r = interleave_rows16(random_weight("q4g32", 96, 576, 32, True, g))
+    full = kern.gemm_f(x, r)
+    for i in (0, 1, 7, 8, 9, 63, 130, 139):
+        assert torch.equal(kern.gemm_f(x[i : i + 1], r), full[i : i + 1]), i
+    for a, b in ((0, 9), (3, 20), (5, 134)):
+        assert torch.equal(kern.gemm_f(x[a:b], r), full[a:b]), (a, b)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kern.gemm_f(x, r), full)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+def test_interleaved_weights_are_refused_where_they_cannot_be_read(isa: str) -> None:
+    """gemm_q8 reads row-major layouts only; the C binding checks N % 16 even if a caller rebuilt the fields."""
+    kern = kernels(isa)
+    g = torch.Generator().manual_seed(13)
+    r = interleave_rows16(random_weight("q4g32", 16, 64, 32, True, g))
+    with pytest.raises(ValueError, match="q4g32r16"):
+        kern.gemm_q8(kern.quantize_activations(torch.randn(2, 64)), r)
+    r.qweight = r.qweight[:8]
+    with pytest.raises(ValueError):
+        kern.gemm_f(torch.randn(2, 64), r)
+

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from loom.quant.layout import Q4_LAYOUTS
 from loom.model.loader import load_model
 from loom.quant.awq_checkpoint import write_awq_checkpoint
 from loom.quant.awq_format import from_checkpoint
@@ -87,7 +88,7 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     layer = loaded.model.model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(lin.quant_method, AWQLinearMethod)
-        assert lin.dense_weight is None and lin.packed[0].layout == "q4g32" and lin.input_perm is None
+        assert lin.dense_weight is None and lin.packed[0].layout in Q4_LAYOUTS and lin.input_perm is None
     assert not isinstance(loaded.model.lm_head.quant_method, AWQLinearMethod)
     assert "AWQ 4-bit" in loaded.model.weight_report()["qkv_proj"][0]
 

@@ -162,3 +162,21 @@ def test_bf16_weights_equal_the_float32_model_on_a_bf16_checkpoint(tiny_models, 
     ref, got = _logits(dense.model, dense.arch), _logits(half.model, half.arch)
     rel = float((got - ref).norm() / ref.norm())
     assert rel < 1e-5, rel
+
+
+def test_q4_layers_are_interleaved_where_the_kernels_have_row_groups(tiny_models) -> None:
+    """w4a16 on a CPU whose best qgemm build has the 16-row groups (avx512_vnni): every q4g32 part of whole groups
+    of 16 rows is kept as q4g32r16 (one summation order at every row count), the rest as q4g32; elsewhere all
+    q4g32."""
+    from loom.quant.methods import quant_kernels
+
+    interleave = "q4g32r16" in quant_kernels(CPU).interleaved_layouts
+    loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w4a16")
+    layouts = {}
+    for m in loaded.model.modules():
+        for p in getattr(m, "packed", None) or []:
+            if p.layout != "q8g":
+                layouts[p.layout, p.shape[0] % 16 == 0] = True
+    assert layouts, "no 4-bit part"
+    for layout, whole in layouts:
+        assert layout == ("q4g32r16" if interleave and whole else "q4g32"), (layout, whole)

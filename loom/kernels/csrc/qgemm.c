@@ -1492,6 +1492,7 @@ static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stri
  * order (nx16_codes). Exact integer dots per block as the other tiles (|sum| <= 32 * 15 * 32767 < 2^31); the
  * same definition as section 3, summed in another order. */
 #define NX16_MR 8 /* x rows per pass: 8 int32 + 8 float accumulators, 4 weight vectors */
+#define NX16_AHEAD 8 /* blocks ahead whose words are prefetched (2 KB) */
 /* rows of x from which gemm_16 takes this path for q4g32: above loom/quant/methods.py's DENSE_MIN_ROWS_BY_LAYOUT
  * (128), where the layer used to dequantize and run torch's float32 GEMM, so that every row count at which the
  * tiles ran keeps their bits (a row's result does not depend on its batch up to 128 rows); tests move it with
@@ -1511,14 +1512,14 @@ static void nx16_codes(int16_t *c, int64_t M, int64_t K, int num_threads) {
         }
 }
 
-/* rows n0 .. n0 + nr - 1 (nr <= 16) of the weight into pk [nb][4][16] words, scales and mins (float32) into
- * pd / pm [nb][16]; lanes past nr zero */
+/* rows n0 .. n0 + nr - 1 (nr <= 16) of the weight into pk [nb][4][16] words, scales and mins (float16 bits) into
+ * pd / pm [nb][16]: the q4g32r16 layout of one group (loom/quant/layout.py), lanes past nr zero */
 static void nx16_pack(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, const uint16_t *mn, int64_t nb,
-                      int64_t n0, int nr, uint32_t *pk, float *pd, float *pm) {
+                      int64_t n0, int nr, uint32_t *pk, uint16_t *pd, uint16_t *pm) {
     if (nr < 16) {
         memset(pk, 0, (size_t)nb * 64 * sizeof(uint32_t));
-        memset(pd, 0, (size_t)nb * 16 * sizeof(float));
-        if (mn) memset(pm, 0, (size_t)nb * 16 * sizeof(float));
+        memset(pd, 0, (size_t)nb * 16 * sizeof(uint16_t));
+        if (mn) memset(pm, 0, (size_t)nb * 16 * sizeof(uint16_t));
     }
     for (int r = 0; r < nr; ++r) {
         const uint8_t *wr = w + (n0 + r) * row_bytes;
@@ -1527,15 +1528,15 @@ static void nx16_pack(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, c
             uint32_t v[4];
             memcpy(v, wr + 16 * b, 16);
             for (int j = 0; j < 4; ++j) pk[(b * 4 + j) * 16 + r] = v[j];
-            pd[b * 16 + r] = loom_f16_to_f32(sr[b]);
-            if (mr) pm[b * 16 + r] = loom_f16_to_f32(mr[b]);
+            pd[b * 16 + r] = sr[b];
+            if (mr) pm[b * 16 + r] = mr[b];
         }
     }
 }
 
 /* mc (compile-time) rows of x codes xc (stride K, pair order), their block scales xs and block sums gs (stride
  * nb; gs NULL without mins) against the packed group: the 16 outputs of each row into out (stride 16) */
-ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const float *pd, const float *pm, int64_t nb,
+ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const uint16_t *pd, const uint16_t *pm, int64_t nb,
                              const int16_t *xc, int64_t K, const float *xs, const float *gs, float *out) {
     const __m512i m4 = _mm512_set1_epi32(0x000F000F);
     __m512 af[NX16_MR];
@@ -1543,6 +1544,10 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const float *pd, 
     for (int64_t b = 0; b < nb; ++b) {
         __m512i ai[NX16_MR];
         for (int r = 0; r < mc; ++r) ai[r] = _mm512_setzero_si512();
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64), _MM_HINT_T0); /* a block's words: 4 lines */
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64 + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64 + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64 + 48), _MM_HINT_T0);
         for (int j = 0; j < 4; ++j) {
             const __m512i W = _mm512_loadu_si512((const void *)(pk + (b * 4 + j) * 16));
             const __m512i A = _mm512_and_si512(W, m4), B = _mm512_and_si512(_mm512_srli_epi32(W, 4), m4);
@@ -1556,11 +1561,11 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const float *pd, 
                 ai[r] = _mm512_dpwssd_epi32(ai[r], D, _mm512_set1_epi32(xp[3]));
             }
         }
-        const __m512 d = _mm512_loadu_ps(pd + b * 16);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pd + b * 16)));
         for (int r = 0; r < mc; ++r)
             af[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * nb + b])), af[r]);
         if (gs) {
-            const __m512 mv = _mm512_loadu_ps(pm + b * 16);
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pm + b * 16)));
             for (int r = 0; r < mc; ++r) af[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r * nb + b]), af[r]);
         }
     }
@@ -1568,10 +1573,12 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const float *pd, 
 }
 
 /* y [M, N] = the q4g32 weight-only product (section 3) by the 16-row groups above; x codes (reordered here, in
- * place), scales and half sums from loom_quantize_act16. Returns -1 when malloc failed (y then incomplete). */
+ * place), scales and half sums from loom_quantize_act16. The weight is q4g32 (each group laid out per call) or,
+ * with `r16`, already in the q4g32r16 layout (N a multiple of 16). Returns -1 when malloc failed (y then
+ * incomplete). */
 static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t M, int64_t K,
-                          const uint8_t *w, const uint16_t *sc, const uint16_t *mn, const float *bias, void *y,
-                          int64_t N, int y_bf16, int num_threads) {
+                          const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int r16, const float *bias,
+                          void *y, int64_t N, int y_bf16, int num_threads) {
     const int64_t nb = K / 32, row_bytes = K / 2, groups = (N + 15) / 16;
     float *gs = mn ? (float *)loom_alloc64((size_t)(M * nb) * sizeof(float)) : NULL;
     if (mn && !gs) return -1;
@@ -1581,19 +1588,28 @@ static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
     {
-        char *buf = (char *)loom_alloc64((size_t)nb * 16 * (4 * sizeof(uint32_t) + 2 * sizeof(float)));
-        if (!buf) {
+        char *buf = r16 ? NULL : (char *)loom_alloc64((size_t)nb * 16 * (4 * sizeof(uint32_t) + 2 * sizeof(uint16_t)));
+        if (!r16 && !buf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
-            if (!buf) continue;
-            uint32_t *pk = (uint32_t *)buf;
-            float *pd = (float *)(pk + nb * 64), *pm = pd + nb * 16;
+            if (!r16 && !buf) continue;
             const int64_t n0 = 16 * g;
             const int nr = N - n0 < 16 ? (int)(N - n0) : 16;
-            nx16_pack(w, row_bytes, sc, mn, nb, n0, nr, pk, pd, pm);
+            const uint32_t *pk;
+            const uint16_t *pd, *pm;
+            if (r16) {
+                pk = (const uint32_t *)(w + n0 * row_bytes);
+                pd = sc + n0 * nb;
+                pm = mn ? mn + n0 * nb : NULL;
+            } else {
+                uint32_t *k = (uint32_t *)buf;
+                uint16_t *d = (uint16_t *)(k + nb * 64), *m = d + nb * 16;
+                nx16_pack(w, row_bytes, sc, mn, nb, n0, nr, k, d, m);
+                pk = k, pd = d, pm = m;
+            }
             float out[16 * NX16_MR];
             for (int64_t m0 = 0; m0 < M; m0 += NX16_MR) {
                 const int mc = M - m0 < NX16_MR ? (int)(M - m0) : NX16_MR;
@@ -1616,6 +1632,21 @@ static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t 
     free(gs);
     return failed ? -1 : 0;
 }
+
+/* int16 codes, block scales and half sums of x [M, K] (loom_quantize_act16), then the 16-row groups */
+static int gemm16_q4_groups(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
+                            const uint16_t *sc, const uint16_t *mn, int r16, const float *bias, void *y, int64_t N,
+                            int y_bf16, int num_threads) {
+    const int64_t nb = K / 32;
+    char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+    if (!s16) return -1;
+    int16_t *c16 = (int16_t *)s16;
+    float *xs16 = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h16 = xs16 + M * nb;
+    loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs16, h16, num_threads);
+    const int rc = gemm16_q4_nx16(c16, xs16, h16, M, K, w, sc, mn, r16, bias, y, N, y_bf16, num_threads);
+    free(s16);
+    return rc;
+}
 #endif /* LOOM_Q512 */
 
 /* Sets the row count from which q4g32's weight-only product runs the 16-row groups (avx512_vnni builds);
@@ -1637,16 +1668,8 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const int64_t nb = K / 32, ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
     const int64_t bpg = G >= 32 ? G / 32 : 1;
 #if LOOM_Q512
-    if (kind == KIND_Q4 && M >= loom_nx16_min_rows) {
-        char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
-        if (!s16) return -1;
-        int16_t *c16 = (int16_t *)s16;
-        float *xs16 = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h16 = xs16 + M * nb;
-        loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs16, h16, num_threads);
-        const int rc = gemm16_q4_nx16(c16, xs16, h16, M, K, w, sc, mn, bias, y, N, y_bf16, num_threads);
-        free(s16);
-        return rc;
-    }
+    if (kind == KIND_Q4 && M >= loom_nx16_min_rows)
+        return gemm16_q4_groups(x, ldx, x_bf16, M, K, w, sc, mn, 0, bias, y, N, y_bf16, num_threads);
 #endif
     const int paired = kind == KIND_Q4 && LOOM_QSIMD;
     const int64_t np = (nb + Q4_UNIT - 1) / Q4_UNIT, vw = 4 * Q4_UNIT; /* q4 units per row, floats per unit vector */
@@ -1711,6 +1734,57 @@ int loom_gemm_q4g32_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t
                       const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
                       int num_threads) {
     return gemm_16(KIND_Q4, x, ldx, x_bf16, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
+}
+
+/* The same product as loom_gemm_q4g32_f with the weight in the q4g32r16 layout (loom/quant/layout.py: 16 rows
+ * interleaved word by word, N a multiple of 16), by the 16-row groups at every M: one summation order whatever
+ * the batch, so a row's result does not depend on the rows beside it. Returns -2 when N % 16 != 0 (nothing
+ * written), -1 when malloc failed. */
+int loom_gemm_q4g32r16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
+                         const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N,
+                         int y_bf16, int num_threads) {
+    if (N % 16) return -2;
+#if LOOM_Q512
+    return gemm16_q4_groups(x, ldx, x_bf16, M, K, qweight, scales, mins, 1, bias, y, N, y_bf16, num_threads);
+#else
+    /* Other builds read the layout too (slowly: one lane at a time), with the groups' arithmetic step for step, so
+     * that the result is the same bits: exact int32 dots per block, then per block fmaf(dot, d * s, acc) and
+     * fmaf(min, the block's x sum, acc), in block order (fmaf: one rounding, as VFMADD). */
+    const int64_t nb = K / 32, row_bytes = K / 2;
+    char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+    if (!s16) return -1;
+    int16_t *c16 = (int16_t *)s16;
+    float *xs = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h = xs + M * nb;
+    loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs, h, num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
+    for (int64_t g = 0; g < N / 16; ++g) {
+        const uint32_t *pk = (const uint32_t *)(qweight + 16 * g * row_bytes);
+        const uint16_t *pd = scales + 16 * g * nb, *pm = mins ? mins + 16 * g * nb : NULL;
+        for (int64_t m = 0; m < M; ++m) {
+            float acc[16] = {0};
+            for (int64_t b = 0; b < nb; ++b) {
+                const int16_t *cx = c16 + m * K + 32 * b;
+                const float sx = xs[m * nb + b], gx = h[2 * (m * nb + b)] + h[2 * (m * nb + b) + 1];
+                for (int r = 0; r < 16; ++r) {
+                    int32_t dot = 0;
+                    for (int j = 0; j < 4; ++j) {
+                        const uint32_t word = pk[(b * 4 + j) * 16 + r];
+                        for (int t = 0; t < 4; ++t) {
+                            const int i = 4 * j + t, byte = (int)((word >> (8 * t)) & 0xFF);
+                            dot += (byte & 15) * cx[i] + (byte >> 4) * cx[i + 16];
+                        }
+                    }
+                    acc[r] = fmaf((float)dot, loom_f16_to_f32(pd[b * 16 + r]) * sx, acc[r]);
+                    if (pm) acc[r] = fmaf(loom_f16_to_f32(pm[b * 16 + r]), gx, acc[r]);
+                }
+            }
+            for (int r = 0; r < 16; ++r)
+                loom_store_out(y, m * N + 16 * g + r, acc[r] + (bias ? bias[16 * g + r] : 0.0f), y_bf16);
+        }
+    }
+    free(s16);
+    return 0;
+#endif
 }
 
 int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
