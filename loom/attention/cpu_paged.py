@@ -4,7 +4,8 @@ Decode requests (one query token) are served together: their blocks are gathered
 [num_reqs, max_ctx, H_kv, d] tensor and one masked scaled_dot_product_attention runs over the batch.
 Grouped-query attention (arXiv:2305.13245) is a reshape: the G = H / H_kv query heads that share a KV
 head become G query rows of that head, so K/V are never repeated. Prefill chunks run one SDPA per
-request, with K/V broadcast over the group by `expand` (a view, not a copy).
+request, with K/V broadcast over the group by `expand` (a view, not a copy); where loom's C decode kernel serves
+the query, a chunk's rows of up to PER_ROW_MAX_KEYS keys of context run through it instead, each as a decode row.
 
 The per-step work that does not depend on the layer (masks, block ids, which rows decode) is planned
 once, on the first layer's call, and reused by the others.
@@ -28,6 +29,14 @@ from loom.attention.reference import causal_mask
 from loom.attention.sparse import BlockSparseSelector, SparseAttentionConfig
 from loom.kernels.registry import paged_decode_kernels
 
+
+# Prefill rows whose context is at most this many keys run as decode rows through loom's C kernel where it serves
+# the query (not on the oracle path): per row, its keys in ranges fixed by its own length, so the row's bits do not
+# depend on its chunk, batch or a prefix-cache hit; SDPA's blocking depends on the chunk's shape. Measured for one
+# prompt on SmolLM2's shapes (9 heads, 3 KV heads, d 64, float16 cache, 2 Zen 4 threads), per layer: 64 / 512 / 1024
+# / 2048 / 4096 tokens 0.07 / 3.1 / 12.3 / 51 / 204 ms, against SDPA's 0.11 / 4.0 / 11.5 / 41 / 145 ms
+# (benchmarks/NOTES.md, "One summation order at every batch").
+PER_ROW_MAX_KEYS = 2048
 
 # Decode attention over at most this many gathered K/V rows (requests x padded context) runs on one thread:
 # below it the gather + SDPA are slower on two threads than on one (1 request x 528 tokens, SmolLM2 shapes,
@@ -265,13 +274,31 @@ class CpuPagedBackend:
             assert rows is not None
             decoded = self._decode(query.index_select(0, rows), kv_cache, plan.decode, scale, sliding_window)
             output.index_copy_(0, rows, decoded)
+        kernel = self._decode_kernel(query, kv_cache) if plan.prefills else None
         for item in plan.prefills:
+            start, q_len = item.start, item.end - item.start
+            mask = item.mask
+            if kernel is not None:
+                # rows whose context is at most PER_ROW_MAX_KEYS keys: each as a decode row over its own causal
+                # prefix, by the decode kernel (key ranges fixed by the row's length), so that a row's result is
+                # the same bits fresh, after a prefix-cache hit, in another chunk, or as a speculative verify row
+                first_pos = item.seq_len - q_len  # position of the chunk's first row
+                rows = max(0, min(q_len, PER_ROW_MAX_KEYS - first_pos))
+                if rows:
+                    table = attn_metadata.block_tables[item.req_index : item.req_index + 1].long().expand(rows, -1)
+                    lens = torch.arange(first_pos + 1, first_pos + rows + 1, dtype=torch.int64)
+                    output[start : start + rows] = kernel(query[start : start + rows], kv_cache, table, lens, scale,
+                                                          sliding_window, lengths_checked=True)
+                if rows == q_len:
+                    continue
+                start, q_len = start + rows, q_len - rows
+                mask = causal_mask(q_len, item.seq_len, sliding_window, query.device)
             k, v = gather_kv(
                 kv_cache, attn_metadata.block_tables[item.req_index], item.seq_len, attn_metadata.block_size,
                 out_dtype=query.dtype,
             )
-            output[item.start : item.end] = prefill_attention(
-                query[item.start : item.end], k.to(query.dtype), v.to(query.dtype), item.mask, scale
+            output[start : start + q_len] = prefill_attention(
+                query[start : start + q_len], k.to(query.dtype), v.to(query.dtype), mask, scale
             )
         return output
 

@@ -111,6 +111,31 @@ def test_paged_decode_splits_long_contexts_over_threads(isa: str, dtype: torch.d
         assert torch.allclose(single.double(), ref[:1], **tol)
 
 
+
+@pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 200])
+def test_paged_decode_gives_a_request_the_same_bits_in_any_batch(isa: str, kv_dtype: torch.dtype,
+                                                                 window: int | None) -> None:
+    """A request's output does not depend on the batch it runs in (alone, where its key ranges are the threads'
+    work items, or among 12, where each thread takes whole requests) nor on the thread count: its ranges and
+    their merge are fixed by its own length. What lets batched, speculative and lone decoding agree bit for bit."""
+    paged = kernel_or_skip("paged_decode", isa)
+    g = torch.Generator().manual_seed(21)
+    block_size, num_blocks = 16, 256
+    kv_cache = torch.randn(2, num_blocks, block_size, 3, 64, generator=g).to(kv_dtype)
+    seq_lens = torch.tensor([1, 63, 64, 65, 129, 300, 1000, 17, 256, 257, 700, 5], dtype=torch.int64)
+    block_table = torch.stack([torch.randperm(num_blocks, generator=g)[:64] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), 9, 64, generator=g) * 3
+    full = paged(q, kv_cache, block_table, seq_lens, 0.125, window, num_threads=2)
+    for b in range(len(seq_lens)):
+        for threads in (1, 2, 3):
+            alone = paged(q[b : b + 1], kv_cache, block_table[b : b + 1], seq_lens[b : b + 1], 0.125, window,
+                          num_threads=threads)
+            assert torch.equal(alone, full[b : b + 1]), (b, threads)
+    assert torch.equal(paged(q[2:5], kv_cache, block_table[2:5], seq_lens[2:5], 0.125, window, num_threads=2),
+                       full[2:5])
+
 def test_generic_paged_decode_takes_any_head_dim() -> None:
     paged = kernel_or_skip("paged_decode", "generic")
     for (heads, kv_heads, dim), kv_dtype in itertools.product(((3, 1, 12), (2, 2, 7)),

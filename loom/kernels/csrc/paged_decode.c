@@ -30,10 +30,10 @@
  *     horizontal sum per key. The p-weighted V sum likewise applies each loaded V vector to up to 3 heads.
  *     16-bit rows are widened in registers, never staged.
  *
- * Work is split over num_threads OpenMP threads (torch's libgomp) by request, all KV heads together; when
- * there are fewer requests than 4 per thread and the contexts are long, each request's keys are also split
- * into ranges whose partial (m, l, accumulator) are merged afterwards (flash-decoding), so that batch 1 uses
- * every thread.
+ * Work is split over num_threads OpenMP threads (torch's libgomp) by (request, range of SPLIT_KEYS keys), all
+ * KV heads together, and the ranges' partial (m, l, accumulator) are merged afterwards (flash-decoding), so that
+ * batch 1 uses every thread. The ranges are fixed by each request's own length, so a request's result does not
+ * depend on the batch it runs in or on the thread count.
  *
  * Layouts (row-major, contiguous): q, out [B, H, D]; k_cache, v_cache [num_blocks, block_size, H_kv, D];
  * block_table [B, bt_stride] int64; seq_lens [B] int64, each >= 1. The `avx2` build (-mavx2 -mfma) runs
@@ -54,10 +54,11 @@
 
 #define TILE_FLOATS 4096   /* a tile holds about this many floats of one head's K (and of V): 16 KiB each */
 #define MAX_TILE 64        /* keys per tile, a multiple of 8 */
-/* fewest keys of one split range: one tile. At batch 1 and 126-254 keys (SmolLM2, 2 threads, float16 cache) the
- * attention of a step took 0.94-1.0 ms with 128 (one thread worked, the other waited), 0.55-0.63 ms with 64 and
- * 0.70 ms with 32 (benchmarks/NOTES.md, "Issue 9: the per-token overhead of a single stream") */
-#define MIN_SPLIT_KEYS 64
+/* keys of one range of a request (the last one may be shorter). At batch 1 and 126-254 keys (SmolLM2, 2 threads,
+ * float16 cache) the attention of a step took 0.94-1.0 ms with ranges of 128 (one thread worked, the other
+ * waited), 0.55-0.63 ms with 64 and 0.70 ms with 32 (benchmarks/NOTES.md, "Issue 9: the per-token overhead of a
+ * single stream") */
+#define SPLIT_KEYS 64
 
 
 /* the read-only arguments of one request */
@@ -497,6 +498,28 @@ static void store_out(void *out, int64_t at, const float *acc, float inv, int64_
     }
 }
 
+/* out row `at` (query head hq of one request) from the partials (m [H], l [H], acc [H, D] each, part_floats
+ * apart) of its `ranges` key ranges, in range order: each scaled by e^(m_range - max m); acc is D floats of
+ * scratch */
+static void merge_ranges(const float *first, int64_t ranges, int64_t part_floats, int64_t H, int64_t D, int64_t hq,
+                         float *acc, void *out, int64_t at, int bf16) {
+    float mx = -INFINITY, total = 0.0f;
+    for (int64_t sp = 0; sp < ranges; ++sp) {
+        const float ms = first[sp * part_floats + hq];
+        mx = ms > mx ? ms : mx;
+    }
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+    for (int64_t sp = 0; sp < ranges; ++sp) {
+        const float *part = first + sp * part_floats;
+        if (part[H + hq] == 0.0f) continue; /* an empty range */
+        const float w = exp1(part[hq] - mx);
+        total += part[H + hq] * w;
+        const float *a = part + 2 * H + hq * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
+    }
+    store_out(out, at, acc, 1.0f / total, D, bf16);
+}
+
 void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                        int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
                        int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
@@ -507,25 +530,26 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
     if (num_threads < 1) num_threads = 1;
     int64_t tile = (TILE_FLOATS / D) & ~(int64_t)7;
     tile = tile < 8 ? 8 : tile > MAX_TILE ? MAX_TILE : tile;
-    /* split each request's keys when the requests alone leave threads idle: about 8 ranges per thread, of
-     * at least MIN_SPLIT_KEYS keys, a multiple of the thread count in all */
-    int64_t longest = 1;
+    /* every request's keys in ranges of SPLIT_KEYS from its first attended key, each range's partial (m, l,
+     * accumulator) merged afterwards in range order (flash-decoding; merge_ranges): the ranges depend on the
+     * request alone, never on the batch or the thread count, so a request's output is the same bits in any batch.
+     * With fewer requests than 4 per thread the ranges are the work items (batch 1 uses every thread); with more,
+     * a request is one item whose ranges run in turn into its thread's buffer (partials of one request only). */
+    int64_t *first_item = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!first_item) abort(); /* a few bytes: out of memory before the model could run */
+    first_item[0] = 0;
+    int64_t most = 1;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t n = window > 0 && seq_lens[b] > window ? window : seq_lens[b];
-        longest = n > longest ? n : longest;
+        const int64_t ranges = (n + SPLIT_KEYS - 1) / SPLIT_KEYS;
+        first_item[b + 1] = first_item[b] + ranges;
+        most = ranges > most ? ranges : most;
     }
-    int64_t splits = 1;
-    if (num_threads > 1 && B < 4 * (int64_t)num_threads) {
-        const int64_t by_len = longest / MIN_SPLIT_KEYS;
-        splits = (8 * (int64_t)num_threads + B - 1) / B;
-        splits = splits < by_len ? splits : by_len;
-        if (B * splits >= num_threads) splits = B * splits / num_threads * num_threads / B;
-        if (splits < 1) splits = 1;
-    }
+    const int by_range = num_threads > 1 && B < 4 * (int64_t)num_threads;
+    const int64_t items = by_range ? first_item[B] : B;
     const int64_t part_floats = H * D + 2 * H; /* m, l, acc of one (request, range) */
-    float *parts = splits > 1 ? (float *)loom_alloc64(sizeof(float) * (size_t)(B * splits * part_floats)) : NULL;
-    if (!parts) splits = 1;
-    const int64_t items = B * splits;
+    float *parts = by_range ? (float *)loom_alloc64(sizeof(float) * (size_t)(items * part_floats)) : NULL;
+    if (by_range && !parts) abort();
 #pragma omp parallel num_threads(num_threads)
     {
         /* 64-byte aligned pieces, so that no vector load of q, the scores or the accumulators splits a line */
@@ -534,56 +558,52 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
         void *raw = NULL;
         if (posix_memalign(&raw, 64, sizeof(float) * (size_t)(2 * n_q + n_sc + 2 * n_buf + 2 * H))) raw = NULL;
         float *mem = (float *)raw;
+        float *own = by_range ? NULL : (float *)loom_alloc64(sizeof(float) * (size_t)(most * part_floats));
+        if (!mem || (!by_range && !own)) abort();
         const scratch_t S = {mem, mem + n_q, mem + n_q + n_sc, mem + n_q + n_sc + n_buf};
-        float *acc = mem + n_q + n_sc + 2 * n_buf; /* [H, D], then m [H] and l [H] */
-        float *m = acc + n_q, *l = m + H;
+        float *acc = mem + n_q + n_sc + 2 * n_buf; /* [H, D] */
 #undef LOOM_ROUND16
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
-            const int64_t b = item / splits, sp = item % splits;
+            int64_t b = item, sp0 = 0, sp1;
+            if (by_range) { /* the request b with first_item[b] <= item < first_item[b + 1] */
+                int64_t lo = 0, hi = B;
+                while (hi - lo > 1) {
+                    const int64_t mid = (lo + hi) / 2;
+                    if (first_item[mid] <= item) lo = mid;
+                    else hi = mid;
+                }
+                b = lo, sp0 = item - first_item[b];
+                sp1 = sp0 + 1;
+            } else {
+                sp1 = first_item[b + 1] - first_item[b];
+            }
             const int64_t end = seq_lens[b];
             const int64_t start = (window > 0 && end > window) ? end - window : 0;
-            const int64_t chunk = (end - start + splits - 1) / splits;
-            int64_t t0 = start + sp * chunk, t1 = t0 + chunk;
-            t0 = t0 < end ? t0 : end;
-            t1 = t1 < end ? t1 : end;
             const req_t R = {k_cache, v_cache, block_table + b * bt_stride, block_size, H_kv, D, G, tile, scale,
                              kv, hrow};
             for (int64_t i = 0; i < H * D; ++i)
                 S.q[i] = bf16 ? loom_bf16_to_f32(((const uint16_t *)q)[b * H * D + i]) : ((const float *)q)[b * H * D + i];
-            if (splits == 1) {
-                attend_range(&R, &S, t0, t1, m, l, acc);
-                for (int64_t hq = 0; hq < H; ++hq)
-                    store_out(out, (b * H + hq) * D, acc + hq * D, 1.0f / l[hq], D, bf16);
-            } else {
-                float *part = parts + item * part_floats;
+            for (int64_t sp = sp0; sp < sp1; ++sp) {
+                const int64_t t0 = start + sp * SPLIT_KEYS, t1 = t0 + SPLIT_KEYS < end ? t0 + SPLIT_KEYS : end;
+                float *part = by_range ? parts + item * part_floats : own + sp * part_floats;
                 attend_range(&R, &S, t0, t1, part, part + H, part + 2 * H);
             }
+            if (!by_range)
+                for (int64_t hq = 0; hq < H; ++hq)
+                    merge_ranges(own, sp1, part_floats, H, D, hq, acc, out, (b * H + hq) * D, bf16);
         }
-        if (splits > 1) {
-            /* merge the ranges of each request: scale each by e^(m_range - max m) */
+        if (by_range) {
 #pragma omp for schedule(static)
             for (int64_t bh = 0; bh < B * H; ++bh) {
-                const int64_t b = bh / H, hq = bh % H;
-                const float *first = parts + b * splits * part_floats;
-                float mx = -INFINITY, total = 0.0f;
-                for (int64_t sp = 0; sp < splits; ++sp) {
-                    const float ms = first[sp * part_floats + hq];
-                    mx = ms > mx ? ms : mx;
-                }
-                for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-                for (int64_t sp = 0; sp < splits; ++sp) {
-                    const float *part = first + sp * part_floats;
-                    if (part[H + hq] == 0.0f) continue; /* an empty range */
-                    const float w = exp1(part[hq] - mx);
-                    total += part[H + hq] * w;
-                    const float *a = part + 2 * H + hq * D;
-                    for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
-                }
-                store_out(out, bh * D, acc, 1.0f / total, D, bf16);
+                const int64_t b = bh / H;
+                merge_ranges(parts + first_item[b] * part_floats, first_item[b + 1] - first_item[b], part_floats, H,
+                             D, bh % H, acc, out, bh * D, bf16);
             }
         }
+        free(own);
         free(mem);
     }
     free(parts);
+    free(first_item);
 }
