@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from loom.quant.layout import Q4_LAYOUTS, PackedWeight, deinterleave_rows16
+from loom.quant.layout import INTERLEAVED, Q4_LAYOUTS, PackedWeight, deinterleave_rows16
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,7 +67,9 @@ def _check_weight(w: PackedWeight, k: int) -> int:
             raise ValueError(f"{w.layout} weight must have uint8 qweight and groups of 32 (and q4g32r16 N % 16 == 0)")
     else:
         wk = cols
-        if w.layout != "q8g" or qw.dtype != torch.int8 or not (g == 16 or (g % 32 == 0 and 0 < g <= wk)) or wk % g:
+        if w.layout == "q8gr16" and (g not in (16, 32) or n % 16):
+            raise ValueError("q8gr16 weight must have groups of 16 or 32 and N % 16 == 0")
+        if w.layout not in ("q8g", "q8gr16") or qw.dtype != torch.int8 or not (g == 16 or (g % 32 == 0 and 0 < g <= wk)) or wk % g:
             raise ValueError(f"unsupported weight: layout {w.layout!r}, qweight {qw.dtype}, group_size {g}")
     if wk != k or k % 32:
         raise ValueError(f"activations have K={k} but the weight is [{n}, {wk}] (K must be a multiple of 32)")
@@ -120,6 +122,8 @@ class QuantKernels:
         self._quant16 = self._fn(lib.loom_quantize_act16, [p, i64, i32, i64, i64, p, p, p, i32], None)
         self._q4_f = self._fn(lib.loom_gemm_q4g32_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
         self._q4r16_f = self._fn(lib.loom_gemm_q4g32r16_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
+        self._q8r16_f = self._fn(lib.loom_gemm_q8gr16_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32],
+                                 i32)
         self._q8_f = self._fn(lib.loom_gemm_q8g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._dq4 = self._fn(lib.loom_dequant_q4g32, [p, p, p, i64, i64, p, i32, i32], None)
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
@@ -135,7 +139,7 @@ class QuantKernels:
         # layouts this build's gemm_f runs fastest: q4g32r16, whose 16-row groups run at every row count (one
         # summation order for any batch; PackedLinearMethod interleaves q4g32 weights at load where listed). Every
         # build reads q4g32r16 with the same bits, the others a lane at a time (tests force them on any CPU).
-        self.interleaved_layouts: tuple[str, ...] = ("q4g32r16",) if default >= 0 else ()
+        self.interleaved_layouts: tuple[str, ...] = ("q4g32r16", "q8gr16") if default >= 0 else ()
 
     def set_row_group_min_rows(self, rows: int) -> int:
         """Sets the row count from which q4g32's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16;
@@ -217,8 +221,8 @@ class QuantKernels:
                 and xa.xsum.is_contiguous()):
             raise ValueError("QuantizedActivations must hold contiguous CPU tensors")
         n = _check_weight(w, k)
-        if w.layout == "q4g32r16":
-            raise ValueError("gemm_q8 reads q4g32 and q8g weights; a q4g32r16 weight runs under float activations")
+        if w.layout in INTERLEAVED:
+            raise ValueError(f"gemm_q8 reads q4g32 and q8g weights; a {w.layout} weight runs under float activations")
         _check_bias(bias, n)
         _check_out(out_dtype)
         y = torch.empty(m, n, dtype=out_dtype)
@@ -289,6 +293,8 @@ class QuantKernels:
         tail = (b, y.data_ptr(), n, int(out_dtype == torch.bfloat16), torch.get_num_threads())
         if w.layout == "q4g32r16":  # every build; fast in avx512_vnni ones (`interleaved_layouts`)
             rc = self._q4r16_f(*head, *tail)
+        elif w.layout == "q8gr16":
+            rc = self._q8r16_f(*head, w.group_size, *tail)
         else:
             rc = self._q4_f(*head, *tail) if w.layout == "q4g32" else self._q8_f(*head, w.group_size, *tail)
         if rc:
@@ -305,7 +311,7 @@ class QuantKernels:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
         if not isinstance(w, PackedWeight):
             raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
-        if w.layout == "q4g32r16":
+        if w.layout in INTERLEAVED:
             w = deinterleave_rows16(w)
         n, k = w.shape
         _check_weight(w, k)

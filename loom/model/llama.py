@@ -26,6 +26,7 @@ from loom.kernels.registry import fused_kernels_for
 from loom.model.arch import ModelArchConfig
 from loom.model.huge_pages import place_weights_on_huge_pages
 from loom.quant.config import NoQuantConfig, QuantizationConfig
+from loom.quant.layout import INTERLEAVED, deinterleave_rows16
 from loom.model.layers import (
     Linear,
     LinearShard,
@@ -658,8 +659,26 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+        self._share_interleaved_table()
         self.huge_page_bytes = place_weights_on_huge_pages(self)  # before the decode step records where they are
         self.model.prepare_decode_step()
+
+    def _share_interleaved_table(self) -> None:
+        """A tied LM head whose packed matrix was interleaved at load (q4g32r16 / q8gr16) holds the embedding's table
+        in another order: the embedding then looks its rows up there (PackedWeight.rows gathers them), so the
+        matrix is held once."""
+        head, embed = self.lm_head, self.model.embed_tokens
+        if head is None or embed is None or head.tied is not embed or embed.packed is None or embed.tp is not None:
+            return
+        parts = getattr(head, "packed", None) or []
+        if len(parts) != 1 or INTERLEAVED.get(parts[0].layout) != embed.packed.layout:
+            return
+        mine = deinterleave_rows16(parts[0])
+        same = mine.group_size == embed.packed.group_size and torch.equal(mine.qweight, embed.packed.qweight.to(
+            mine.qweight.device)) and torch.equal(mine.scales, embed.packed.scales.to(mine.scales.device))
+        if same and (mine.mins is None) == (embed.packed.mins is None) and (
+                mine.mins is None or torch.equal(mine.mins, embed.packed.mins.to(mine.mins.device))):
+            embed.packed = parts[0]
 
     def _holds(self, module_name: str) -> bool:
         """False for a module another rank holds: a layer of another pipeline stage, the embedding or the LM head

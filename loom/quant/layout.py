@@ -8,7 +8,8 @@ of the first for loom's AVX-512 VNNI kernels:
   byte i of a group holds element i in its low nibble and element i + 16 in its high nibble (the order of
   GGUF's Q4_0 / Q4_1 blocks, so those repack as copies).
 - `q8g`: 8-bit signed codes in groups of `group_size` (16, or a multiple of 32 up to K). `qweight` int8 [N, K].
-- `q4g32r16`: q4g32's bytes with every 16 rows interleaved (N a multiple of 16), as the kernels' 16-row groups
+- `q4g32r16` (and `q8gr16`, the same for q8g with groups of 16 or 32: 8 words per block of 32): q4g32's bytes
+  with every 16 rows interleaved (N a multiple of 16), as the kernels' 16-row groups
   read them, one weight row per 32-bit lane (loom/kernels/csrc/qgemm.c, "16 weight rows per vector"): for rows
   16 g .. 16 g + 15, group (block) b, word j < 4 (bytes 4j .. 4j+3 of the row's 16-byte group), the 16 rows'
   words lie side by side; scales and mins likewise, [g][b][16 rows]. The tensors keep q4g32's shapes ([N, K // 2],
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("q4g32", "q8g", "q4g32r16")
+LAYOUTS = ("q4g32", "q8g", "q4g32r16", "q8gr16")
+INTERLEAVED = {"q4g32r16": "q4g32", "q8gr16": "q8g"}  # 16-row interleaved layout -> its row-major layout
 Q4_LAYOUTS = ("q4g32", "q4g32r16")  # 4-bit codes, two per byte
 
 
@@ -50,6 +52,8 @@ class PackedWeight:
         q4 = self.layout in Q4_LAYOUTS
         k = self.qweight.shape[1] * (2 if q4 else 1)
         want_dtype = torch.uint8 if q4 else torch.int8
+        if self.layout == "q8gr16" and (self.group_size not in (16, 32) or n % 16):
+            raise ValueError(f"q8gr16 needs groups of 16 or 32 and a multiple of 16 rows, got {self.group_size}, N={n}")
         if self.qweight.dtype != want_dtype or self.qweight.dim() != 2:
             raise ValueError(f"{self.layout} qweight must be {want_dtype} [N, K{' // 2' if k != self.qweight.shape[1] else ''}]")
         if q4 and self.group_size != 32:
@@ -81,12 +85,21 @@ class PackedWeight:
                             None if self.mins is None else self.mins.to(device), self.group_size)
 
     def rows(self, index: torch.Tensor | slice) -> PackedWeight:
-        """The packed rows `index` (a permutation, a slice), same layout: rows are independent.
+        """The packed rows `index` (a permutation, a slice), same layout: rows are independent. Of an interleaved
+        weight (q4g32r16, q8gr16), the rows in its row-major layout (gathered lane by lane: an embedding lookup
+        from a tied LM head's matrix)."""
+        if self.layout in INTERLEAVED:
+            n = self.shape[0]
+            ids = torch.arange(n, device=self.qweight.device)[index]
+            g, lane = ids // 16, ids % 16
+            words = self.qweight.view(torch.int32).view(n // 16, -1, 16)[g, :, lane]  # [len(ids), words per row]
 
-        Raises:
-            ValueError: a q4g32r16 weight (its rows are interleaved: deinterleave_rows16 first).
-        """
-        _row_major(self)
+            def side(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.view(n // 16, -1, 16)[g, :, lane].contiguous()
+
+            # words per block (4 or 8) are already in row order inside each [block][word] pair
+            return PackedWeight(INTERLEAVED[self.layout], words.contiguous().view(self.qweight.dtype),
+                                side(self.scales), side(self.mins), self.group_size)
         return PackedWeight(self.layout, self.qweight[index].contiguous(), self.scales[index].contiguous(),
                             None if self.mins is None else self.mins[index].contiguous(), self.group_size)
 
@@ -109,52 +122,59 @@ class PackedWeight:
 
 
 def _row_major(w: PackedWeight) -> None:
-    if w.layout == "q4g32r16":
-        raise ValueError("a q4g32r16 weight's rows are interleaved: take deinterleave_rows16(w) first")
+    if w.layout in INTERLEAVED:
+        raise ValueError(f"a {w.layout} weight's rows are interleaved: take deinterleave_rows16(w) first")
 
 
 def interleave_rows16(w: PackedWeight) -> PackedWeight:
-    """A q4g32 weight [N, K] (N a multiple of 16) in the q4g32r16 arrangement (module docstring): the same bytes,
-    reordered. Runs on any device.
+    """A q4g32 weight, or a q8g one with groups of 16 or 32, [N, K] (N a multiple of 16) in its 16-row interleaved
+    arrangement (q4g32r16, q8gr16; module docstring): the same bytes, reordered. Runs on any device.
 
     Raises:
-        ValueError: not q4g32, or N not a multiple of 16.
+        ValueError: another layout or group, or N not a multiple of 16.
     """
-    if w.layout != "q4g32":
-        raise ValueError(f"interleave_rows16 takes a q4g32 weight, got {w.layout!r}")
+    if w.layout not in ("q4g32", "q8g") or (w.layout == "q8g" and w.group_size not in (16, 32)):
+        raise ValueError(f"interleave_rows16 takes a q4g32 weight or a q8g one with groups of 16 or 32, got "
+                         f"{w.layout!r} with groups of {w.group_size}")
     n, k = w.shape
     if n % 16:
         raise ValueError(f"interleave_rows16 needs a multiple of 16 rows, got N={n}")
-    g, nb = n // 16, k // 32
-    words = w.qweight.view(torch.int32).view(g, 16, nb, 4).permute(0, 2, 3, 1).contiguous()
+    g, words = n // 16, w.qweight.shape[1] // 4  # 32-bit words per row
+    packed = w.qweight.view(torch.int32).view(g, 16, words // (4 if w.layout == "q4g32" else 8), -1)
+    packed = packed.permute(0, 2, 3, 1).contiguous()
 
     def side(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.view(g, 16, nb).transpose(1, 2).contiguous().view(n, nb)
+        return None if t is None else t.view(g, 16, -1).transpose(1, 2).contiguous().view(t.shape)
 
-    return PackedWeight("q4g32r16", words.view(torch.uint8).view(n, k // 2), side(w.scales), side(w.mins), 32)
+    layout = "q4g32r16" if w.layout == "q4g32" else "q8gr16"
+    return PackedWeight(layout, packed.view(w.qweight.dtype).view(w.qweight.shape), side(w.scales), side(w.mins),
+                        w.group_size)
 
 
 def deinterleave_rows16(w: PackedWeight) -> PackedWeight:
-    """The q4g32 weight a q4g32r16 weight holds (the inverse of interleave_rows16).
+    """The row-major weight a q4g32r16 or q8gr16 weight holds (the inverse of interleave_rows16).
 
     Raises:
-        ValueError: not q4g32r16.
+        ValueError: not an interleaved layout.
     """
-    if w.layout != "q4g32r16":
-        raise ValueError(f"deinterleave_rows16 takes a q4g32r16 weight, got {w.layout!r}")
-    n, k = w.shape
-    g, nb = n // 16, k // 32
-    words = w.qweight.contiguous().view(torch.int32).view(g, nb, 4, 16).permute(0, 3, 1, 2).contiguous()
+    if w.layout not in INTERLEAVED:
+        raise ValueError(f"deinterleave_rows16 takes a q4g32r16 or q8gr16 weight, got {w.layout!r}")
+    n = w.shape[0]
+    g, words = n // 16, w.qweight.shape[1] // 4
+    per_block = 4 if w.layout == "q4g32r16" else 8
+    packed = w.qweight.contiguous().view(torch.int32).view(g, words // per_block, per_block, 16)
+    packed = packed.permute(0, 3, 1, 2).contiguous()
 
     def side(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.contiguous().view(g, nb, 16).transpose(1, 2).contiguous().view(n, nb)
+        return None if t is None else t.contiguous().view(g, -1, 16).transpose(1, 2).contiguous().view(t.shape)
 
-    return PackedWeight("q4g32", words.view(torch.uint8).view(n, k // 2), side(w.scales), side(w.mins), 32)
+    return PackedWeight(INTERLEAVED[w.layout], packed.view(w.qweight.dtype).view(w.qweight.shape), side(w.scales),
+                        side(w.mins), w.group_size)
 
 
 def unpack_codes(packed: PackedWeight) -> torch.Tensor:
-    """The integer codes q [N, K] int16 (q4g32, q4g32r16: 0..15, in row-major order; q8g: -128..127)."""
-    if packed.layout == "q4g32r16":
+    """The integer codes q [N, K] int16 (q4g32, q4g32r16: 0..15; q8g, q8gr16: -128..127), in row-major order."""
+    if packed.layout in INTERLEAVED:
         packed = deinterleave_rows16(packed)
     if packed.layout == "q8g":
         return packed.qweight.to(torch.int16)
@@ -166,7 +186,7 @@ def unpack_codes(packed: PackedWeight) -> torch.Tensor:
 def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The matrix W [N, K] the layout defines, in float32 arithmetic, then cast to `dtype` (reference
     implementation; runs on any device)."""
-    if packed.layout == "q4g32r16":
+    if packed.layout in INTERLEAVED:
         packed = deinterleave_rows16(packed)
     n, k = packed.shape
     groups = k // packed.group_size

@@ -51,7 +51,7 @@ from loom.kernels.build import cpu_flags
 from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import Linear, copy_rows
 from loom.quant.hadamard import rotate_weight, rotation_block
-from loom.quant.layout import PackedWeight, dequantize, interleave_rows16
+from loom.quant.layout import INTERLEAVED, PackedWeight, dequantize, interleave_rows16
 from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quantize_q8_asym
 from loom.quant.torch_kernels import TorchQuantKernels
 
@@ -199,12 +199,13 @@ class PackedLinearMethod:
                 # that a token's result does not depend on its step's row count (as the GEMM's does not)
                 self.dense_min_rows = sys.maxsize
         self.kernels = quant_kernels(device)
-        if self.scheme.activations == "float" and "q4g32r16" in getattr(self.kernels, "interleaved_layouts", ()):
+        if self.scheme.activations == "float" and getattr(self.kernels, "interleaved_layouts", ()):
             # the 16-row groups at every row count: faster than the tiles from 2 rows up and at one row as fast,
             # and one summation order, so a row's bits do not depend on its batch (benchmarks/NOTES.md, "One
-            # summation order at every batch"); a part whose rows are not a multiple of 16 keeps q4g32 and the tiles
-            layer.packed = [interleave_rows16(p) if p.layout == "q4g32" and p.shape[0] % 16 == 0 else p
-                            for p in layer.packed]
+            # summation order at every batch"); a part whose rows are not a multiple of 16 (or a q8g one with
+            # other groups) keeps its row-major layout and the tiles
+            layer.packed = [interleave_rows16(p) if p.shape[0] % 16 == 0 and (
+                p.layout == "q4g32" or (p.layout == "q8g" and p.group_size in (16, 32))) else p for p in layer.packed]
         bias = layer.bias.data.float() if layer.bias is not None else None
         layer.packed_bias, start = [], 0
         for p in layer.packed:
@@ -235,7 +236,7 @@ class PackedLinearMethod:
                 x = (xa.xq.to(x.dtype).view(m, k // 32, 32) * xa.xs.to(x.dtype).unsqueeze(-1)).view(m, k)
             groups = self.scheme.activations == "float" and x.shape[0] >= (
                 getattr(kernels, "row_group_min_rows", None) or sys.maxsize)
-            outs = [kernels.gemm_f(x, p, b, x.dtype) if (groups and p.layout == "q4g32") or p.layout == "q4g32r16"
+            outs = [kernels.gemm_f(x, p, b, x.dtype) if (groups and p.layout == "q4g32") or p.layout in INTERLEAVED
                     else F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
                     for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif self.scheme.activations == "float":
@@ -261,7 +262,7 @@ class PackedLinearMethod:
         if layer.dense_weight is not None:
             return f"{layer.dense_weight.dtype}".removeprefix("torch."), layer.dense_weight.nbytes
         layouts = "+".join(sorted({f"{p.layout}" + (("/channel" if p.group_size == p.shape[1] else f"/{p.group_size}")
-                                                     if p.layout == "q8g" else "") for p in layer.packed}))
+                                                     if p.layout in ("q8g", "q8gr16") else "") for p in layer.packed}))
         source = ", ".join(filter(None, [self.source_label,
                                          f"Hadamard {layer.rotation_block}" if layer.rotation_block else ""]))
         label = f"{self.scheme.name} {layouts}" + (f" ({source})" if source else "")

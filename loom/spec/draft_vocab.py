@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from loom.env import cache_root
-from loom.quant.layout import deinterleave_rows16, interleave_rows16
+from loom.quant.layout import INTERLEAVED, deinterleave_rows16, interleave_rows16
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor) -> None:
             rows = p.shape[0]
             local = ids[(ids >= start) & (ids < start + rows)] - start
             if local.numel():
-                interleaved = p.layout == "q4g32r16"  # rows side by side in 16s: restrict the row-major matrix
+                interleaved = p.layout in INTERLEAVED  # rows side by side in 16s: restrict the row-major matrix
                 kept = (deinterleave_rows16(p) if interleaved else p).rows(local.to(p.qweight.device))
                 parts.append(interleave_rows16(kept) if interleaved and kept.shape[0] % 16 == 0 else kept)
                 biases.append(None if b is None else b[local.to(b.device)].contiguous())

@@ -607,12 +607,24 @@ def test_interleaving_rows_is_a_reordering_that_dequantizes_the_same() -> None:
         words, rwords = w.qweight.view(torch.int32), r.qweight.view(torch.int32).view(3, 3, 4, 16)
         assert int(rwords[1, 2, 3, 5]) == int(words[16 + 5, 2 * 4 + 3])
         assert float(r.scales.view(3, 3, 16)[2, 1, 7]) == float(w.scales[32 + 7, 1])
+    ids = torch.tensor([5, 47, 16, 5, 0])  # rows of the interleaved matrix come back in the row-major layout
+    got = r.rows(ids)
+    assert got.layout == "q4g32" and torch.equal(got.qweight, w.rows(ids).qweight)
+    assert torch.equal(dequantize(got), dequantize(w)[ids])
     with pytest.raises(ValueError, match="interleaved"):
-        r.rows(slice(0, 16))
+        r.cols(0, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         interleave_rows16(random_weight("q4g32", 40, 64, 32, True, g))
-    with pytest.raises(ValueError, match="q4g32 weight"):
-        interleave_rows16(random_weight("q8g", 16, 64, 32, False, g))
+    with pytest.raises(ValueError, match="groups of 16 or 32"):
+        interleave_rows16(random_weight("q8g", 16, 128, 64, False, g))
+    for group in (16, 32):  # q8g: 8 words per block of 32
+        w = random_weight("q8g", 32, 96, group, group == 32, g)
+        r = interleave_rows16(w)
+        assert r.layout == "q8gr16" and r.group_size == group and torch.equal(dequantize(r), dequantize(w))
+        assert torch.equal(deinterleave_rows16(r).qweight, w.qweight)
+        rwords = r.qweight.view(torch.int32).view(2, 3, 8, 16)
+        assert int(rwords[1, 2, 5, 9]) == int(w.qweight.view(torch.int32)[16 + 9, 2 * 8 + 5])
+        assert torch.equal(r.rows(torch.tensor([31, 2])).scales, w.scales[[31, 2]])
 
 
 @pytest.mark.parametrize("isa", C_ISAS)
@@ -673,3 +685,26 @@ def test_interleaved_weights_are_refused_where_they_cannot_be_read(isa: str) -> 
     with pytest.raises(ValueError):
         kern.gemm_f(torch.randn(2, 64), r)
 
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+@pytest.mark.parametrize("group,mins", [(16, False), (16, True), (32, False), (32, True)])
+def test_interleaved_q8_weights_match_float64_and_every_build(isa: str, group: int, mins: bool) -> None:
+    """gemm_f of a q8gr16 weight (groups of 16: Q6_K; 32: Q8_0, Q5_0, Q5_1 with mins): within the weight-only
+    bound of float64 at every pass tail, bias, bfloat16 and strided x, both output dtypes; the same bits in every
+    build and for a row alone as in its batch."""
+    kern = kernels(isa)
+    best = kernels(C_ISAS[0])
+    for i, (m, n, k) in enumerate([(1, 16, 32), (3, 48, 96), (8, 16, 544), (9, 64, 576), (17, 32, 1536),
+                                   (130, 16, 96)]):
+        g = torch.Generator().manual_seed(3000 + i)
+        w = random_weight("q8g", n, k, group, mins, g)
+        r = interleave_rows16(w)
+        bias = torch.randn(n, generator=g) if i % 2 else None
+        x = random_x(m, k, torch.bfloat16 if i % 3 == 1 else torch.float32, g, strided=i % 4 == 2)
+        ref, s = reference_f(dequantize16(x), w, bias)
+        label = f"{isa} q8gr16/{group} mins={mins} M={m} N={n} K={k} bias={bias is not None} x={x.dtype}"
+        check_outputs(isa, lambda dt: kern.gemm_f(x, r, bias, dt), ref, s, k // 16 + k // 16 + 8, label)
+        y = kern.gemm_f(x, r, bias)
+        assert torch.equal(y, best.gemm_f(x, r, bias)), label
+        assert torch.equal(torch.cat([kern.gemm_f(x[j : j + 1], r, bias) for j in range(m)]), y), label

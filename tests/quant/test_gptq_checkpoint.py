@@ -86,7 +86,7 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     layer = loaded.model.model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(lin.quant_method, GPTQLinearMethod)
-        assert lin.dense_weight is None and (lin.packed[0].layout in Q4_LAYOUTS if settings.bits == 4 else lin.packed[0].layout == "q8g")
+        assert lin.dense_weight is None and (lin.packed[0].layout in Q4_LAYOUTS if settings.bits == 4 else lin.packed[0].layout in ("q8g", "q8gr16"))
     assert (layer.self_attn.qkv_proj.input_perm is not None) == (settings.desc_act and not settings.static_groups)
     assert not isinstance(loaded.model.lm_head.quant_method, GPTQLinearMethod)
     fmt, _ = loaded.model.weight_report()["qkv_proj"]
@@ -264,7 +264,7 @@ def test_the_lm_head_quantized_too_loads_untied_and_runs_packed(tmp_path, tied: 
     loaded = load_model(str(out), torch.float32, CPU)
     lm_head = loaded.model.lm_head
     assert isinstance(lm_head.quant_method, GPTQLinearMethod) and lm_head.quant_method.bits == head_bits
-    assert lm_head.packed and (lm_head.packed[0].layout in Q4_LAYOUTS if head_bits == 4 else lm_head.packed[0].layout == "q8g")
+    assert lm_head.packed and (lm_head.packed[0].layout in Q4_LAYOUTS if head_bits == 4 else lm_head.packed[0].layout in ("q8g", "q8gr16"))
     assert "GPTQ" in loaded.model.weight_report()["lm_head"][0]
     hidden = torch.randn(3, h, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(loaded.model.compute_logits(hidden), hidden @ expected.T, rtol=1e-3, atol=2e-3)

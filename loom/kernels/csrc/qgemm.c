@@ -1647,6 +1647,113 @@ static int gemm16_q4_groups(const void *x, int64_t ldx, int x_bf16, int64_t M, i
     free(s16);
     return rc;
 }
+
+/* ---- q8gr16: q8g (groups of 16 or 32) with 16 rows interleaved word by word (loom/quant/layout.py) -----------
+ * A 32-bit lane holds bytes 4j..4j+3 of one row's block: values (4j, 4j+2) and (4j+1, 4j+3) are its two int16
+ * pairs, (W << 8) >> 8 and W >> 8 per 16-bit half (arithmetic shifts: the codes are signed); the x codes of each
+ * block are laid out in that order (nx16_codes_q8). Per block and per group of 16 (or the block, for groups of
+ * 32): an exact int32 dot, then fma(dot, scale * x scale, acc) and, with mins, fma(min, the group's x sum, acc),
+ * in block order; the portable code in loom_gemm_q8gr16_f does the same steps. */
+static void nx16_codes_q8(int16_t *c, int64_t M, int64_t K, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = m * K; i < (m + 1) * K; i += 4) {
+            const int16_t t = c[i + 1];
+            c[i + 1] = c[i + 2], c[i + 2] = t;
+        }
+}
+
+ALWAYS_INLINE void nx16_rows_q8(const int mc, const int g16, const uint32_t *pk, const uint16_t *sc,
+                                const uint16_t *mn, int64_t nb, const int16_t *xc, int64_t K, const float *xs,
+                                const float *h, float *out) {
+    __m512 af[NX16_MR];
+    for (int r = 0; r < mc; ++r) af[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 48), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 80), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 96), _MM_HINT_T0);
+        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 112), _MM_HINT_T0);
+        __m512i a0[NX16_MR], a1[NX16_MR];
+        for (int r = 0; r < mc; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+            const __m512i W = _mm512_loadu_si512((const void *)(pk + (b * 8 + j) * 16));
+            const __m512i A = _mm512_srai_epi16(_mm512_slli_epi16(W, 8), 8), B = _mm512_srai_epi16(W, 8);
+            for (int r = 0; r < mc; ++r) {
+                const int32_t *xp = (const int32_t *)(xc + r * K + 32 * b + 4 * j);
+                if (g16 && j >= 4) {
+                    a1[r] = _mm512_dpwssd_epi32(a1[r], A, _mm512_set1_epi32(xp[0]));
+                    a1[r] = _mm512_dpwssd_epi32(a1[r], B, _mm512_set1_epi32(xp[1]));
+                } else {
+                    a0[r] = _mm512_dpwssd_epi32(a0[r], A, _mm512_set1_epi32(xp[0]));
+                    a0[r] = _mm512_dpwssd_epi32(a0[r], B, _mm512_set1_epi32(xp[1]));
+                }
+            }
+        }
+        const int64_t s0 = g16 ? 2 * b : b;
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + s0 * 16)));
+        if (g16) {
+            const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + (s0 + 1) * 16)));
+            for (int r = 0; r < mc; ++r) {
+                const __m512 sx = _mm512_set1_ps(xs[r * nb + b]);
+                af[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r]), _mm512_mul_ps(d0, sx), af[r]);
+                af[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[r]), _mm512_mul_ps(d1, sx), af[r]);
+            }
+            if (mn) {
+                const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + s0 * 16)));
+                const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + (s0 + 1) * 16)));
+                for (int r = 0; r < mc; ++r) {
+                    af[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(h[r * 2 * nb + 2 * b]), af[r]);
+                    af[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(h[r * 2 * nb + 2 * b + 1]), af[r]);
+                }
+            }
+        } else {
+            for (int r = 0; r < mc; ++r)
+                af[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[r]), _mm512_mul_ps(d0, _mm512_set1_ps(xs[r * nb + b])),
+                                        af[r]);
+            if (mn) {
+                const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + s0 * 16)));
+                for (int r = 0; r < mc; ++r)
+                    af[r] = _mm512_fmadd_ps(m0, _mm512_set1_ps(h[r * 2 * nb + 2 * b] + h[r * 2 * nb + 2 * b + 1]),
+                                            af[r]);
+            }
+        }
+    }
+    for (int r = 0; r < mc; ++r) _mm512_storeu_ps(out + 16 * r, af[r]);
+}
+
+static void gemm16_q8_r16(int16_t *xc, const float *xs, const float *h, int64_t M, int64_t K, const int8_t *w,
+                          const uint16_t *sc, const uint16_t *mn, int g16, const float *bias, void *y, int64_t N,
+                          int y_bf16, int num_threads) {
+    const int64_t nb = K / 32, ng = g16 ? 2 * nb : nb;
+    nx16_codes_q8(xc, M, K, num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
+    for (int64_t g = 0; g < N / 16; ++g) {
+        const uint32_t *pk = (const uint32_t *)(w + 16 * g * K);
+        const uint16_t *pd = sc + 16 * g * ng, *pm = mn ? mn + 16 * g * ng : NULL;
+        float out[16 * NX16_MR];
+        for (int64_t m0 = 0; m0 < M; m0 += NX16_MR) {
+            const int mc = M - m0 < NX16_MR ? (int)(M - m0) : NX16_MR;
+            const int16_t *xr = xc + m0 * K;
+            const float *xsr = xs + m0 * nb, *hr = h + m0 * 2 * nb;
+            switch (mc * 2 + g16) {
+#define NX16_Q8_CASE(MC) \
+    case 2 * MC: nx16_rows_q8(MC, 0, pk, pd, pm, nb, xr, K, xsr, hr, out); break; \
+    case 2 * MC + 1: nx16_rows_q8(MC, 1, pk, pd, pm, nb, xr, K, xsr, hr, out); break;
+                NX16_Q8_CASE(1) NX16_Q8_CASE(2) NX16_Q8_CASE(3) NX16_Q8_CASE(4) NX16_Q8_CASE(5) NX16_Q8_CASE(6)
+                NX16_Q8_CASE(7) NX16_Q8_CASE(8)
+#undef NX16_Q8_CASE
+            }
+            for (int r = 0; r < mc; ++r)
+                for (int i = 0; i < 16; ++i)
+                    loom_store_out(y, (m0 + r) * N + 16 * g + i, out[16 * r + i] + (bias ? bias[16 * g + i] : 0.0f),
+                                   y_bf16);
+        }
+    }
+}
 #endif /* LOOM_Q512 */
 
 /* Sets the row count from which q4g32's weight-only product runs the 16-row groups (avx512_vnni builds);
@@ -1785,6 +1892,57 @@ int loom_gemm_q4g32r16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
     free(s16);
     return 0;
 #endif
+}
+
+/* The q8g weight-only product (groups of 16 or 32) with the weight in the q8gr16 layout (loom/quant/layout.py: 16
+ * rows interleaved word by word, N a multiple of 16), one summation order at every M (gemm16_q8_r16). Returns -2
+ * for N % 16 != 0 or another group (nothing written), -1 when malloc failed. */
+int loom_gemm_q8gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
+                       const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y,
+                       int64_t N, int y_bf16, int num_threads) {
+    if (N % 16 || (group != 16 && group != 32)) return -2;
+    const int64_t nb = K / 32, g16 = group == 16, ng = g16 ? 2 * nb : nb;
+    char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+    if (!s16) return -1;
+    int16_t *c16 = (int16_t *)s16;
+    float *xs = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h = xs + M * nb;
+    loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs, h, num_threads);
+#if LOOM_Q512
+    gemm16_q8_r16(c16, xs, h, M, K, qweight, scales, mins, (int)g16, bias, y, N, y_bf16, num_threads);
+#else
+    /* a lane at a time, the groups' arithmetic step for step (see loom_gemm_q4g32r16_f) */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
+    for (int64_t g = 0; g < N / 16; ++g) {
+        const int8_t *pk = qweight + 16 * g * K;
+        const uint16_t *pd = scales + 16 * g * ng, *pm = mins ? mins + 16 * g * ng : NULL;
+        for (int64_t m = 0; m < M; ++m) {
+            float acc[16] = {0};
+            for (int64_t b = 0; b < nb; ++b) {
+                const int16_t *cx = c16 + m * K + 32 * b;
+                const float sx = xs[m * nb + b], h0 = h[2 * (m * nb + b)], h1 = h[2 * (m * nb + b) + 1];
+                const int64_t s0 = g16 ? 2 * b : b;
+                for (int r = 0; r < 16; ++r) {
+                    int32_t dot[2] = {0, 0};
+                    for (int j = 0; j < 8; ++j)
+                        for (int t = 0; t < 4; ++t) /* word j of lane r: bytes 4j .. 4j + 3 of the row's block */
+                            dot[g16 && j >= 4] += (int32_t)pk[((b * 8 + j) * 16 + r) * 4 + t] * cx[4 * j + t];
+                    acc[r] = fmaf((float)dot[0], loom_f16_to_f32(pd[s0 * 16 + r]) * sx, acc[r]);
+                    if (g16) acc[r] = fmaf((float)dot[1], loom_f16_to_f32(pd[(s0 + 1) * 16 + r]) * sx, acc[r]);
+                    if (pm && g16) {
+                        acc[r] = fmaf(loom_f16_to_f32(pm[s0 * 16 + r]), h0, acc[r]);
+                        acc[r] = fmaf(loom_f16_to_f32(pm[(s0 + 1) * 16 + r]), h1, acc[r]);
+                    } else if (pm) {
+                        acc[r] = fmaf(loom_f16_to_f32(pm[s0 * 16 + r]), h0 + h1, acc[r]);
+                    }
+                }
+            }
+            for (int r = 0; r < 16; ++r)
+                loom_store_out(y, m * N + 16 * g + r, acc[r] + (bias ? bias[16 * g + r] : 0.0f), y_bf16);
+        }
+    }
+#endif
+    free(s16);
+    return 0;
 }
 
 int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
