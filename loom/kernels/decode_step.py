@@ -128,16 +128,27 @@ class ModelDecodeStep:
         if metas is not None:
             attn_metadata = metas[0]
         batch = hidden.shape[0]
-        if batch == 0 or batch > self.max_rows or attn_metadata.max_query_len != 1 or attn_metadata.num_reqs != batch:
+        if batch == 0 or batch > self.max_rows or attn_metadata.num_tokens != batch:
             return None
         cache0 = kv_caches[0]
         if (cache0.dtype != self.dtype and cache0.dtype not in _KV_TYPES) or not cache0.is_contiguous() \
                 or hidden.dtype != self.dtype:
             return None
-        plan = self.backend._step_plan(attn_metadata, self.sliding_window, self.dtype)
-        decode = plan.decode
-        if decode is None or decode.token_rows is not None or plan.prefills:
-            return None
+        if attn_metadata.max_query_len == 1 and attn_metadata.num_reqs == batch:
+            plan = self.backend._step_plan(attn_metadata, self.sliding_window, self.dtype)
+            decode = plan.decode
+            if decode is None or decode.token_rows is not None or plan.prefills:
+                return None
+            table, seq_lens = decode.block_ids, decode.seq_lens
+        else:
+            # a step with multi-token queries (a speculative verify step, a short prefill chunk): every row as a
+            # decode row of its request, over its own causal prefix, as the per-layer path runs such rows
+            # (CpuPagedBackend: rows of up to PER_ROW_MAX_KEYS keys through the decode kernel), so the results
+            # are the same bits; the rows' K/V are all written before any row attends (decode_step.c)
+            rows = self._rows_as_decode(attn_metadata, metas)
+            if rows is None:
+                return None
+            table, seq_lens = rows
         if metas is not None:  # each layer reads and writes through its group's table
             tables: dict[int, torch.Tensor] = {}  # metadata id -> its decode block ids, alive through the call
             for entry, meta in zip(self.layers, metas, strict=True):
@@ -175,16 +186,15 @@ class ModelDecodeStep:
         cos_local, sin_local = cos_sin_local if cos_sin_local is not None else cos_sin
         hidden = hidden.contiguous()
         slots = attn_metadata.slot_mapping
-        table = decode.block_ids
         for forced in (False, True):
             if self.sparse is not None:  # the stale summaries the selection will read, recomputed first
                 # (the rows before this step's: the step writes its own keys and widens the summaries itself);
                 # after a refused step every layer is checked, and the step runs again: it only rewrites the same
                 # K/V rows and widens the summaries with the same keys, so a rerun gives the same result
-                self.sparse.refresh_stale(kv_caches, table, decode.seq_lens - 1, force=forced)
+                self.sparse.refresh_stale(kv_caches, table, seq_lens - 1, force=forced)
             rc = self.kernel._fn(ctypes.byref(self.dims), self.layers, self.final_norm.data_ptr(), hidden.data_ptr(),
                                  cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(), table.stride(0),
-                                 decode.seq_lens.data_ptr(), batch, out.data_ptr(), residual.data_ptr(),
+                                 seq_lens.data_ptr(), batch, out.data_ptr(), residual.data_ptr(),
                                  normed.data_ptr(), h.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr(),
                                  attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
                                  _torch_chunk(batch * self.dims.inter), cos_local.data_ptr(), sin_local.data_ptr())
@@ -195,6 +205,23 @@ class ModelDecodeStep:
         if rc != 0:
             raise MemoryError("loom_decode_step could not allocate its scratch memory")
         return out.clone()  # the scratch is reused by the next step
+
+    def _rows_as_decode(self, attn_metadata: Any, metas: list | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(block table [T, max_blocks] int64, seq_lens [T] int64) of a step's T rows, each a decode row over its
+        request's keys up to and including its own position; None where the per-layer path would not run every row
+        through the decode kernel (contexts over PER_ROW_MAX_KEYS, block-sparse decode, per-layer tables, no
+        kernel for this query and cache)."""
+        from loom.attention.cpu_paged import PER_ROW_MAX_KEYS
+
+        if metas is not None or self.sparse is not None or max(attn_metadata.seq_lens_cpu) > PER_ROW_MAX_KEYS:
+            return None
+        starts = attn_metadata.query_start_loc_cpu
+        q_lens = [starts[i + 1] - starts[i] for i in range(attn_metadata.num_reqs)]
+        lens = [seq - q + 1 + j for seq, q in zip(attn_metadata.seq_lens_cpu, q_lens, strict=True) for j in range(q)]
+        owner = torch.repeat_interleave(torch.arange(attn_metadata.num_reqs), torch.tensor(q_lens))
+        max_blocks = -(-max(attn_metadata.seq_lens_cpu) // attn_metadata.block_size)
+        table = attn_metadata.block_tables[:, :max_blocks].long().index_select(0, owner)
+        return table, torch.tensor(lens, dtype=torch.int64)
 
     def _chain(self, layer: Any) -> _Packed:
         """The weight of one projection: its bf16 matrix, or its packed shards as a chain of parts (different

@@ -100,14 +100,53 @@ def test_decode_step_declines_what_it_does_not_serve(packed_model) -> None:
     caches = allocate_kv_caches(packed_model.arch, 8, 16, torch.float32, CPU)
     hidden = torch.zeros(2, 576)
     cos_sin = inner.rotary_emb.cos_sin(torch.tensor([3, 4]))
-    prefill = build_attention_metadata([2], [2], [[0]], 16, CPU)  # one request of two tokens
-    assert step.run(hidden, cos_sin, caches, prefill) is None
+    from loom.attention.cpu_paged import PER_ROW_MAX_KEYS
+
+    table = [[0] * (PER_ROW_MAX_KEYS // 16 + 1)]
+    long = build_attention_metadata([2], [PER_ROW_MAX_KEYS + 1], table, 16, CPU)  # rows the per-layer path gives
+    assert step.run(hidden, cos_sin, caches, long) is None  # to SDPA
     decode = build_attention_metadata([1, 1], [4, 5], [[0], [1]], 16, CPU)
     assert step.run(hidden.bfloat16(), cos_sin, caches, decode) is None  # dtype of the model only
     rows = step.max_rows + 1
     big = build_attention_metadata([1] * rows, [2] * rows, [[i % 8] for i in range(rows)], 16, CPU)
     assert step.run(torch.zeros(rows, 576), inner.rotary_emb.cos_sin(torch.ones(rows, dtype=torch.int64)), caches,
                     big) is None  # more rows than it takes
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_multi_token_rows_run_as_decode_rows_bit_for_bit(packed_model, kv_dtype: torch.dtype) -> None:
+    """A step with multi-token queries (a speculative verify step of 4 rows, a decode row, a 3-token chunk) runs in
+    the one-call step, each row as a decode row over its own causal prefix: hidden states and the K/V rows equal the
+    per-layer path's bit for bit (where the prefill rows go through the same decode kernel)."""
+    model, arch = packed_model.model, packed_model.arch
+    inner = model.model
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17]
+    q_lens = [4, 1, 3]
+    with torch.inference_mode():
+        caches, tables = _prefill(model, arch, prompts, kv_dtype=kv_dtype)
+        lens = [len(p) + q for p, q in zip(prompts, q_lens)]
+        meta = build_attention_metadata(q_lens, lens, tables, 16, CPU)
+        ids = torch.tensor([42, 43, 44, 45, 46, 47, 48, 49])
+        pos = torch.tensor([n - q + j for n, q in zip(lens, q_lens) for j in range(q)])
+        saved = [c.clone() for c in caches]
+        step = inner.decode_step
+        try:
+            inner.decode_step = None
+            per_layer = model(ids, pos, caches, meta)
+            per_layer_caches = [c.clone() for c in caches]
+            for c, s in zip(caches, saved):
+                c.copy_(s)
+            inner.decode_step = step
+            calls = []
+            run = step.run
+            step.run = lambda *a, **k: calls.append(run(*a, **k)) or calls[-1]
+            one_call = model(ids, pos, caches, meta)
+        finally:
+            step.__dict__.pop("run", None)
+            inner.prepare_decode_step()
+    assert calls and calls[0] is not None  # the step served it
+    assert torch.equal(one_call, per_layer)
+    assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
 
 
 @pytest.mark.parametrize("value", ["off", "false", "NO"])
