@@ -37,6 +37,12 @@
  *      four FMAs per 32 values; VPMADDWD on int16 codes takes half the instructions (2.2 -> 1.35 ns per block
  *      on one Zen 3 thread from L2), which is what lets the decode GEMV approach memory speed. The codes are
  *      computed once per call (loom_quantize_act16 exposes them).
+ * 3b. loom_gemm_q4g32r16_f, loom_gemm_q8gr16_f: item 3's product over the 16-row interleaved layouts (q4g32r16,
+ *      q8gr16 with groups of 16 or 32; layout.py), in one order at every M: per output, block by block (and per
+ *      16-value half for groups of 16), fma(float(idot16), scale * s, acc), then with mins fma(min, the block's
+ *      (or half's) x sum, acc); bias added last. The avx512_vnni build runs it as 16-row groups (a weight row per
+ *      lane, section "16 weight rows per vector"); the other builds compute the same steps a lane at a time, so
+ *      every build gives the same bits.
  * 4. loom_dequant_{q4g32,q8g}: W [N, K] = float32(sc) * q + float32(min), bit for bit layout.dequantize
  *    (the product of a float16 and a code of at most 8 bits is exact, so one FMA rounds like mul + add),
  *    float32 or bfloat16 (the float32 value rounded to nearest even, as torch's .to(bfloat16)).
