@@ -39,8 +39,8 @@ Q4_LAYOUTS = ("q4g32", "q4g32r16")  # 4-bit codes, two per byte
 class PackedWeight:
     """A weight matrix [N, K] in one of loom's layouts (see the module docstring)."""
 
-    layout: str  # "q4g32", "q8g" or "q4g32r16"
-    qweight: torch.Tensor  # q4g32 / q4g32r16: uint8 [N, K // 2]; q8g: int8 [N, K]
+    layout: str  # one of LAYOUTS
+    qweight: torch.Tensor  # q4g32 / q4g32r16: uint8 [N, K // 2]; q8g / q8gr16: int8 [N, K]
     scales: torch.Tensor  # float16 [N, K // group_size]
     mins: torch.Tensor | None  # float16 [N, K // group_size], or None (symmetric codes)
     group_size: int  # values per scale: 32 for q4g32; 16 or a multiple of 32 for q8g
@@ -90,7 +90,8 @@ class PackedWeight:
         from a tied LM head's matrix)."""
         if self.layout in INTERLEAVED:
             n = self.shape[0]
-            ids = torch.arange(n, device=self.qweight.device)[index]
+            # the row ids (a lookup's tensor as is; a slice's range, not an arange over all N rows each call)
+            ids = torch.arange(*index.indices(n), device=self.qweight.device) if isinstance(index, slice) else index
             g, lane = ids // 16, ids % 16
             words = self.qweight.view(torch.int32).view(n // 16, -1, 16)[g, :, lane]  # [len(ids), words per row]
 
@@ -124,6 +125,11 @@ class PackedWeight:
 def _row_major(w: PackedWeight) -> None:
     if w.layout in INTERLEAVED:
         raise ValueError(f"a {w.layout} weight's rows are interleaved: take deinterleave_rows16(w) first")
+
+
+def interleavable(w: PackedWeight) -> bool:
+    """Whether interleave_rows16 takes `w`: q4g32, or q8g with groups of 16 or 32, N a multiple of 16."""
+    return w.shape[0] % 16 == 0 and (w.layout == "q4g32" or (w.layout == "q8g" and w.group_size in (16, 32)))
 
 
 def interleave_rows16(w: PackedWeight) -> PackedWeight:

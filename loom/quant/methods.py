@@ -51,7 +51,7 @@ from loom.kernels.build import cpu_flags
 from loom.kernels.registry import get_kernel
 from loom.model.layers.linear import Linear, copy_rows
 from loom.quant.hadamard import rotate_weight, rotation_block
-from loom.quant.layout import INTERLEAVED, PackedWeight, dequantize, interleave_rows16
+from loom.quant.layout import INTERLEAVED, PackedWeight, dequantize, interleavable, interleave_rows16
 from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quantize_q8_asym
 from loom.quant.torch_kernels import TorchQuantKernels
 
@@ -204,8 +204,7 @@ class PackedLinearMethod:
             # and one summation order, so a row's bits do not depend on its batch (benchmarks/NOTES.md, "One
             # summation order at every batch"); a part whose rows are not a multiple of 16 (or a q8g one with
             # other groups) keeps its row-major layout and the tiles
-            layer.packed = [interleave_rows16(p) if p.shape[0] % 16 == 0 and (
-                p.layout == "q4g32" or (p.layout == "q8g" and p.group_size in (16, 32))) else p for p in layer.packed]
+            layer.packed = [interleave_rows16(p) if interleavable(p) else p for p in layer.packed]
         bias = layer.bias.data.float() if layer.bias is not None else None
         layer.packed_bias, start = [], 0
         for p in layer.packed:

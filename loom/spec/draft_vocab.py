@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from loom.env import cache_root
-from loom.quant.layout import INTERLEAVED, deinterleave_rows16, interleave_rows16
+from loom.quant.layout import INTERLEAVED, interleavable, interleave_rows16
 
 logger = logging.getLogger(__name__)
 
@@ -204,9 +204,8 @@ def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor) -> None:
             rows = p.shape[0]
             local = ids[(ids >= start) & (ids < start + rows)] - start
             if local.numel():
-                interleaved = p.layout in INTERLEAVED  # rows side by side in 16s: restrict the row-major matrix
-                kept = (deinterleave_rows16(p) if interleaved else p).rows(local.to(p.qweight.device))
-                parts.append(interleave_rows16(kept) if interleaved and kept.shape[0] % 16 == 0 else kept)
+                kept = p.rows(local.to(p.qweight.device))  # of an interleaved matrix: row-major rows
+                parts.append(interleave_rows16(kept) if p.layout in INTERLEAVED and interleavable(kept) else kept)
                 biases.append(None if b is None else b[local.to(b.device)].contiguous())
             start += rows
         head.packed, head.packed_bias = parts, biases

@@ -1468,6 +1468,20 @@ void loom_quantize_act16(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
         quantize_row16((const char *)x + m * ldx * elem, x_bf16, K, c + m * K, s + m * nb, h + m * 2 * nb);
 }
 
+/* One allocation holding x's int16 codes c [M, K], block scales s [M, K/32] and half sums h [M, K/16], filled by
+ * loom_quantize_act16 (the activations of the 16-row products); NULL when malloc failed. Free the result. */
+static char *act16(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int num_threads, int16_t **c,
+                   float **s, float **h) {
+    const int64_t nb = K / 32;
+    char *buf = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+    if (!buf) return NULL;
+    *c = (int16_t *)buf;
+    *s = (float *)(buf + (size_t)(M * K) * sizeof(int16_t));
+    *h = *s + M * nb;
+    loom_quantize_act16(x, ldx, x_bf16, M, K, *c, *s, *h, num_threads);
+    return buf;
+}
+
 /* q4g32 in SIMD builds: the codes of each unit of u = Q4_UNIT blocks (2 in the 256-bit tiles, 4 in the 512-bit
  * ones) of a row laid out as q4_codes16 / q4_codes16_quad read them: values 0-7 of each of the u blocks, then
  * 16-23, then 8-15, then 24-31 (u = 2: [b 0-7 | b+1 0-7 | b 16-23 | b+1 16-23 | b 8-15 | b+1 8-15 | b 24-31 |
@@ -1550,10 +1564,8 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const uint16_t *p
     for (int64_t b = 0; b < nb; ++b) {
         __m512i ai[NX16_MR];
         for (int r = 0; r < mc; ++r) ai[r] = _mm512_setzero_si512();
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64), _MM_HINT_T0); /* a block's words: 4 lines */
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64 + 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64 + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64 + 48), _MM_HINT_T0);
+        for (int line = 0; line < 4; ++line) /* a block's words: 4 cache lines */
+            _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 64 + 16 * line), _MM_HINT_T0);
         for (int j = 0; j < 4; ++j) {
             const __m512i W = _mm512_loadu_si512((const void *)(pk + (b * 4 + j) * 16));
             const __m512i A = _mm512_and_si512(W, m4), B = _mm512_and_si512(_mm512_srli_epi32(W, 4), m4);
@@ -1643,12 +1655,10 @@ static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t 
 static int gemm16_q4_groups(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
                             const uint16_t *sc, const uint16_t *mn, int r16, const float *bias, void *y, int64_t N,
                             int y_bf16, int num_threads) {
-    const int64_t nb = K / 32;
-    char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+    int16_t *c16;
+    float *xs16, *h16;
+    char *s16 = act16(x, ldx, x_bf16, M, K, num_threads, &c16, &xs16, &h16);
     if (!s16) return -1;
-    int16_t *c16 = (int16_t *)s16;
-    float *xs16 = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h16 = xs16 + M * nb;
-    loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs16, h16, num_threads);
     const int rc = gemm16_q4_nx16(c16, xs16, h16, M, K, w, sc, mn, r16, bias, y, N, y_bf16, num_threads);
     free(s16);
     return rc;
@@ -1675,14 +1685,8 @@ ALWAYS_INLINE void nx16_rows_q8(const int mc, const int g16, const uint32_t *pk,
     __m512 af[NX16_MR];
     for (int r = 0; r < mc; ++r) af[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 48), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 80), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 96), _MM_HINT_T0);
-        _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 112), _MM_HINT_T0);
+        for (int line = 0; line < 8; ++line) /* a block's words: 8 cache lines */
+            _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 16 * line), _MM_HINT_T0);
         __m512i a0[NX16_MR], a1[NX16_MR];
         for (int r = 0; r < mc; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {
@@ -1864,11 +1868,10 @@ int loom_gemm_q4g32r16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
      * that the result is the same bits: exact int32 dots per block, then per block fmaf(dot, d * s, acc) and
      * fmaf(min, the block's x sum, acc), in block order (fmaf: one rounding, as VFMADD). */
     const int64_t nb = K / 32, row_bytes = K / 2;
-    char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+    int16_t *c16;
+    float *xs, *h;
+    char *s16 = act16(x, ldx, x_bf16, M, K, num_threads, &c16, &xs, &h);
     if (!s16) return -1;
-    int16_t *c16 = (int16_t *)s16;
-    float *xs = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h = xs + M * nb;
-    loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs, h, num_threads);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t g = 0; g < N / 16; ++g) {
         const uint32_t *pk = (const uint32_t *)(qweight + 16 * g * row_bytes);
@@ -1908,11 +1911,10 @@ int loom_gemm_q8gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_
                        int64_t N, int y_bf16, int num_threads) {
     if (N % 16 || (group != 16 && group != 32)) return -2;
     const int64_t nb = K / 32, g16 = group == 16, ng = g16 ? 2 * nb : nb;
-    char *s16 = (char *)loom_alloc64((size_t)(M * K) * sizeof(int16_t) + (size_t)(M * 3 * nb) * sizeof(float));
+    int16_t *c16;
+    float *xs, *h;
+    char *s16 = act16(x, ldx, x_bf16, M, K, num_threads, &c16, &xs, &h);
     if (!s16) return -1;
-    int16_t *c16 = (int16_t *)s16;
-    float *xs = (float *)(s16 + (size_t)(M * K) * sizeof(int16_t)), *h = xs + M * nb;
-    loom_quantize_act16(x, ldx, x_bf16, M, K, c16, xs, h, num_threads);
 #if LOOM_Q512
     gemm16_q8_r16(c16, xs, h, M, K, qweight, scales, mins, (int)g16, bias, y, N, y_bf16, num_threads);
 #else
