@@ -45,8 +45,8 @@ def allocate_kv_caches(
     arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
     layer_slots: list[int] | None = None, held: range | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer (on the CPU each in a 2 MB-aligned mapping advised MADV_HUGEPAGE, committed as it
-    is written: loom/model/huge_pages.py), [2, num_blocks, block_size, num_kv_heads, row]
+    """One zeroed tensor per layer (on the CPU each in a 2 MB-aligned mapping advised MADV_HUGEPAGE, committed here:
+    loom/model/huge_pages.py), [2, num_blocks, block_size, num_kv_heads, row]
     (index 0 = keys, 1 = values; row = kv_row_width(head_dim, dtype): head_dim, plus scale bytes for int8/fp8);
     slot s lives at [:, s // block_size, s % block_size]. With `layer_slots` (a hybrid KV cache: each layer's
     physical slot, loom/core/kv_groups.layer_slots) layers of the same slot share one tensor: each block id is

@@ -21,8 +21,8 @@ from loom.quant.layout import PackedWeight
 linux_only = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="MADV_HUGEPAGE is Linux's")
 
 
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps; 'hg' = MADV_HUGEPAGE)."""
+def smaps_field(address: int, field: str) -> list[str]:
+    """The words after `field:` in the entry of the mapping of this process that holds `address` (/proc/self/smaps)."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -30,9 +30,14 @@ def vm_flags(address: int) -> list[str]:
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
+            elif inside and line.startswith(f"{field}:"):
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address` ('hg' = MADV_HUGEPAGE)."""
+    return smaps_field(address, "VmFlags")
 
 
 class Tiny(nn.Module):
@@ -65,6 +70,15 @@ def test_arena_copies_keep_values_and_live_on_advised_aligned_memory() -> None:
     assert not zeros.any() and zeros.data_ptr() % HUGE_PAGE == 0 and "hg" in vm_flags(zeros.data_ptr())
     zeros[1, 5] = 2.0
     assert float(zeros.sum()) == 32.0
+
+
+@linux_only
+def test_kv_zeros_are_committed_at_allocation() -> None:
+    """The KV cache's pages are resident when zeros_on_huge_pages returns, so no decode step pays their first touch
+    (a fresh mapping left alone has a resident size of 0)."""
+    zeros = zeros_on_huge_pages((12, 1 << 20), torch.float16)  # 24 MiB
+    rss_kib = int(smaps_field(zeros.data_ptr(), "Rss")[0])
+    assert rss_kib * 1024 >= zeros.nbytes and not zeros.any()
 
 
 @linux_only
