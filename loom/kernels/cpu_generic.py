@@ -1,5 +1,5 @@
 """ctypes bindings of loom's float32 / bfloat16 CPU kernels for any CPU (csrc/paged_decode.c, fused_ops.c,
-gemv_w16.c), built per ISA as `avx2` (AVX2 + FMA: Haswell, Zen 1-3 and later) and `generic` (portable C,
+gemv_w16.c, gemv_f32.c), built per ISA as `avx2` (AVX2 + FMA: Haswell, Zen 1-3 and later) and `generic` (portable C,
 ARM included).
 
 They are listed, built and dispatched by loom/kernels/registry.py (`get_kernel("paged_decode")` and so on);
@@ -252,12 +252,15 @@ class FusedOps:
         return out
 
 
-class GemvW16:
-    """ctypes binding of `loom_gemv_w16` (csrc/gemv_w16.c): y = x W^T (+ b) for a few float32 rows of x over
-    bfloat16 weights (widened in registers, float32 sums): half the weight bytes of float32 at decode."""
+class _Gemv:
+    """ctypes binding of a `loom_gemv_*` kernel: y = x W^T (+ b) for a few float32 rows of x over a weight of
+    `weight_dtype` (float32 sums)."""
+
+    symbol: str
+    weight_dtype: torch.dtype
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
-        fn = lib.loom_gemv_w16
+        fn = getattr(lib, self.symbol)
         fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                        + [ctypes.c_int])
         fn.restype = ctypes.c_int  # 0, or -1 when its scratch could not be allocated
@@ -265,13 +268,13 @@ class GemvW16:
         self.isa = isa
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] float32 (unit column stride; rows may be strided), weight [N, K] bfloat16 contiguous,
-        bias [N] float32 or None -> [M, N] float32. Any M (the kernel is for 1-8 decode rows).
+        """x [M, K] float32 (unit column stride; rows may be strided), weight [N, K] of `weight_dtype`
+        contiguous, bias [N] float32 or None -> [M, N] float32. Any M (the kernels are for a few decode rows).
 
         Raises:
             ValueError: wrong dtype, device, layout or shape (the kernel reads raw pointers, so nothing unchecked
                 reaches it).
-            MemoryError: the kernel could not allocate its copy of x.
+            MemoryError: the kernel could not allocate its scratch memory.
         """
         # (checks ordered and spelled for speed: this runs once per linear layer per decode step)
         if x.dim() != 2 or weight.dim() != 2:
@@ -280,8 +283,9 @@ class GemvW16:
         n, kw = weight.shape
         if k != kw:
             raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
-        if x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or not x.is_cpu or not weight.is_cpu:
-            raise ValueError("gemv_w16 takes float32 x and bfloat16 weight, CPU tensors")
+        if x.dtype != torch.float32 or weight.dtype != self.weight_dtype or not x.is_cpu or not weight.is_cpu:
+            raise ValueError(f"{self.symbol.removeprefix('loom_')} takes float32 x and "
+                             f"{str(self.weight_dtype).removeprefix('torch.')} weight, CPU tensors")
         if not weight.is_contiguous():
             raise ValueError("weight must be contiguous")
         if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != n
@@ -293,8 +297,24 @@ class GemvW16:
         y = torch.empty(m, n, dtype=torch.float32)
         if m and n and self._fn(x.data_ptr(), x_stride, weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                 y.data_ptr(), m, n, k, torch.get_num_threads()):
-            raise MemoryError("gemv_w16 could not allocate its scratch memory")
+            raise MemoryError(f"{self.symbol.removeprefix('loom_')} could not allocate its scratch memory")
         return y
+
+
+class GemvW16(_Gemv):
+    """`loom_gemv_w16` (csrc/gemv_w16.c): bfloat16 weights widened in registers, float32 sums: half the weight
+    bytes of float32 at decode."""
+
+    symbol = "loom_gemv_w16"
+    weight_dtype = torch.bfloat16
+
+
+class GemvF32(_Gemv):
+    """`loom_gemv_f32` (csrc/gemv_f32.c): float32 weights read once at the memory's rate, and one summation order
+    per output whatever the rows of x (a row's bits do not depend on its batch)."""
+
+    symbol = "loom_gemv_f32"
+    weight_dtype = torch.float32
 
 
 class TokenBitmask:

@@ -29,7 +29,7 @@ import torch
 from loom.env import env_flag
 from loom.kernels import build
 from loom.kernels.cpu import GemvBf16
-from loom.kernels.cpu_generic import FusedOps, GemvW16, PagedDecode, TokenBitmask
+from loom.kernels.cpu_generic import FusedOps, GemvF32, GemvW16, PagedDecode, TokenBitmask
 from loom.kernels.decode_step import DecodeStep
 from loom.kernels.quant import QuantKernels
 
@@ -77,6 +77,7 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("paged_decode", ("paged_decode.c",), ("avx2", "generic"), PagedDecode),
         KernelSpec("fused_ops", ("fused_ops.c",), ("avx2", "generic"), FusedOps),
         KernelSpec("gemv_w16", ("gemv_w16.c",), ("avx2", "generic"), GemvW16),
+        KernelSpec("gemv_f32", ("gemv_f32.c",), ("avx2", "generic"), GemvF32),
         KernelSpec("token_bitmask", ("token_bitmask.c",), ("generic",), TokenBitmask),
         KernelSpec("qgemm", ("qgemm.c",), ("avx512_vnni", "avx2", "generic"), lambda lib, isa: QuantKernels(lib, isa)),
         # a whole decode step over packed (or bf16) weights: the four libraries above, one call per step

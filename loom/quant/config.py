@@ -87,7 +87,7 @@ class GGUFConfig:
         repacked = {t.name for t in REPACKED_TYPES}
         if types and all(t in repacked for t in types):
             return PackedLinearMethod("gguf", "GGUF " + "/".join(dict.fromkeys(types)))
-        return default_linear_method(layer.dtype, _device_of(layer))
+        return default_linear_method(layer.dtype, _device_of(layer), self.float32_kernels)
 
     def embedding_packed(self) -> bool:
         from loom.quant.gguf_repack import REPACKED_TYPES
@@ -121,7 +121,7 @@ class RTNConfig:
         if layer.input_size % 32:
             logger.info("%s stays dense under %s: input size %d is not a multiple of 32", prefix, name,
                         layer.input_size)
-            return default_linear_method(layer.dtype, _device_of(layer))
+            return default_linear_method(layer.dtype, _device_of(layer), self.float32_kernels)
         return PackedLinearMethod(name, "RTN")
 
     def embedding_packed(self) -> bool:

@@ -187,7 +187,8 @@ class Fp8CheckpointConfig:
 
         if quantized_shards(prefix, self.checkpoint.quantized, "FP8 scales") is not None:
             return Fp8LinearMethod(checkpoint_scales=True)
-        return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")))
+        return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")),
+                                     self.float32_kernels)
 
     def embedding_packed(self) -> bool:
         return False

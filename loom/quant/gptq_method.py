@@ -125,7 +125,8 @@ class GPTQConfig:
                 raise ValueError(f"{prefix}: quantization_config.dynamic gives {names} different bits "
                                  f"{sorted(bits)}; loom runs them as one matrix")
             return GPTQLinearMethod(self.checkpoint, bits.pop())
-        return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")))
+        return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")),
+                                     self.float32_kernels)
 
     def embedding_packed(self) -> bool:
         return False

@@ -157,7 +157,8 @@ class Int8CheckpointConfig:
         if quantized_shards(prefix, self.checkpoint.quantized, "int8 weight scales") is not None:
             scheme = {"dynamic": "int8_dynamic", "static": "int8_static", "none": "int8_weight_only"}
             return PackedLinearMethod(scheme[self.checkpoint.activations], "compressed-tensors")
-        return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")))
+        return default_linear_method(layer.dtype, getattr(layer, "device", torch.device("cpu")),
+                                     self.float32_kernels)
 
     def embedding_packed(self) -> bool:
         return False

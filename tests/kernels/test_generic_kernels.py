@@ -306,30 +306,36 @@ def test_fused_ops_decline_what_they_do_not_take(isa: str) -> None:
     assert out.shape == total.shape == (0, 8)
 
 
-# ---------------------------------------------------------------- gemv with bf16 weights
+# ---------------------------------------------------------------- gemv with bf16 and float32 weights
 
-@pytest.mark.parametrize("isa", kernel_isas("gemv_w16"))
+# (kernel, weight dtype, ISA) for each ISA build of each GEMV this CPU runs
+GEMVS = [(name, dtype, isa) for name, dtype in (("gemv_w16", torch.bfloat16), ("gemv_f32", torch.float32))
+         for isa in kernel_isas(name)]
+
+
+@pytest.mark.parametrize("name,dtype,isa", GEMVS)
 @pytest.mark.parametrize("m", range(1, 10))
 @pytest.mark.parametrize("n,k", [(1, 1), (3, 31), (4, 32), (5, 33), (577, 576), (130, 1536), (7, 100), (9, 47)])
-def test_gemv_w16_matches_float64_reference(isa: str, m: int, n: int, k: int) -> None:
-    gemv = kernel_or_skip("gemv_w16", isa)
+def test_gemv_matches_float64_reference(name: str, dtype: torch.dtype, isa: str, m: int, n: int, k: int) -> None:
+    gemv = kernel_or_skip(name, isa)
     g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).to(dtype)
     for b in (None, torch.randn(n, generator=g)):
         ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
         y = gemv(x, w, b)
         assert y.dtype == torch.float32 and y.shape == (m, n)
-        # float32 sums of k exact products (bf16 x float32 fits a float32 FMA exactly): within k eps32 sum|x w|
-        bound = k * 2.0 ** -23 * ((x.double().abs() @ w.double().abs().T) + (b.double().abs() if b is not None else 0))
+        # float32 sums of k products (each exact in an FMA, or rounded once): within (k + 1) eps32 sum|x w|
+        bound = (k + 1) * 2.0 ** -23 * ((x.double().abs() @ w.double().abs().T)
+                                        + (b.double().abs() if b is not None else 0))
         assert torch.all((y.double() - ref).abs() <= bound + 1e-30)
 
 
-@pytest.mark.parametrize("isa", kernel_isas("gemv_w16"))
-def test_gemv_w16_takes_strided_rows_and_the_thread_count(isa: str) -> None:
-    gemv = kernel_or_skip("gemv_w16", isa)
+@pytest.mark.parametrize("name,dtype,isa", GEMVS)
+def test_gemv_takes_strided_rows_and_the_thread_count(name: str, dtype: torch.dtype, isa: str) -> None:
+    gemv = kernel_or_skip(name, isa)
     x = torch.randn(6, 200)[:, :150]  # row stride 200
-    w = torch.randn(70, 150).bfloat16()
+    w = torch.randn(70, 150).to(dtype)
     ref = x.double() @ w.double().T
     old = torch.get_num_threads()
     try:
@@ -340,18 +346,39 @@ def test_gemv_w16_takes_strided_rows_and_the_thread_count(isa: str) -> None:
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("isa", kernel_isas("gemv_w16"))
-def test_gemv_w16_rejects_what_it_cannot_read(isa: str) -> None:
-    gemv = kernel_or_skip("gemv_w16", isa)
-    w = torch.randn(8, 16).bfloat16()
+@pytest.mark.parametrize("isa", kernel_isas("gemv_f32"))
+def test_gemv_f32_gives_a_row_the_same_bits_alone_and_in_any_batch(isa: str) -> None:
+    """One summation order per output (csrc/gemv_f32.c): a row's result does not depend on the rows beside it,
+    their number (odd and even: passes of two rows and of one), or the thread count."""
+    gemv = kernel_or_skip("gemv_f32", isa)
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(13, 577, generator=g), torch.randn(301, 577, generator=g), torch.randn(301, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = gemv(x, w, b)
+        torch.set_num_threads(1)
+        for i in range(13):
+            assert torch.equal(gemv(x[i : i + 1], w, b), batch[i : i + 1])
+            assert torch.equal(gemv(x[i : i + 2], w, b)[:1], batch[i : i + 1])
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("name,dtype,isa", GEMVS)
+def test_gemv_rejects_what_it_cannot_read(name: str, dtype: torch.dtype, isa: str) -> None:
+    gemv = kernel_or_skip(name, isa)
+    w = torch.randn(8, 16).to(dtype)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    words = f"float32 x and {str(dtype).removeprefix('torch.')} weight"
     with pytest.raises(ValueError, match="multiply"):
         gemv(torch.randn(2, 15), w)
-    with pytest.raises(ValueError, match="float32 x and bfloat16 weight"):
+    with pytest.raises(ValueError, match=words):
         gemv(torch.randn(2, 16).bfloat16(), w)
-    with pytest.raises(ValueError, match="float32 x and bfloat16 weight"):
-        gemv(torch.randn(2, 16), w.float())
+    with pytest.raises(ValueError, match=words):
+        gemv(torch.randn(2, 16), w.to(other))
     with pytest.raises(ValueError, match="contiguous"):
-        gemv(torch.randn(2, 16), torch.randn(16, 8).bfloat16().T)
+        gemv(torch.randn(2, 16), torch.randn(16, 8).to(dtype).T)
     with pytest.raises(ValueError, match="bias"):
         gemv(torch.randn(2, 16), w, torch.randn(7))
     with pytest.raises(ValueError, match="bias"):
@@ -359,8 +386,7 @@ def test_gemv_w16_rejects_what_it_cannot_read(isa: str) -> None:
     with pytest.raises(ValueError, match="unit column stride"):
         gemv(torch.randn(16, 2).T, w)
     assert gemv(torch.empty(0, 16), w).shape == (0, 8)
-    assert torch.equal(gemv(torch.empty(3, 0), torch.empty(4, 0, dtype=torch.bfloat16), torch.ones(4)),
-                       torch.ones(3, 4))
+    assert torch.equal(gemv(torch.empty(3, 0), torch.empty(4, 0, dtype=dtype), torch.ones(4)), torch.ones(3, 4))
 
 
 @pytest.mark.parametrize("isa", kernel_isas("fused_ops"))

@@ -88,7 +88,12 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
         assert isinstance(lin.quant_method, GPTQLinearMethod)
         assert lin.dense_weight is None and (lin.packed[0].layout in Q4_LAYOUTS if settings.bits == 4 else lin.packed[0].layout in ("q8g", "q8gr16"))
     assert (layer.self_attn.qkv_proj.input_perm is not None) == (settings.desc_act and not settings.static_groups)
-    assert not isinstance(loaded.model.lm_head.quant_method, GPTQLinearMethod)
+    # the unquantized head (GPTQ's default) reads its float32 matrix with loom's GEMV at decode rows
+    from loom.kernels.registry import get_kernel
+    from loom.model.layers.linear import Float32GemvLinearMethod, UnquantizedLinearMethod
+
+    head_method = Float32GemvLinearMethod if get_kernel("gemv_f32") is not None else UnquantizedLinearMethod
+    assert type(loaded.model.lm_head.quant_method) is head_method
     fmt, _ = loaded.model.weight_report()["qkv_proj"]
     assert "gptq" in fmt and f"GPTQ {settings.bits}-bit" in fmt
 
@@ -98,6 +103,7 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     assert _kl(reference, ours) < (0.2 if settings.bits == 4 else 0.01)  # random weights: no outliers to spare
     # the packed model computes what the quantized weights say (the dense model they were written from)
     dense = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+    assert type(dense.model.lm_head.quant_method) is UnquantizedLinearMethod  # the oracle keeps torch's F.linear
     from loom.quant.gptq_checkpoint import quantize_model_weights
 
     quantize_model_weights(dense.model, dense.arch, settings, _windows(vocab))

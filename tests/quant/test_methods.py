@@ -180,3 +180,36 @@ def test_q4_layers_are_interleaved_where_the_kernels_have_row_groups(tiny_models
     assert layouts, "no 4-bit part"
     for layout, whole in layouts:
         assert layout == ("q4g32r16" if interleave and whole else "q4g32"), (layout, whole)
+
+
+def test_dense_float32_layers_of_quantized_models_run_loom_gemv_for_decode_rows() -> None:
+    """default_linear_method with float32_kernels (a quantization config other than `none`): up to
+    F32_GEMV_MAX_ROWS rows through gemv_f32 (within float32 rounding of F.linear), above them F.linear itself;
+    without float32_kernels (the oracle) torch's F.linear at every size."""
+    from loom.kernels.registry import get_kernel
+    from loom.model.layers.linear import (
+        F32_GEMV_MAX_ROWS,
+        Float32GemvLinearMethod,
+        Linear,
+        UnquantizedLinearMethod,
+        default_linear_method,
+    )
+
+    cpu = torch.device("cpu")
+    assert type(default_linear_method(torch.float32, cpu)) is UnquantizedLinearMethod
+    method = default_linear_method(torch.float32, cpu, float32_kernels=True)
+    if get_kernel("gemv_f32") is None:
+        pytest.skip("gemv_f32 does not build here (no C compiler?)")
+    assert type(method) is Float32GemvLinearMethod
+    torch.manual_seed(0)
+    layer = Linear(96, 200, True, torch.float32, cpu, method)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    for rows in (1, 3, F32_GEMV_MAX_ROWS, F32_GEMV_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 96)
+        y, ref = layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+        if rows <= F32_GEMV_MAX_ROWS:
+            assert torch.equal(y, method.gemv(x, layer.weight, layer.bias))
+            assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(y, ref)

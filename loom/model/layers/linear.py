@@ -107,6 +107,29 @@ def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ONEDNN_PACK_ROWS)
 
 
+# Rows of x up to which Float32GemvLinearMethod runs loom's GEMV: the 49152 x 576 LM head on a 2-core Zen 4, ms
+# per call (gemv_f32 / F.linear): 1 row 4.0 / 10.1, 9 rows 10.4 / 20.6, 16 rows 16.2 / 21.1, 32 rows 27.5 / 28.6,
+# 64 rows 47.9 / 35.5 (benchmarks/NOTES.md, "float32 layers of quantized checkpoints")
+F32_GEMV_MAX_ROWS = 16
+
+
+class Float32GemvLinearMethod(UnquantizedLinearMethod):
+    """float32 weights, up to F32_GEMV_MAX_ROWS rows of x through loom's `gemv_f32` kernel (csrc/gemv_f32.c),
+    above them F.linear. For the dense float32 layers of quantized models (a GPTQ, AWQ or compressed-tensors
+    checkpoint's unquantized lm_head, an F16/F32 tensor of a GGUF file, RTN's layers of odd sizes), never for
+    `--quantization none`: the oracle path keeps torch's F.linear, the kernel transformers runs. The kernel sums in
+    its own fixed order (outputs within float32 rounding of F.linear's, not equal to them)."""
+
+    def __init__(self, gemv: Any) -> None:
+        self.gemv = gemv  # loom.kernels.cpu_generic.GemvF32
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= F32_GEMV_MAX_ROWS and x.dtype == torch.float32 \
+                and layer.weight.dtype == torch.float32:
+            return self.gemv(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     """True when bfloat16 weights on this CPU can be pre-packed for oneDNN (native bf16 dot products)."""
     return (
@@ -118,11 +141,16 @@ def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def default_linear_method(dtype: torch.dtype, device: torch.device) -> LinearMethod:
+def default_linear_method(dtype: torch.dtype, device: torch.device, float32_kernels: bool = False) -> LinearMethod:
     """The fastest dense method for this dtype/device: oneDNN-packed bf16 (with loom's decode GEMV when it
-    builds here) on CPU, else F.linear."""
+    builds here) on CPU; float32 on CPU with `float32_kernels` (a quantization config other than the oracle's
+    `none`) loom's float32 GEMV for decode rows (Float32GemvLinearMethod); else F.linear."""
     if onednn_packing_available(dtype, device):
         return OneDNNPackedLinearMethod(get_kernel("gemv_bf16"))
+    if float32_kernels and dtype == torch.float32 and device.type == "cpu":
+        gemv = get_kernel("gemv_f32")
+        if gemv is not None:
+            return Float32GemvLinearMethod(gemv)
     return UnquantizedLinearMethod()
 
 
