@@ -155,6 +155,8 @@ class _Subcommand(_Parser):
         ns, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
+        if not hasattr(ns, "_subcommand_prog"):  # the innermost subcommand returns first (`loom bench latency`)
+            ns._subcommand_prog = self.prog
         return ns, extras
 
 
@@ -224,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
             serve_torchrun_rank(args.model_config(), args.cache_config(), args.parallel_config(), args.num_threads)
             return 0
         return ns.func(ns)
-    except ValueError as exc:
-        parser.exit(2, f"loom: error: {_name_flags(str(exc), _flags_of(parser))}\n")
+    except ValueError as exc:  # a value the command refused: reported as argparse reports a malformed one
+        prog = getattr(ns, "_subcommand_prog", parser.prog)
+        parser.exit(2, f"{prog}: error: {_name_flags(str(exc), _flags_of(parser))}\n"
+                       f"(run '{prog} --help' for its options)\n")
     except FileNotFoundError as exc:  # a file or optional package the command needs (ShareGPT's, say)
-        parser.exit(2, f"loom: error: {exc}\n")
+        parser.exit(2, f"{getattr(ns, '_subcommand_prog', parser.prog)}: error: {exc}\n")
 
 
 def _torchrun_rank() -> int:

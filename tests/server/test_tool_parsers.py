@@ -159,11 +159,13 @@ def test_ids_and_unknown_names() -> None:
         get_tool_call_parser("x")
 
 
-def test_serve_refuses_an_unknown_parser_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_an_unknown_parser_naming_the_option(capsys: pytest.CaptureFixture[str]) -> None:
     from loom.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--tool-call-parser", "nope", "--port", "0"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--tool-call-parser must be one of" in err and "'nope'" in err
+    error, hint = err.splitlines()  # the error, then where the options are listed (as for a malformed value)
+    assert error.startswith("loom serve: error: --tool-call-parser must be one of") and "'nope'" in error
+    assert hint == "(run 'loom serve --help' for its options)"
