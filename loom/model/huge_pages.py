@@ -93,7 +93,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     the first write of each page, the commit lands in whichever decode step touches a block first. In a virtual
     machine a page the guest has not used lately costs a host fault too: 0.5 GiB took 2.3 s to first touch on a
     2-core Zen 4 VM (0.07 s once backed), ~9% of a speculative-decoding benchmark's run (benchmarks/NOTES.md,
-    "The KV cache committed at start")."""
+    "Where a step's time went that no kernel owned")."""
     if not huge_pages_available():
         return torch.zeros(shape, dtype=dtype)
     return HugePageArena(chunk_bytes=0).empty(shape, dtype).zero_()

@@ -8,8 +8,8 @@
  *
  * Why: at one row the product is memory-bound on the weight, and torch 2.13's float32 F.linear (MKL's GEMV)
  * read SmolLM2-135M's 49152 x 576 LM head (113 MB) at ~10.5 GB/s on a 2-core AMD EPYC (Zen 4), the same with
- * one thread or two, while the machine reads ~32 GB/s (benchmarks/NOTES.md, "float32 layers of quantized
- * checkpoints"). Here contiguous ranges of weight rows are split over num_threads OpenMP threads, each row read
+ * one thread or two, while the machine reads ~32 GB/s (benchmarks/NOTES.md, "Where a step's time went that no
+ * kernel owned"). Here contiguous ranges of weight rows are split over num_threads OpenMP threads, each row read
  * once in memory order with the rows PREFETCH_ROWS ahead prefetched, and up to two rows of x share each pass
  * over a weight row (a 576-float row stays in L1 for the passes of further rows).
  *

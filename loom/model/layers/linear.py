@@ -109,7 +109,7 @@ def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 
 # Rows of x up to which Float32GemvLinearMethod runs loom's GEMV: the 49152 x 576 LM head on a 2-core Zen 4, ms
 # per call (gemv_f32 / F.linear): 1 row 4.0 / 10.1, 9 rows 10.4 / 20.6, 16 rows 16.2 / 21.1, 32 rows 27.5 / 28.6,
-# 64 rows 47.9 / 35.5 (benchmarks/NOTES.md, "float32 layers of quantized checkpoints")
+# 64 rows 47.9 / 35.5 (benchmarks/NOTES.md, "Where a step's time went that no kernel owned")
 F32_GEMV_MAX_ROWS = 16
 
 
