@@ -113,8 +113,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop) if self.stop is not None else []
-        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids is not None else []
+        # sequences become lists; anything else (a number, a string of ids) is left for verify() to name
+        if self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         self.verify()
 
     def verify(self) -> None:
@@ -125,8 +128,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
-        if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
-            raise ValueError("stop and stop_token_ids must be lists")
+        if not isinstance(self.stop, list):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.kv_retention is not None and self.kv_retention not in KV_RETENTION_POLICIES:
             raise ValueError(f"kv_retention must be one of {list(KV_RETENTION_POLICIES)}, got {self.kv_retention!r}")
         if self.kv_retention_budget is not None:

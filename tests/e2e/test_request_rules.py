@@ -140,9 +140,20 @@ def test_out_of_vocabulary_token_id_is_rejected(llm: LLM) -> None:
 def test_invalid_sampling_values_name_the_parameter() -> None:
     for kwargs, name in [({"top_p": 1.5}, "top_p"), ({"temperature": -1}, "temperature"), ({"n": 0}, "n"),
                          ({"max_tokens": -1}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
-                         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")]:
+                         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+                         # a number or a string where a list goes: not a TypeError from list(), nor a message
+                         # about one character of the string
+                         ({"stop": 5}, "stop must be a string or a list of strings"),
+                         ({"stop_token_ids": "2"}, "stop_token_ids must be a list of integers")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+def test_sampling_params_as_a_dict_is_named_as_such(llm: LLM) -> None:
+    """A dict of fields was read as its keys: 'must be a SamplingParams, got str'."""
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of one per prompt, "
+                                         "got dict"):
+        llm.generate(["hi"], {"temperature": 0}, use_tqdm=False)
 
 
 def test_abort_frees_every_block(llm: LLM) -> None:

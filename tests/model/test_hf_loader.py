@@ -92,6 +92,18 @@ def test_checkpoint_missing_a_tensor_is_refused(tmp_path: Path, tiny_models: dic
         load_model(str(tmp_path), torch.float32, CPU)
 
 
+@pytest.mark.parametrize("keep", [0, 100, "half"], ids=["empty", "header-cut", "data-cut"])
+def test_a_damaged_safetensors_file_is_a_value_error_naming_it(tmp_path: Path, tiny_models: dict[str, TinyModel],
+                                                              keep: int | str) -> None:
+    """A truncated or empty shard raised safetensors' own SafetensorError, a traceback from the CLI."""
+    src = tiny_models["llama_gqa"].path
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    data = (src / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2 if keep == "half" else keep])
+    with pytest.raises(ValueError, match=r"model\.safetensors' is not a readable safetensors file"):
+        load_model(str(tmp_path), torch.float32, CPU)
+
+
 def test_unsupported_rope_type_is_refused(tmp_path: Path, tiny_models: dict[str, TinyModel]) -> None:
     shutil.copytree(tiny_models["llama_gqa"].path, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())

@@ -54,6 +54,8 @@ def resolve_model_path(model: str | None) -> Path:
     """
     if model is None:
         return default_model_path()
+    if not str(model).strip():  # Path("") is the working directory
+        raise ValueError("model must be a GGUF file or a Hugging Face directory, got an empty path")
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(f"model path {model!r} does not exist")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from loom.model.loader.hf_config import read_json
 
@@ -33,18 +34,40 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor in the stored dtype) for every tensor of every shard."""
-    for path in safetensors_files(model_dir):
+@contextmanager
+def _open_shard(path: Path) -> Iterator[object]:
+    """safe_open on one shard; a damaged file (truncated, empty, a bad header) raises ValueError naming it.
+
+    Raises:
+        ValueError: the file is not a readable safetensors file.
+    """
+    try:
         with safe_open(str(path), framework="pt") as shard:
+            yield shard
+    except SafetensorError as exc:
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file ({exc})") from None
+
+
+def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor in the stored dtype) for every tensor of every shard.
+
+    Raises:
+        ValueError: no shard, a missing shard, or a damaged one (named).
+    """
+    for path in safetensors_files(model_dir):
+        with _open_shard(path) as shard:
             for name in shard.keys():
                 yield name, shard.get_tensor(name)
 
 
 def safetensors_tensor_names(model_dir: Path) -> set[str]:
-    """Every tensor name of the checkpoint (headers only, no data read)."""
+    """Every tensor name of the checkpoint (headers only, no data read).
+
+    Raises:
+        ValueError: no shard, a missing shard, or a damaged one (named).
+    """
     names: set[str] = set()
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as shard:
+        with _open_shard(path) as shard:
             names.update(shard.keys())
     return names
