@@ -32,15 +32,18 @@ def _prefill(model, arch, prompts, block_size=16, kv_dtype=torch.float32):
     return caches, tables
 
 
-def _both_paths(model, arch, step, prompts, kv_dtype=torch.float32):
-    """One decode step after `prompts`, by the per-layer path and then by `step` from the same caches:
-    (per-layer hidden, its caches, one-call hidden, its caches). The model's own decode step is restored."""
+def _both_paths(model, arch, step, prompts, kv_dtype=torch.float32, q_lens=None, served=None):
+    """One step after `prompts` (each request `q_lens` query tokens, default 1: a decode step), by the per-layer
+    path and then by `step` from the same caches: (per-layer hidden, its caches, one-call hidden, its caches). With
+    `served` (a list), what each step.run call returned is appended to it. The model's own decode step is restored."""
     inner = model.model
+    q_lens = q_lens or [1] * len(prompts)
     with torch.inference_mode():
         caches, tables = _prefill(model, arch, prompts, kv_dtype=kv_dtype)
-        lens = [len(p) + 1 for p in prompts]
-        meta = build_attention_metadata([1] * len(prompts), lens, tables, 16, CPU)
-        ids, pos = torch.tensor([42, 43, 44][: len(prompts)]), torch.tensor([n - 1 for n in lens])
+        lens = [len(p) + q for p, q in zip(prompts, q_lens)]
+        meta = build_attention_metadata(q_lens, lens, tables, 16, CPU)
+        ids = 42 + torch.arange(sum(q_lens))
+        pos = torch.tensor([n - q + j for n, q in zip(lens, q_lens) for j in range(q)])
         saved = [c.clone() for c in caches]
         inner.decode_step = None
         per_layer = model(ids, pos, caches, meta)
@@ -48,9 +51,13 @@ def _both_paths(model, arch, step, prompts, kv_dtype=torch.float32):
         for c, s in zip(caches, saved):
             c.copy_(s)
         inner.decode_step = step
+        if served is not None:
+            run = step.run
+            step.run = lambda *a, **k: served.append(run(*a, **k)) or served[-1]
         try:
             one_call = model(ids, pos, caches, meta)
         finally:
+            step.__dict__.pop("run", None)
             inner.prepare_decode_step()
     return per_layer, per_layer_caches, one_call, caches
 
@@ -118,33 +125,11 @@ def test_multi_token_rows_run_as_decode_rows_bit_for_bit(packed_model, kv_dtype:
     """A step with multi-token queries (a speculative verify step of 4 rows, a decode row, a 3-token chunk) runs in
     the one-call step, each row as a decode row over its own causal prefix: hidden states and the K/V rows equal the
     per-layer path's bit for bit (where the prefill rows go through the same decode kernel)."""
-    model, arch = packed_model.model, packed_model.arch
-    inner = model.model
-    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17]
-    q_lens = [4, 1, 3]
-    with torch.inference_mode():
-        caches, tables = _prefill(model, arch, prompts, kv_dtype=kv_dtype)
-        lens = [len(p) + q for p, q in zip(prompts, q_lens)]
-        meta = build_attention_metadata(q_lens, lens, tables, 16, CPU)
-        ids = torch.tensor([42, 43, 44, 45, 46, 47, 48, 49])
-        pos = torch.tensor([n - q + j for n, q in zip(lens, q_lens) for j in range(q)])
-        saved = [c.clone() for c in caches]
-        step = inner.decode_step
-        try:
-            inner.decode_step = None
-            per_layer = model(ids, pos, caches, meta)
-            per_layer_caches = [c.clone() for c in caches]
-            for c, s in zip(caches, saved):
-                c.copy_(s)
-            inner.decode_step = step
-            calls = []
-            run = step.run
-            step.run = lambda *a, **k: calls.append(run(*a, **k)) or calls[-1]
-            one_call = model(ids, pos, caches, meta)
-        finally:
-            step.__dict__.pop("run", None)
-            inner.prepare_decode_step()
-    assert calls and calls[0] is not None  # the step served it
+    served: list = []
+    per_layer, per_layer_caches, one_call, caches = _both_paths(
+        packed_model.model, packed_model.arch, packed_model.model.model.decode_step,
+        [[1, 2, 3, 4, 5], list(range(10, 40)), [7] * 17], kv_dtype, q_lens=[4, 1, 3], served=served)
+    assert served and served[0] is not None  # the step served it
     assert torch.equal(one_call, per_layer)
     assert all(torch.equal(a, b) for a, b in zip(caches, per_layer_caches))
 

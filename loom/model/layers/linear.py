@@ -124,8 +124,7 @@ class Float32GemvLinearMethod(UnquantizedLinearMethod):
         self.gemv = gemv  # loom.kernels.cpu_generic.GemvF32
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= F32_GEMV_MAX_ROWS and x.dtype == torch.float32 \
-                and layer.weight.dtype == torch.float32:
+        if x.dim() == 2 and x.shape[0] <= F32_GEMV_MAX_ROWS and x.dtype == torch.float32:  # (a float32 layer)
             return self.gemv(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
