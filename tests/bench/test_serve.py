@@ -68,11 +68,17 @@ def test_streaming_metrics_against_fake_server(tmp_path: Path) -> None:
     results, duration = asyncio.run(_bench({"max_concurrency": 2}, reqs))
     ok = [r for r in results if r.success]
     assert len(ok) == 4 and "HTTP 400" in results[-1].error
+    # Bounds the fake server guarantees whatever the host's load: it sleeps before each chunk, so times measured
+    # by the client can only be longer; gaps measured from the wrong origin (the request's start, say) would sum
+    # past e2e. No wall-clock upper bound: a loaded 2-core host delays any chunk by a scheduling slice or more.
     for r in ok:
         assert r.output_tokens == 5 and len(r.itl_s) == 4
-        assert FIRST_DELAY_S * 0.9 <= r.ttft_s < FIRST_DELAY_S + 0.5
-        assert all(GAP_S * 0.5 <= g < GAP_S + 0.3 for g in r.itl_s)
+        assert r.ttft_s >= FIRST_DELAY_S * 0.9
+        assert r.e2e_s >= FIRST_DELAY_S + 4 * GAP_S
+        assert all(g >= 0 for g in r.itl_s)
         assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
+    # one delayed read can shorten the gap after it, not most of them
+    assert sorted(g for r in ok for g in r.itl_s)[8] >= GAP_S * 0.5
     summary = summarize(results, duration, parse_goodput(["ttft:10000", "tpot:0.001"]))
     assert summary.completed == 4 and summary.failed == 1
     assert summary.total_output_tokens == 20 and summary.output_throughput == pytest.approx(20 / duration)
