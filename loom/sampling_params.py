@@ -163,6 +163,8 @@ class SamplingParams:
             for token_id, bias in self.logit_bias.items():
                 if isinstance(token_id, bool) or not isinstance(token_id, int):
                     raise ValueError(f"logit_bias keys must be token ids (integers), got {token_id!r}")
+                if token_id < 0:  # an id past the vocabulary is caught where the vocabulary is known (the engine)
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id}")
                 _finite("logit_bias", bias)
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")

@@ -93,13 +93,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
 
-        Each message is {"role": one of CHAT_ROLES, "content": str or None (= "")}, as the server takes them.
+        Each message is {"role": one of CHAT_ROLES, "content": str}, as the server takes them: only an assistant
+        message may leave its content out (or None; it is then "").
         The template options are LLMEngine.apply_chat_template's (continue_final_message: the model continues
         the last, assistant, message; chat_template_kwargs: extra template variables).
 
         Raises:
-            ValueError: an empty conversation, or a message without a known role or with non-text content, or
-                template options that contradict each other.
+            ValueError: an empty conversation, or a message without a known role, with non-text content or, unless
+                it is an assistant's, without content; or template options that contradict each other.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
@@ -159,7 +160,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles t
 
 
 def _checked_conversation(conversation: object) -> list[dict]:
-    """A conversation as plain {"role", "content"} dicts (content None -> ""), or ValueError naming the message."""
+    """A conversation as plain {"role", "content"} dicts (an assistant's content None -> ""), or ValueError naming
+    the message."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     checked = []
@@ -171,6 +173,9 @@ def _checked_conversation(conversation: object) -> list[dict]:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
         if content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        # the server's rule (OpenAI's): only an assistant turn may omit its content
+        if content is None and role != "assistant":
+            raise ValueError(f"messages[{i}].content is required for a {role!r} message")
         checked.append({**message, "content": content or ""})
     return checked
 

@@ -191,7 +191,8 @@ def test_generate_rejects_a_non_list_prompt(llm: LLM) -> None:
 def test_boolean_and_container_fields_are_type_checked() -> None:
     for kwargs, name in [({"ignore_eos": "no"}, "ignore_eos"), ({"skip_special_tokens": 1}, "skip_special_tokens"),
                          ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
-                         ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {"a": 1}}, "token ids")]:
+                         ({"logit_bias": [1, 2]}, "logit_bias"), ({"logit_bias": {"a": 1}}, "token ids"),
+                         ({"logit_bias": {-1: 5.0}}, "token ids >= 0")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
 
@@ -214,8 +215,14 @@ def test_chat_checks_messages_like_the_server(llm: LLM) -> None:
         llm.chat([{"role": "bogus", "content": "hi"}], params, use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[1\].content"):
         llm.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": 5}], params, use_tqdm=False)
-    out = llm.chat([{"role": "user"}], params, use_tqdm=False)  # no content = "", as the server takes it
+    for missing in ({"role": "user"}, {"role": "system", "content": None}):  # the server answers 400 to both
+        with pytest.raises(ValueError, match=r"messages\[0\].content is required"):
+            llm.chat([missing, {"role": "user", "content": "hi"}], params, use_tqdm=False)
+    # an assistant turn may leave its content out (it may have carried tool calls): it is then ""
+    out = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "and?"}],
+                   params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_request_with_n_copies_counts_once_against_the_waiting_queue() -> None:
