@@ -191,6 +191,28 @@ def calibrates(method: str, target_bits: float | None, prune_score: str) -> bool
     return method != "fp8"
 
 
+def _removes_new_output_on_failure(fn: Any) -> Any:
+    """`fn(model, output, ...)` that, when it raises (an error or an interrupt), removes `output` if the call itself
+    created it: a failed run leaves no empty or half-written directory behind to refuse the next run. A directory
+    that existed before the call (empty, as _check_output requires) is left as it was found."""
+    import functools
+    import shutil
+
+    @functools.wraps(fn)
+    def wrapper(model: str | None, output: str, *args: Any, **kwargs: Any) -> Any:
+        path = Path(output).expanduser() if isinstance(output, (str, os.PathLike)) and str(output).strip() else None
+        new = path is not None and not path.exists()
+        try:
+            return fn(model, output, *args, **kwargs)
+        except BaseException:
+            if new and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    return wrapper
+
+
+@_removes_new_output_on_failure
 def quantize(model: str | None, output: str, method: str = "smoothquant", *, alpha: float | str | None = None,
              calibration_file: str | None = None, num_windows: int | None = None, window_len: int | None = None,
              bits: int | None = None, group_size: int | None = None, sym: bool | None = None,
@@ -235,7 +257,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     Raises:
         ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
             output directory that exists and is not empty, a checkpoint without a tokenizer, or a calibration
-            problem (calibration_windows).
+            problem (calibration_windows). On any failure an output directory this call created is removed.
     """
     from loom.model.loader import load_tokenizer
     from loom.model.loader.model_loader import read_arch

@@ -177,6 +177,21 @@ def test_quantize_refuses_bad_arguments(tmp_path) -> None:
     assert windows == [[0, 1]] and source == str(text)
 
 
+def test_a_failed_quantize_removes_the_output_it_created(tmp_path) -> None:
+    """A failure after the output directory was made (here: the calibration file is missing) leaves nothing that
+    would refuse the next run as 'not empty'; a directory the user made beforehand stays."""
+    from loom.quant.quantize import quantize
+
+    missing = str(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="calibration_file"):
+        quantize(None, str(tmp_path / "new" / "out"), calibration_file=missing)
+    assert not (tmp_path / "new" / "out").exists()
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="calibration_file"):
+        quantize(None, str(tmp_path / "mine"), calibration_file=missing)
+    assert (tmp_path / "mine").is_dir()
+
+
 @pytest.mark.slow
 def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys, llm) -> None:
     """`loom quantize` end to end on the real model with a text file: the output generates the same greedy text
