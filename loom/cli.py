@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                        f"(run '{prog} --help' for its options)\n")
     except FileNotFoundError as exc:  # a file or optional package the command needs (ShareGPT's, say)
         parser.exit(2, f"{getattr(ns, '_subcommand_prog', parser.prog)}: error: {exc}\n")
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT (each command cleans up as it unwinds)
+        print(f"{getattr(ns, '_subcommand_prog', parser.prog)}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _torchrun_rank() -> int:

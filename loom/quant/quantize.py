@@ -192,21 +192,23 @@ def calibrates(method: str, target_bits: float | None, prune_score: str) -> bool
 
 
 def _removes_new_output_on_failure(fn: Any) -> Any:
-    """`fn(model, output, ...)` that, when it raises (an error or an interrupt), removes `output` if the call itself
-    created it: a failed run leaves no empty or half-written directory behind to refuse the next run. A directory
-    that existed before the call (empty, as _check_output requires) is left as it was found."""
+    """`fn(model, output, ...)` that, when it raises (an error or an interrupt), removes `output` and the parents of it
+    that the call itself created: a failed run leaves no empty or half-written directory behind to refuse the next
+    run. A directory that existed before the call (empty, as _check_output requires) is left as it was found."""
     import functools
     import shutil
 
     @functools.wraps(fn)
     def wrapper(model: str | None, output: str, *args: Any, **kwargs: Any) -> Any:
         path = Path(output).expanduser() if isinstance(output, (str, os.PathLike)) and str(output).strip() else None
-        new = path is not None and not path.exists()
+        new = None  # the outermost directory of `output` that does not exist yet (its parents are made too)
+        while path is not None and not path.exists() and path != path.parent:
+            new, path = path, path.parent
         try:
             return fn(model, output, *args, **kwargs)
         except BaseException:
-            if new and path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+            if new is not None and new.is_dir():
+                shutil.rmtree(new, ignore_errors=True)
             raise
 
     return wrapper

@@ -222,6 +222,14 @@ def test_chat_checks_messages_like_the_server(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "and?"}],
                    params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1
+    # text content parts are joined, as the server joins them; other parts are refused
+    parts = [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    assert (llm.chat([{"role": "user", "content": parts}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == llm.chat([{"role": "user", "content": "Say hi"}], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    with pytest.raises(ValueError, match=r"messages\[0\].content: only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                 use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -207,6 +207,25 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
         load_model(str(path), torch.float32, CPU, quantization="none")
 
 
+def test_files_that_are_not_gguf_are_named_as_such(tmp_path: Path) -> None:
+    """Each kind of bad file gets its own sentence naming it, not numpy's words about array sizes."""
+    from loom.model.loader.gguf import open_gguf
+
+    good = _write_minimal_gguf(tmp_path / "good.gguf", "llama", 4).read_bytes()
+    cases = {
+        "text.gguf": (b"not a model at all", "not a GGUF file: it does not start with the magic bytes 'GGUF'"),
+        "empty.gguf": (b"", "not a GGUF file"),
+        "v99.gguf": (b"GGUF" + (99).to_bytes(4, "little") + good[8:], "GGUF file of version 99, which cannot be read"),
+        "short.gguf": (b"GGUF\x03", "truncated GGUF file"),
+        "cut.gguf": (good[: len(good) // 3], "not a readable GGUF file \\(truncated or damaged"),
+    }
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=f"'{tmp_path / name}'.*{message}"):
+            open_gguf(tmp_path / name)
+    assert open_gguf(tmp_path / "good.gguf").tensors
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<|im_start|>user\nHi!<|im_end|>\n"]
 
 

@@ -227,7 +227,7 @@ def test_the_early_refusal_follows_the_loader_not_the_file_name(method: str, tmp
     text = tmp_path / "notes.txt"
     text.write_text("not a model")
     assert ModelConfig(model=str(text), quantization=method).quantization == method
-    with pytest.raises(ValueError, match="not a readable GGUF file"):
+    with pytest.raises(ValueError, match="not a GGUF file: it does not start with the magic bytes"):
         load_model(str(text), torch.float32, CPU, quantization=method)
     folder = tmp_path / "checkpoint.gguf"
     folder.mkdir()

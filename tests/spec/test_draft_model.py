@@ -143,7 +143,7 @@ def test_bad_draft_settings_are_refused(tiny_dirs: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="speculative_model path '/nonexistent/draft.gguf' does not exist"):
         LLM(model=str(tiny_dirs["target"]), speculative_method="draft_model", speculative_model="/nonexistent/draft.gguf")
     readme = Path(__file__).resolve().parents[2] / "README.md"
-    with pytest.raises(ValueError, match=r"speculative_model \(the draft\): .*not a readable GGUF"):
+    with pytest.raises(ValueError, match=r"speculative_model \(the draft\): .*not a GGUF file"):
         LLM(model=str(tiny_dirs["target"]), speculative_method="draft_model", speculative_model=str(readme))
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(model=str(tiny_dirs["target"]), dtype="float32", speculative_method="draft_model",

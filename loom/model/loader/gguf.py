@@ -68,12 +68,25 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     """Memory-map a GGUF file.
 
     Raises:
-        ValueError: the file is not a readable GGUF file.
+        ValueError: the file is not a GGUF file (no "GGUF" magic), has a GGUF version other than 2 or 3, or is
+            truncated or damaged; the message names the file.
     """
     try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ValueError(f"model {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
+    if head[:4] != b"GGUF":  # the gguf library's own message for this is numpy's, about array sizes
+        raise ValueError(f"model {str(path)!r} is not a GGUF file: it does not start with the magic bytes 'GGUF' "
+                         f"(found {head[:4]!r})")
+    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if version not in (2, 3):
+        raise ValueError(f"model {str(path)!r} is a GGUF file of version {version}, which cannot be read (versions 2 "
+                         "and 3 can)" if version is not None else f"model {str(path)!r} is a truncated GGUF file")
+    try:
         return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"model {str(path)!r} is not a readable GGUF file: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - past the magic and version, any failure of the reader is a damaged file
+        raise ValueError(f"model {str(path)!r} is not a readable GGUF file (truncated or damaged: {exc})") from exc
 
 
 def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
