@@ -1,50 +1,67 @@
 #!/usr/bin/env bash
-# Issue 12's report: every `loom quantize` method on the bundled SmolLM2-135M-Instruct, then `loom bench quant` with
-# loom's run-time methods, quantized KV caches and llama.cpp's formats of the same source beside them.
+# Issue 12's report: `loom quantize` methods on one source model (default: the bundled SmolLM2-135M-Instruct), then
+# `loom bench quant` with loom's run-time methods, quantized KV caches and llama.cpp's formats of the same source
+# beside them: one table and one plot per model.
 #
-# Usage:  bash benchmarks/quant_report.sh [WORK_DIR]          (default WORK_DIR: /tmp/loom-quant-report)
+# Usage:  bash benchmarks/quant_report.sh [WORK_DIR [EXTRA bench quant ARGS...]]   (WORK_DIR: /tmp/loom-quant-report)
+#   MODEL=FILE_OR_DIR   the source (default: the bundled model); e.g. a Qwen2.5-Coder GGUF from
+#                       loom.bench.model_fetch.fetch_gguf
+#   ROWS="rtn8 gptq4 ..."  the checkpoints to write and measure (default: every row below; a larger model may want
+#                       fewer: the mixed-precision rows run hundreds of sensitivity trials)
+#   LLAMA_BIN=DIR       llama.cpp's tools (default benchmarks/peers/build-noamx/bin)
 # Needs:  pip install -e '.[bench]' (ShareGPT calibration, the Austen text, matplotlib) and llama.cpp's tools:
 #         GGML_NATIVE=OFF PEERS_CMAKE_FLAGS="-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" \
 #         PEERS_BUILD_DIR=benchmarks/peers/build-noamx \
 #         PEERS_TARGETS="llama-bench llama-batched-bench llama-quantize llama-perplexity" \
-#         bash benchmarks/install_peers.sh        (LLAMA_BIN below; a plain native build on a CPU whose AMX works)
+#         bash benchmarks/install_peers.sh        (a plain native build where the CPU has no AMX, or its AMX works)
 # Run it on a quiet machine: the speed columns are timed (each loom row in its own process).
-# Checkpoints already in WORK_DIR are reused, so a second run measures only.
+# Checkpoints already in WORK_DIR are reused, so a second run measures only; QUANT_ONLY=1 writes them and stops.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 W="${1:-/tmp/loom-quant-report}"
 LOOM=".venv/bin/loom"
 LLAMA_BIN="${LLAMA_BIN:-benchmarks/peers/build-noamx/bin}"
+SOURCE=()
+[[ -n "${MODEL:-}" ]] && SOURCE=(--model "$MODEL")
 mkdir -p "$W"
 PROSE="$W/emma.txt"  # a second, disjoint held-out novel: calibration prose for the "prose-calibrated" rows
 [[ -f "$PROSE" ]] || .venv/bin/python -c "from loom.bench.heldout import janeausten_text as t; open('$PROSE','w').write(t('emma'))"
 
-q() {  # q NAME ARGS...: loom quantize into $W/NAME unless it is there
-  local name="$1"; shift
-  [[ -f "$W/$name/config.json" ]] || "$LOOM" quantize --output "$W/$name" "$@"
+args_of() {  # the loom quantize arguments of each row
+  case "$1" in
+    rtn8) echo --method rtn --bits 8 --group-size -1 ;;
+    rtn8-asym) echo --method rtn --bits 8 --group-size -1 --asym ;;
+    rtn4) echo --method rtn --bits 4 --group-size 128 ;;
+    rtn4-asym) echo --method rtn --bits 4 --group-size 128 --asym ;;
+    gptq4) echo --method gptq --bits 4 --group-size 128 ;;
+    gptq4-asym) echo --method gptq --bits 4 --group-size 128 --asym ;;
+    gptq4-prose) echo --method gptq --bits 4 --group-size 128 --calibration-windows 32 --calibration-file "$PROSE" ;;
+    awq4) echo --method awq --bits 4 --group-size 128 ;;
+    mixed45) echo --method rtn --bits 4 --group-size 128 --asym --target-bits 4.5 ;;
+    mixed45-gptq-prose) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 4.5 \
+      --calibration-windows 32 --calibration-file "$PROSE" ;;
+    # the linear bits of llama.cpp's Q4_K_M of SmolLM2 (its 576-wide rows fall back to other types)
+    mixed553-gptq-prose) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.53 \
+      --calibration-windows 32 --calibration-file "$PROSE" ;;
+    fp8) echo --method fp8 ;;
+    smoothquant) echo --method smoothquant ;;  # dense, SmoothQuant's scales folded in: runs as w8a8 (rotated)
+    w8a8-ct) echo --method w8a8 ;;  # compressed-tensors W8A8: SmoothQuant, int8 per channel, int8 per token
+    sparse24-wanda) echo --method sparse24 --prune-score wanda ;;
+    sparse24-magnitude) echo --method sparse24 --prune-score magnitude ;;
+    *) echo "unknown row $1" >&2; return 1 ;;
+  esac
 }
-q rtn8 --method rtn --bits 8 --group-size -1
-q rtn4 --method rtn --bits 4 --group-size 128
-q rtn4-asym --method rtn --bits 4 --group-size 128 --asym
-q gptq4 --method gptq --bits 4 --group-size 128 --calibration-windows 64
-q gptq4-prose --method gptq --bits 4 --group-size 128 --calibration-windows 32 --calibration-file "$PROSE"
-q awq4 --method awq --bits 4 --group-size 128
-q mixed45 --method rtn --bits 4 --group-size 128 --asym --target-bits 4.5
-q mixed45-gptq-prose --method gptq --bits 4 --group-size 128 --asym --target-bits 4.5 --calibration-windows 32 \
-  --calibration-file "$PROSE"
-q mixed553-gptq-prose --method gptq --bits 4 --group-size 128 --asym --target-bits 5.53 --calibration-windows 32 \
-  --calibration-file "$PROSE"  # the linear bits of llama.cpp's Q4_K_M of this model (its 576-wide rows fall back)
-q fp8 --method fp8
-q sparse24-wanda --method sparse24 --prune-score wanda
-q sparse24-magnitude --method sparse24 --prune-score magnitude
-
+ROWS="${ROWS:-rtn8 rtn8-asym rtn4 rtn4-asym gptq4 gptq4-asym gptq4-prose awq4 mixed45 mixed45-gptq-prose mixed553-gptq-prose fp8 \
+smoothquant w8a8-ct sparse24-wanda sparse24-magnitude}"
 ck=()
-for name in rtn8 rtn4 rtn4-asym gptq4 gptq4-prose awq4 mixed45 mixed45-gptq-prose mixed553-gptq-prose fp8 \
-    sparse24-wanda sparse24-magnitude; do
+for name in $ROWS; do
+  args="$(args_of "$name")"
+  # shellcheck disable=SC2086 # word splitting of the row's arguments is intended (no argument holds a space)
+  [[ -f "$W/$name/config.json" ]] || "$LOOM" quantize "${SOURCE[@]}" --output "$W/$name" $args
   ck+=(--checkpoint "$name=$W/$name")
 done
 [[ -n "${QUANT_ONLY:-}" ]] && exit 0  # QUANT_ONLY=1: write the checkpoints, measure nothing
 lscpu | grep -E "Model name|Flags" > "$W/lscpu.txt"
-"$LOOM" bench quant --methods none gguf w8a16 w4a16 w8a8 --kv-cache-dtypes int8 fp8_e4m3 --kv-with none gguf \
-  "${ck[@]}" --llama-cpp "$LLAMA_BIN" --num-windows 16 --threads 2 --result-dir "$W/report" "${@:2}"
+"$LOOM" bench quant "${SOURCE[@]}" --methods none gguf w8a16 w4a16 w8a8 --kv-cache-dtypes int8 fp8_e4m3 \
+  --kv-with none gguf "${ck[@]}" --llama-cpp "$LLAMA_BIN" --num-windows 16 --threads 2 --result-dir "$W/report" "${@:2}"
