@@ -160,6 +160,14 @@ class LLM:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles the server's ChatMessage takes
 
 
+def join_text_parts(parts: Sequence[object]) -> str | None:
+    """OpenAI's content parts as one string: the texts of {"type": "text", "text": str} parts, joined; None when
+    any part is something else (an image, say), which loom does not take. Used by LLM.chat and the server."""
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return None
+    return "".join(p["text"] for p in parts)  # type: ignore[index]
+
+
 def _checked_conversation(conversation: object) -> list[dict]:
     """A conversation as plain {"role", "content"} dicts (an assistant's content None -> ""), or ValueError naming
     the message."""
@@ -172,12 +180,11 @@ def _checked_conversation(conversation: object) -> list[dict]:
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        if isinstance(content, (list, tuple)):  # OpenAI's content parts: text ones are joined, as the server does
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+        if isinstance(content, (list, tuple)):  # OpenAI's content parts, joined as the server joins them
+            content = join_text_parts(content)
+            if content is None:
                 raise ValueError(f"messages[{i}].content: only text content parts ({{'type': 'text', 'text': ...}}) "
                                  "are supported")
-            content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got "
                              f"{type(content).__name__}")

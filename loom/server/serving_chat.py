@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from loom.engine.async_engine import RequestStream
+from loom.engine.llm import join_text_parts
 from loom.outputs import CompletionOutput, RequestOutput
 from loom.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputParams
 from loom.server.protocol import (
@@ -44,13 +45,9 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestError(f"messages[{i}].content: only text content parts are supported",
-                                       "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = join_text_parts(content)
+            if content is None:
+                raise RequestError(f"messages[{i}].content: only text content parts are supported", "messages")
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name

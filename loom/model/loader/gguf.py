@@ -79,10 +79,12 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
     if head[:4] != b"GGUF":  # the gguf library's own message for this is numpy's, about array sizes
         raise ValueError(f"model {str(path)!r} is not a GGUF file: it does not start with the magic bytes 'GGUF' "
                          f"(found {head[:4]!r})")
-    version = int.from_bytes(head[4:8], "little") if len(head) == 8 else None
+    if len(head) < 8:
+        raise ValueError(f"model {str(path)!r} is a truncated GGUF file")
+    version = int.from_bytes(head[4:8], "little")
     if version not in (2, 3):
         raise ValueError(f"model {str(path)!r} is a GGUF file of version {version}, which cannot be read (versions 2 "
-                         "and 3 can)" if version is not None else f"model {str(path)!r} is a truncated GGUF file")
+                         "and 3 can)")
     try:
         return gguf.GGUFReader(str(path))
     except Exception as exc:  # noqa: BLE001 - past the magic and version, any failure of the reader is a damaged file
