@@ -30,7 +30,8 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
                       static_groups=ns.static_groups, damp_percent=ns.damp_percent,
                       awq_clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
                       sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score,
-                      activation_scales=ns.activation_scales, lm_head_bits=ns.lm_head_bits)
+                      activation_scales=ns.activation_scales, lm_head_bits=ns.lm_head_bits,
+                      weight_rounding=ns.weight_rounding)
     if result.method == "sparse24":
         calibrated = (f", {result.calibration_tokens} calibration tokens of {result.calibration}"
                       if result.calibration_tokens else "")
@@ -45,7 +46,8 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
         return 0
     if result.method == "w8a8":
         acts = result.quantization_config["config_groups"]["group_0"]["input_activations"]
-        print(f"wrote {result.output} (SmoothQuant alpha {result.alpha}, int8 weights per channel, "
+        rounding = " by GPTQ" if ns.weight_rounding == "gptq" else ""
+        print(f"wrote {result.output} (SmoothQuant alpha {result.alpha}, int8 weights per channel{rounding}, "
               f"{'dynamic per-token' if acts['dynamic'] else 'static per-tensor'} int8 activations; "
               f"{result.calibration_tokens} calibration tokens of {result.calibration}) in {result.seconds:.1f} s; "
               f"a compressed-tensors W8A8 checkpoint: loom generate --model {result.output} ...")
@@ -77,8 +79,9 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
               f"{result.seconds:.1f} s; a GPTQ-format checkpoint, run by loom's packed kernels: "
               f"loom generate --model {result.output} ...")
         return 0
-    print(f"wrote {result.output} ({result.method}, alpha {result.alpha}, {result.calibration_tokens} calibration "
-          f"tokens of {result.calibration}) in {result.seconds:.1f} s; it runs as w8a8 by default: "
+    rounding = ", weights GPTQ'd onto w8a8's grid" if ns.weight_rounding == "gptq" else ""
+    print(f"wrote {result.output} ({result.method}, alpha {result.alpha}{rounding}, {result.calibration_tokens} "
+          f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; it runs as w8a8 by default: "
           f"loom generate --model {result.output} ...")
     return 0
 
@@ -163,6 +166,10 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--activation-scales", choices=("dynamic", "static"), default=None,
                    help="w8a8: int8 activations with a scale per token at run time, or one per layer input "
                    "calibrated here (default: dynamic)")
+    p.add_argument("--weight-rounding", choices=("rtn", "gptq"), default=None,
+                   help="smoothquant / w8a8: the smoothed weights onto the int8 per-channel grid by round to nearest "
+                   "(smoothquant: at load) or by GPTQ on the calibration tokens (smoothquant: in the rotated basis "
+                   "run-time w8a8 multiplies in) (default: rtn)")
     g = p.add_argument_group("rtn / gptq / awq / sparse24")
     g.add_argument("--bits", type=int, choices=(4, 8), default=None,
                    help="rtn / gptq: 4 or 8; awq: 4 (default: 4)")

@@ -140,11 +140,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         raise ValueError(f"hessian must be [{k}, {k}], got {tuple(hessian.shape)}")
     if not 0 < percdamp < 1:
         raise ValueError(f"percdamp must be in (0, 1), got {percdamp}")
-    w = weight.detach().float().clone()
-    h = hessian.detach().double().clone()
-    dead = torch.diagonal(h) == 0  # inputs calibration never saw: any value; their weights do not matter
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    w, h = _without_dead_inputs(weight, hessian)
     size = k if group_size == -1 else group_size
     static = None
     if static_groups and group_size != -1:  # per group, over consecutive columns, before any update
@@ -152,11 +148,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
     group_of = (perm // size).tolist() if static is not None else None  # a visiting slot's static group
     w, h = w[:, perm], h[perm][:, perm]
-    h += percdamp * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
-    try:
-        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    except RuntimeError as exc:  # torch raises _LinAlgError, a RuntimeError
-        raise ValueError(f"the dampened Hessian is not positive definite; raise percdamp ({exc})") from None
+    hinv = _inverse_factor(h, percdamp)
 
     codes = torch.empty(n, k, dtype=torch.float32)
     scales, zeros = [], []
@@ -195,6 +187,78 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         g_idx = (torch.arange(k) // size)[inverse].to(torch.int32)  # group of original column c: its visit slot
     return GPTQWeight(codes[:, inverse].to(torch.int32), torch.stack(scales).half(),
                       torch.stack(zeros).to(torch.int32), g_idx, bits)
+
+
+def _without_dead_inputs(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w float32 copy, h float64 copy) with the inputs calibration never saw (zero Hessian diagonal) given weight 0
+    and a unit diagonal: any value there leaves the calibration outputs unchanged."""
+    w = weight.detach().float().clone()
+    h = hessian.detach().double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    return w, h
+
+
+def _inverse_factor(h: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """The upper Cholesky factor of (h + percdamp * mean(diag h) * I)^-1, float32 [K, K] (h float64, modified).
+
+    Raises:
+        ValueError: the dampened Hessian is not positive definite.
+    """
+    h += percdamp * torch.diagonal(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    try:
+        return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    except RuntimeError as exc:  # torch raises _LinAlgError, a RuntimeError
+        raise ValueError(f"the dampened Hessian is not positive definite; raise percdamp ({exc})") from None
+
+
+def gptq_int8_per_channel(weight: torch.Tensor, hessian: torch.Tensor, *, act_order: bool = True,
+                          percdamp: float = 0.01, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al. 2022, Algorithm 1) onto W8A8's grid instead of AutoGPTQ's: symmetric int8 with one
+    scale per output row, scale = max|w_row| / 127 rounded to float16 (taken before any update), codes
+    round(w / scale) clamped to -127..127 (loom/quant/rtn.quantize_q8 with one group per row, and
+    compressed-tensors' int8 "channel" strategy). The error of each rounded column is spread over the columns not
+    yet rounded, as in gptq_quantize.
+
+    Args:
+        weight: [N, K] float.
+        hessian: [K, K] float32, 2 X X^T / n over the layer's calibration inputs (accumulate_hessian).
+        act_order: visit columns by decreasing diag(H).
+        percdamp: lambda = percdamp * mean(diag(H)) is added to the diagonal before inversion.
+        block_size: columns per lazy batch update.
+
+    Returns:
+        (codes int8 [N, K], scales float16 [N]); weight ~ codes * scales[:, None].
+
+    Raises:
+        ValueError: shapes that differ, percdamp outside (0, 1), or a Hessian that stays singular after damping.
+    """
+    n, k = weight.shape
+    if tuple(hessian.shape) != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}], got {tuple(hessian.shape)}")
+    if not 0 < percdamp < 1:
+        raise ValueError(f"percdamp must be in (0, 1), got {percdamp}")
+    w, h = _without_dead_inputs(weight, hessian)
+    scales = (weight.detach().float().abs().amax(dim=1) / 127).half()
+    s = torch.where(scales.float() > 0, scales.float(), torch.ones(n))  # an all-zero row: codes 0 at any scale
+    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    hinv = _inverse_factor(h, percdamp)
+    codes = torch.empty(n, k, dtype=torch.float32)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            q = (w1[:, i] / s).round_().clamp_(-127, 127)
+            codes[:, i1 + i] = q
+            err = (w1[:, i] - q * s) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return codes[:, torch.argsort(perm)].to(torch.int8).contiguous(), scales
 
 
 def accumulate_hessian(hessian: torch.Tensor | None, count: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:

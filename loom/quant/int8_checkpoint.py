@@ -190,12 +190,14 @@ def int8_quantization_config(activations: str) -> dict[str, Any]:
 
 
 def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,
-                          activations: str = "dynamic", calibration: str = "") -> dict[str, Any]:
-    """SmoothQuant (Xiao et al. 2022, arXiv:2211.10438) then int8 per output channel, written to `output` as a
-    compressed-tensors W8A8 checkpoint (module docstring; vLLM's and loom's format). Calibrate on `windows` (token
-    ids): the per-channel input maxima give the smoothing scales (alpha, or "search" per layer against this
-    grid, without loom's run-time rotation, which the format has no place for); with activations "static" the
-    same tokens through the smoothed model give each projection's input_scale, max|x| / 127.
+                          activations: str = "dynamic", calibration: str = "",
+                          weight_rounding: str = "rtn") -> dict[str, Any]:
+    """SmoothQuant (Xiao et al. 2022, arXiv:2211.10438) then int8 per output channel (round to nearest, or GPTQ
+    with weight_rounding "gptq": llm-compressor's SmoothQuant + GPTQ W8A8 recipe, loom/quant/gptq_w8a8.py),
+    written to `output` as a compressed-tensors W8A8 checkpoint (module docstring; vLLM's and loom's format).
+    Calibrate on `windows` (token ids): the per-channel input maxima give the smoothing scales (alpha, or
+    "search" per layer against this grid, without loom's run-time rotation, which the format has no place for);
+    with activations "static" the same tokens through the smoothed model give each projection's input_scale, max|x| / 127.
 
     Returns:
         {"output", "seconds", "quantization_config", "calibration_tokens", "bits_per_weight"}.
@@ -230,14 +232,23 @@ def write_int8_checkpoint(model: str | None, output: str, windows: list[list[int
             head, _, kind = name.rpartition(".")
             for proj in PROJECTIONS[kind]:
                 input_scale[f"{head}.{proj}"] = max(float(amax.max()), 1e-12) / 127
+    gptq = {}
+    if weight_rounding == "gptq":
+        from loom.quant.gptq_w8a8 import gptq_w8a8_weights
+
+        gptq = gptq_w8a8_weights(arch, smoothed, windows, rotated=False)
     tensors: dict[str, torch.Tensor] = {}
     bits = count = 0
     for name, t in smoothed.items():
         module, _, kind = name.rpartition(".")
         if kind == "weight" and module.startswith("model.layers.") and module.rpartition(".")[2] in LINEAR_NAMES:
-            packed = quantize_q8(t, t.shape[1])  # one float16 scale per row: loom reads the file's own
-            scale = packed.scales.float()
-            tensors[name], tensors[f"{module}.weight_scale"] = packed.qweight, scale
+            if module in gptq:
+                codes, scales = gptq[module]
+            else:
+                packed = quantize_q8(t, t.shape[1])  # one float16 scale per row: loom reads the file's own
+                codes, scales = packed.qweight, packed.scales
+            scale = scales.float().reshape(-1, 1)
+            tensors[name], tensors[f"{module}.weight_scale"] = codes.contiguous(), scale
             if activations == "static":
                 tensors[f"{module}.input_scale"] = torch.tensor([input_scale[module]], dtype=torch.float32)
             bits += 8 * t.numel() + 32 * scale.numel()

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse24")
 # quantize()'s method-specific options -> the methods that read them (any other method refuses them)
 METHOD_OPTIONS = {
-    "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",),
+    "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8"),
     "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
     "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq",), "awq_clip": ("awq",),
     "target_bits": ("rtn", "gptq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq"),
@@ -222,7 +222,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
              awq_clip: bool | None = None, target_bits: float | None = None,
              dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int | None = None,
              prune_score: str | None = None, activation_scales: str | None = None,
-             lm_head_bits: int | None = None) -> QuantizeResult:
+             lm_head_bits: int | None = None, weight_rounding: str | None = None) -> QuantizeResult:
     """Prepare `model` (GGUF file, HF directory, None = the bundled model) for `method`; write it to `output`.
 
     Every method-specific option is None when not given (its default below applies); one given to a method it
@@ -255,6 +255,9 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             AutoGPTQ writes it (113 MB of float32 read per token on SmolLM2, against 66 MB of 4-bit layers).
         activation_scales: w8a8's activations, "dynamic" (int8 per token at run time) or "static" (one calibrated
             scale per layer input).
+        weight_rounding: smoothquant / w8a8: how the smoothed weights reach the int8 per-channel grid, "rtn"
+            (round to nearest; smoothquant leaves it to the run time) or "gptq" (loom/quant/gptq_w8a8.py, layer by
+            layer on the calibration windows; smoothquant in run-time w8a8's rotated basis); default "rtn".
 
     Raises:
         ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
@@ -269,7 +272,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     given = {"alpha": alpha, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
              "static_groups": static_groups, "damp_percent": damp_percent, "awq_clip": awq_clip,
              "target_bits": target_bits, "dynamic": dynamic, "sensitivity_windows": sensitivity_windows,
-             "prune_score": prune_score, "activation_scales": activation_scales, "lm_head_bits": lm_head_bits}
+             "prune_score": prune_score, "activation_scales": activation_scales, "lm_head_bits": lm_head_bits,
+             "weight_rounding": weight_rounding}
     for name, value in given.items():
         methods = METHOD_OPTIONS[name]
         if value is not None and method not in methods:
@@ -304,6 +308,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
                          "the sensitivity is measured on the first calibration windows")
     if activation_scales not in ("dynamic", "static"):
         raise ValueError(f"activation_scales must be 'dynamic' or 'static', got {activation_scales!r}")
+    weight_rounding = "rtn" if weight_rounding is None else weight_rounding
+    from loom.quant.gptq_w8a8 import WEIGHT_ROUNDINGS
+
+    if weight_rounding not in WEIGHT_ROUNDINGS:
+        raise ValueError(f"weight_rounding must be one of {list(WEIGHT_ROUNDINGS)}, got {weight_rounding!r}")
     if method == "sparse24":
         from loom.quant.sparsity import SCORES, write_sparse_checkpoint
 
@@ -343,10 +352,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         from loom.quant.int8_checkpoint import write_int8_checkpoint
 
         r = write_int8_checkpoint(model, output, windows, alpha=alpha, activations=activation_scales,
-                                  calibration=source)
+                                  calibration=source, weight_rounding=weight_rounding)
         return QuantizeResult(r["output"], "w8a8", source, r["calibration_tokens"], alpha, r["seconds"],
                               r["quantization_config"], r["bits_per_weight"])
-    return smoothquant_checkpoint(model, output, windows, alpha=alpha, calibration=source)
+    return smoothquant_checkpoint(model, output, windows, alpha=alpha, calibration=source,
+                                  weight_rounding=weight_rounding)
 
 
 def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibration_file: str | None,
@@ -382,9 +392,15 @@ def _quantize_awq(model: str | None, output: str, calibration_file: str | None, 
 
 
 def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,
-                           calibration: str = "") -> QuantizeResult:
+                           calibration: str = "", weight_rounding: str = "rtn") -> QuantizeResult:
     """Calibrate on `windows` (token ids), fold SmoothQuant's scales in, write `output` (safetensors float32,
     config.json with CONFIG_KEY, the tokenizer when the checkpoint has one).
+
+    With weight_rounding "gptq" each decoder projection is then GPTQ'd onto run-time w8a8's grid in its rotated
+    basis (loom/quant/gptq_w8a8.py) and stored rotated back, as float32 values that w8a8's load-time rounding
+    maps onto the same codes: exactly for every row whose codes reach +-127 (its scale is recomputed from its
+    largest value), and within half a finer step for the few rows GPTQ's updates left short of 127 (~2% on the
+    bundled model). The file stays a dense model any loader reads.
 
     Raises:
         ValueError: bad alpha, an architecture without a smoothing map, an output that exists and is not an
@@ -395,9 +411,17 @@ def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[in
     out = _check_output(output)
     start = time.perf_counter()
     loaded, path, smoothed, config = smoothed_source(model, windows, alpha, "smoothquant", calibration)
+    if weight_rounding == "gptq":
+        from loom.quant.gptq_w8a8 import gptq_w8a8_weights
+        from loom.quant.hadamard import rotate, rotation_block
+
+        for name, (codes, scales) in gptq_w8a8_weights(loaded.arch, smoothed, windows, rotated=True).items():
+            values = codes.float() * scales.float()[:, None]
+            smoothed[f"{name}.weight"] = rotate(values, rotation_block(values.shape[1]))
     tokens = sum(len(w) for w in windows)
     config[CONFIG_KEY] = {
         "method": "w8a8", "prepared_by": "smoothquant", "alpha": alpha if alpha == "search" else float(alpha),
+        "weight_rounding": weight_rounding,
         "calibration": calibration, "calibration_tokens": tokens, "source": str(path),
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -232,7 +232,7 @@ def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]
     ("awq", "sym", True), ("fp8", "bits", 4), ("gptq", "alpha", 0.3), ("smoothquant", "awq_clip", False),
     ("sparse24", "group_size", 32), ("gptq", "prune_score", "magnitude"),
     ("smoothquant", "activation_scales", "static"),
-    ("w8a8", "target_bits", 4.5)])
+    ("w8a8", "target_bits", 4.5), ("rtn", "weight_rounding", "gptq")])
 def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: str, option: str, value) -> None:
     """Every method-specific option given to another method is an error before any work (a fresh-user trial found
     `--method awq --desc-act`, `--method fp8 --bits 4`, `--method rtn --static-groups` silently ignored)."""
@@ -249,6 +249,8 @@ def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: s
     (["--method", "smoothquant", "--awq-clip"], "--awq-clip applies to method 'awq', not 'smoothquant'"),
     (["--method", "gptq", "--no-desc-act", "--static-groups"], "--static-groups applies with --desc-act"),
     (["--method", "fp8", "--bits", "4"], "--bits applies to methods 'rtn', 'gptq' and 'awq', not 'fp8'"),
+    (["--method", "gptq", "--weight-rounding", "gptq"],
+     "--weight-rounding applies to methods 'smoothquant' and 'w8a8', not 'gptq'"),
     (["--output", ""], "--output must be a directory path, got an empty one"),
     (["--method", "rtn", "--calibration-windows", "4"],
      "--calibration-windows applies to a run that calibrates (smoothquant, w8a8, gptq, awq, sparse24 with "
