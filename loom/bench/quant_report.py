@@ -174,7 +174,10 @@ def measure_quality(source: str | None, entries: list[QuantEntry], windows: list
         else:
             report = loaded.model.weight_report()
             stats["weight_mb"] = sum(n for kind, (_, n) in report.items() if kind != "embed_tokens") / 1e6
-            stats["linear_bits"] = (checkpoint_linear_bits(entry.model) if method is None
+            # a checkpoint's own stored bits, except one stored dense and quantized at load (a smoothquant
+            # checkpoint prepared for w8a8): the bits it runs with
+            stats["linear_bits"] = (checkpoint_linear_bits(entry.model)
+                                    if method is None and not _quantized_at_load(entry.model)
                                     else _runtime_linear_bits(loaded.model))
         stats["quantization"] = method or default_quantization(entry.model)
         out.append(stats)
@@ -192,6 +195,17 @@ def gguf_decode_bytes(path: str | Path) -> int:
     tensors = {t.name: int(t.n_bytes) for t in open_gguf(Path(path)).tensors}
     tied = "output.weight" not in tensors
     return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def _quantized_at_load(path: str | Path) -> bool:
+    """Whether a checkpoint directory is a dense one that `loom quantize` prepared for a run-time method
+    (config.json's loom_quantization, e.g. smoothquant's w8a8)."""
+    import json
+
+    from loom.quant.quantize import prepared_method
+
+    config = Path(path) / "config.json"
+    return config.is_file() and prepared_method(json.loads(config.read_text())) is not None
 
 
 def _runtime_linear_bits(model: Any) -> float | None:

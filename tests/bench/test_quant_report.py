@@ -206,3 +206,13 @@ def test_result_dir_that_is_a_file_is_refused(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", "quant", "--result-dir", str(afile)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0 and "is a file, not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_quantized_at_load_reports_the_bits_it_runs_with(tmp_path, default_gguf) -> None:
+    """A smoothquant checkpoint is float32 on disk but runs as w8a8: its row's linear bits are w8a8's, not 32
+    (the 2026-12-06 report showed 32.000 beside w8a8's 138 MB)."""
+    (tmp_path / "config.json").write_text(json.dumps({"loom_quantization": {"method": "w8a8"}}))
+    assert qr._quantized_at_load(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert not qr._quantized_at_load(tmp_path)
+    assert not qr._quantized_at_load(default_gguf)
