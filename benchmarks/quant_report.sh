@@ -44,16 +44,25 @@ args_of() {  # the loom quantize arguments of each row
     # the linear bits of llama.cpp's Q4_K_M of SmolLM2 (its 576-wide rows fall back to other types)
     mixed553-gptq-prose) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.53 \
       --calibration-windows 32 --calibration-file "$PROSE" ;;
+    # the same with the LM head (SmolLM2's tied embedding matrix) at 8 bits, as Q4_K_M stores it: the bytes of Q4_K_M
+    mixed553-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.53 \
+      --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
+    # ... and at Q4_K_M's total weight bytes (its token_embd is 6-bit; loom's head takes 4 or 8)
+    mixed525-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.25 \
+      --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
     fp8) echo --method fp8 ;;
     smoothquant) echo --method smoothquant ;;  # dense, SmoothQuant's scales folded in: runs as w8a8 (rotated)
+    smoothquant-gptq) echo --method smoothquant --weight-rounding gptq ;;  # ... weights GPTQ'd onto w8a8's grid
     w8a8-ct) echo --method w8a8 ;;  # compressed-tensors W8A8: SmoothQuant, int8 per channel, int8 per token
+    w8a8-ct-gptq) echo --method w8a8 --weight-rounding gptq ;;  # ... by GPTQ (llm-compressor's recipe)
     sparse24-wanda) echo --method sparse24 --prune-score wanda ;;
     sparse24-magnitude) echo --method sparse24 --prune-score magnitude ;;
     *) echo "unknown row $1" >&2; return 1 ;;
   esac
 }
-ROWS="${ROWS:-rtn8 rtn8-asym rtn4 rtn4-asym gptq4 gptq4-asym gptq4-prose awq4 mixed45 mixed45-gptq-prose mixed553-gptq-prose fp8 \
-smoothquant w8a8-ct sparse24-wanda sparse24-magnitude}"
+ROWS="${ROWS:-rtn8 rtn8-asym rtn4 rtn4-asym gptq4 gptq4-asym gptq4-prose awq4 mixed45 mixed45-gptq-prose mixed553-gptq-prose \
+mixed553-gptq-prose-head8 mixed525-gptq-prose-head8 fp8 smoothquant smoothquant-gptq \
+w8a8-ct w8a8-ct-gptq sparse24-wanda sparse24-magnitude}"
 ck=()
 for name in $ROWS; do
   args="$(args_of "$name")"
