@@ -21,7 +21,22 @@ def _alpha(value: str) -> float | str:
 
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    """SIGTERM as an exit that unwinds (status 128 + signum), so a killed run removes what it wrote, as Ctrl-C does."""
+    raise SystemExit(128 + signum)
+
+
 def cmd_quantize(ns: argparse.Namespace) -> int:
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _quantize(ns)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _quantize(ns: argparse.Namespace) -> int:
     from loom.quant.quantize import quantize
 
     result = quantize(ns.model, ns.output, ns.method, alpha=ns.alpha, calibration_file=ns.calibration_file,
@@ -161,7 +176,7 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    "window; needs loom[bench])")
     p.add_argument("--calibration-windows", type=at_least(1), default=None,
                    help="calibration windows, one prefill each (default: 8)")
-    p.add_argument("--calibration-window-len", type=at_least(1), default=None,
+    p.add_argument("--calibration-window-len", type=at_least(2), default=None,
                    help="tokens per calibration window (default: 512)")
     p.add_argument("--activation-scales", choices=("dynamic", "static"), default=None,
                    help="w8a8: int8 activations with a scale per token at run time, or one per layer input "

@@ -92,7 +92,8 @@ def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int,
         ValueError: bad sizes, an unreadable file, missing ShareGPT package, or too little text.
     """
     if num_windows < 1 or window_len < 2:
-        raise ValueError(f"calibration needs num_windows >= 1 and window_len >= 2, got {num_windows}, {window_len}")
+        raise ValueError(f"calibration needs calibration_windows >= 1 and calibration_window_len >= 2, got "
+                         f"{num_windows} and {window_len}")
     if text_file is not None:
         try:
             text = Path(text_file).read_text(encoding="utf-8")
@@ -192,23 +193,31 @@ def calibrates(method: str, target_bits: float | None, prune_score: str) -> bool
 
 
 def _removes_new_output_on_failure(fn: Any) -> Any:
-    """`fn(model, output, ...)` that, when it raises (an error or an interrupt), removes `output` and the parents of it
-    that the call itself created: a failed run leaves no empty or half-written directory behind to refuse the next
-    run. A directory that existed before the call (empty, as _check_output requires) is left as it was found."""
+    """`fn(model, output, ...)` that, when it raises (an error, an interrupt or a SystemExit), removes `output` and the
+    parents of it that the call itself created: a failed run leaves no empty or half-written directory behind to
+    refuse the next run. A directory that existed before the call and was empty (as _check_output requires) is
+    emptied again and kept; one that was not empty is never touched (the call refuses it)."""
     import functools
     import shutil
 
     @functools.wraps(fn)
     def wrapper(model: str | None, output: str, *args: Any, **kwargs: Any) -> Any:
-        path = Path(output).expanduser() if isinstance(output, (str, os.PathLike)) and str(output).strip() else None
-        new = None  # the outermost directory of `output` that does not exist yet (its parents are made too)
+        out = Path(output).expanduser() if isinstance(output, (str, os.PathLike)) and str(output).strip() else None
+        path, new = out, None  # new: the outermost directory of `output` that does not exist yet (parents made too)
         while path is not None and not path.exists() and path != path.parent:
             new, path = path, path.parent
+        was_empty = new is None and out is not None and out.is_dir() and not any(out.iterdir())
         try:
             return fn(model, output, *args, **kwargs)
         except BaseException:
             if new is not None and new.is_dir():
                 shutil.rmtree(new, ignore_errors=True)
+            elif was_empty and out is not None:  # what this call wrote into the empty directory it was given
+                for child in list(out.iterdir()):
+                    if child.is_dir() and not child.is_symlink():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink(missing_ok=True)
             raise
 
     return wrapper
@@ -313,6 +322,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
 
     if weight_rounding not in WEIGHT_ROUNDINGS:
         raise ValueError(f"weight_rounding must be one of {list(WEIGHT_ROUNDINGS)}, got {weight_rounding!r}")
+    _check_unquantized_source(model)
     if method == "sparse24":
         from loom.quant.sparsity import SCORES, write_sparse_checkpoint
 
@@ -357,6 +367,27 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
                               r["quantization_config"], r["bits_per_weight"])
     return smoothquant_checkpoint(model, output, windows, alpha=alpha, calibration=source,
                                   weight_rounding=weight_rounding)
+
+
+def _check_unquantized_source(model: str | None) -> None:
+    """Refuse a source whose weights are already quantized (config.json's quantization_config: GPTQ, AWQ,
+    compressed-tensors), naming it, before the loader's "quantization='none' cannot run ..." (a fresh-user trial
+    found that message, about an option the user never gave). A GGUF file dequantizes and is a source; so is a
+    dense checkpoint `loom quantize` prepared (smoothquant, sparse24).
+
+    Raises:
+        ValueError: as above, or as resolve_model_path.
+    """
+    from loom.model.loader.hf_config import read_json
+    from loom.model.loader.model_loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        qc = read_json(path / "config.json").get("quantization_config")
+        if isinstance(qc, dict):
+            kind = qc.get("quant_method", "quantized")
+            raise ValueError(f"model {str(model)!r} is already quantized ({kind} weights): loom quantize starts from "
+                             "an unquantized checkpoint or a GGUF file")
 
 
 def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibration_file: str | None,

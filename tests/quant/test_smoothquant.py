@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,6 +193,64 @@ def test_a_failed_quantize_removes_the_output_it_created(tmp_path) -> None:
     assert (tmp_path / "mine").is_dir()
 
 
+def test_an_interrupted_write_into_an_empty_directory_leaves_it_empty(tmp_path) -> None:
+    """Ctrl-C while the checkpoint was being written into a directory the user had made (empty) left a complete
+    model.safetensors there, so the retry was refused as 'not empty' (fresh-user trial). What the call wrote goes;
+    the directory stays; a directory that was not empty is never touched."""
+    from loom.quant.quantize import _removes_new_output_on_failure
+
+    @_removes_new_output_on_failure
+    def write(_model, output, exc):  # noqa: ANN001, ANN202
+        out = Path(output)
+        (out / "model.safetensors").write_bytes(b"x" * 10)
+        (out / "sub").mkdir()
+        (out / "sub" / "part").write_text("y")
+        (out / ".tmp123").write_text("z")
+        raise exc
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for exc in (KeyboardInterrupt(), SystemExit(143), ValueError("late failure")):
+        with pytest.raises(type(exc)):
+            write(None, str(mine), exc)
+        assert mine.is_dir() and not any(mine.iterdir())
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("the user's")
+
+    @_removes_new_output_on_failure
+    def refuse(_model, output):  # noqa: ANN001, ANN202
+        raise ValueError("not empty")
+
+    with pytest.raises(ValueError):
+        refuse(None, str(full))
+    assert (full / "keep.txt").read_text() == "the user's"
+
+
+def test_sigterm_unwinds_a_quantize_run_and_removes_its_output(tmp_path, monkeypatch) -> None:
+    """`kill` (SIGTERM) of `loom quantize` left its output directory (or a hidden temporary file) behind; it now
+    exits with status 143 through the same clean-up as Ctrl-C, and the handler is restored afterwards."""
+    import os
+    import signal
+
+    import loom.quant.quantize as q
+    from loom.cli import main
+
+    def fake(model, output, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        Path(output).mkdir(parents=True)
+        (Path(output) / "model.safetensors").write_bytes(b"x")
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    monkeypatch.setattr(q, "quantize", q._removes_new_output_on_failure(fake))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quantize", "--output", str(tmp_path / "new" / "out")])
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert not (tmp_path / "new").exists()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.slow
 def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys, llm) -> None:
     """`loom quantize` end to end on the real model with a text file: the output generates the same greedy text
@@ -218,7 +277,7 @@ def test_loom_quantize_cli_on_the_bundled_model(tmp_path, capsys, llm) -> None:
 
 
 @pytest.mark.parametrize("args", [["--alpha", "2"], ["--alpha", "x"], ["--calibration-windows", "0"], ["--group-size", "48"],
-                                  ["--bits", "3"], ["--damp-percent", "1.5"]])
+                                  ["--bits", "3"], ["--damp-percent", "1.5"], ["--calibration-window-len", "1"]])
 def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]) -> None:
     from loom.cli import main
 
