@@ -127,7 +127,7 @@ def parse_checkpoint_arg(value: str) -> QuantEntry:
     """`LABEL=DIR` -> a loom entry run by the checkpoint's default method.
 
     Raises:
-        ValueError: no "=", an empty label, or a path that does not exist.
+        ValueError: no "=", an empty label, a path that does not exist, or a file that is not GGUF.
     """
     label, sep, path = value.partition("=")
     if not sep or not label or not path:
@@ -137,6 +137,13 @@ def parse_checkpoint_arg(value: str) -> QuantEntry:
         raise ValueError(f"--checkpoint {label}: {path!r} does not exist")
     if not (where.is_file() or (where / "config.json").is_file()):
         raise ValueError(f"--checkpoint {label}: {path!r} is neither a GGUF file nor a directory with config.json")
+    if where.is_file():  # a file must be a GGUF one: say so here, naming the argument, not when it is loaded
+        from loom.model.loader.gguf import open_gguf
+
+        try:
+            open_gguf(where)
+        except ValueError as exc:
+            raise ValueError(f"--checkpoint {label}: {exc}") from None
     return QuantEntry(label, "loom", path)
 
 

@@ -111,6 +111,9 @@ class RTNConfig:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # how the packed weights came to be, for the start-up report: rounded to nearest here, or (a checkpoint
+        # from `loom quantize --weight-rounding gptq`) values GPTQ already put on this grid
+        self.source_label = "RTN"
 
     def get_quant_method(self, layer: Any, prefix: str) -> LinearMethod:
         from loom.quant.methods import Fp8LinearMethod, PackedLinearMethod
@@ -122,7 +125,7 @@ class RTNConfig:
             logger.info("%s stays dense under %s: input size %d is not a multiple of 32", prefix, name,
                         layer.input_size)
             return default_linear_method(layer.dtype, _device_of(layer), self.float32_kernels)
-        return PackedLinearMethod(name, "RTN")
+        return PackedLinearMethod(name, "RTN" if prefix == "lm_head" else self.source_label)
 
     def embedding_packed(self) -> bool:
         return False

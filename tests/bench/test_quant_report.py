@@ -84,6 +84,10 @@ def test_checkpoint_argument_is_checked(tmp_path) -> None:
         qr.parse_checkpoint_arg(f"x={tmp_path}")
     (tmp_path / "config.json").write_text("{}")
     assert qr.parse_checkpoint_arg(f"x={tmp_path}").model == str(tmp_path)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model at all\n" * 10)
+    with pytest.raises(ValueError, match=r"^--checkpoint foo: .*not a GGUF file"):
+        qr.parse_checkpoint_arg(f"foo={text}")
 
 
 def test_gguf_bits_and_decode_bytes_come_from_the_file(default_gguf) -> None:

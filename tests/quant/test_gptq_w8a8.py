@@ -92,6 +92,7 @@ def test_smoothquant_with_gptq_weights_loads_onto_its_codes_and_lowers_the_error
     loaded = load_model(str(result.output), torch.float32, CPU)  # the prepared method: w8a8
     down = loaded.model.model.layers[1].mlp.down_proj
     assert down.rotation_block > 1
+    assert "GPTQ-rounded" in down.quant_method.weight_format(down)[0]  # the start-up report says where codes came from
     got, got_scales = down.packed[0].qweight, down.packed[0].scales.reshape(-1)
     reaches = codes.abs().amax(dim=1) == 127
     assert int(reaches.sum()) >= codes.shape[0] // 2
@@ -138,3 +139,17 @@ def test_weight_rounding_is_checked(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"weight_rounding must be one of \['rtn', 'gptq'\], got 'awq'"):
         quantize(None, str(tmp_path / "o"), "smoothquant", weight_rounding="awq")
     assert not (tmp_path / "o").exists()
+
+
+def test_an_already_quantized_source_is_refused_by_name(tmp_path) -> None:
+    """`loom quantize --model DIR` of a GPTQ / AWQ / compressed-tensors checkpoint said "quantization='none' cannot
+    run this ... checkpoint" (an option the user never gave); it now names the model and why."""
+    from loom.quant.quantize import quantize
+
+    src = tmp_path / "ct"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                 "quantization_config": {"quant_method": "compressed-tensors"}}))
+    with pytest.raises(ValueError, match=r"is already quantized \(compressed-tensors weights\): loom quantize starts"):
+        quantize(str(src), str(tmp_path / "out"), "smoothquant")
+    assert not (tmp_path / "out").exists()

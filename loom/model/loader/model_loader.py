@@ -27,7 +27,7 @@ from loom.model.loader.hf_config import hf_arch_config, hf_eos_token_ids, read_j
 from loom.model.loader.safetensors import iter_safetensors_weights, safetensors_tensor_names
 from loom.model.loader.tokenizer import tokenizer_eos_ids, tokenizer_from_path
 from loom.model.registry import get_model_class
-from loom.quant.config import get_quant_config
+from loom.quant.config import RTNConfig, get_quant_config
 from loom.quant.awq_method import awq_quant_config, awq_quantization_config
 from loom.quant.fp8_checkpoint import compressed_tensors_config, fp8_quant_config
 from loom.quant.int8_checkpoint import int8_quant_config, iter_int8_weights
@@ -191,6 +191,10 @@ def load_model(
             quant_config = fp8_quant_config(quantization, fp8_qc, safetensors_tensor_names(path))
         else:
             quant_config = get_quant_config(quantization or default_quantization(model), None, gptq)
+            prepared = config.get("loom_quantization")  # quantize.CONFIG_KEY: what `loom quantize` prepared
+            if (isinstance(quant_config, RTNConfig) and isinstance(prepared, dict)
+                    and prepared.get("weight_rounding") == "gptq" and prepared.get("method") == quant_config.name):
+                quant_config.source_label = "GPTQ-rounded by loom quantize"
     model_cls = get_model_class(arch.architecture)
     if sparse_attention is not None:
         _check_sparse_attention(arch)
