@@ -22,7 +22,9 @@ such a group takes zero = 1 and scale = max / (maxq - 1) instead (the same range
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -150,34 +152,27 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     w, h = w[:, perm], h[perm][:, perm]
     hinv = _inverse_factor(h, percdamp)
 
-    codes = torch.empty(n, k, dtype=torch.float32)
     scales, zeros = [], []
-    scale = zero = None
+    grid: list[Any] = [None, None]  # the current (scale, zero)
     if group_size == -1:
-        scale, zero = grid_params(w, bits, sym)
-        scales.append(scale)
-        zeros.append(zero)
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if static is not None:
-                scale, zero = static[group_of[col]]
-            elif group_size != -1 and col % group_size == 0:
-                # the group's current (error-updated) weights: this block's rest, then columns not yet reached
-                group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :size]
-                scale, zero = grid_params(group, bits, sym)
-                scales.append(scale)
-                zeros.append(zero)
-            q = round_to_grid(w1[:, i], scale, zero, bits)
-            codes[:, col] = q
-            err = (w1[:, i] - scale * (q - zero)) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        grid[:] = grid_params(w, bits, sym)
+        scales.append(grid[0])
+        zeros.append(grid[1])
+
+    def round_column(col: int, w1: torch.Tensor, i: int, i2: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if static is not None:
+            grid[:] = static[group_of[col]]
+        elif group_size != -1 and col % group_size == 0:
+            # the group's current (error-updated) weights: this block's rest, then columns not yet reached
+            group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :size]
+            grid[:] = grid_params(group, bits, sym)
+            scales.append(grid[0])
+            zeros.append(grid[1])
+        scale, zero = grid
+        q = round_to_grid(w1[:, i], scale, zero, bits)
+        return q, scale * (q - zero)
+
+    codes = _lazy_batch_updates(w, hinv, block_size, round_column)
 
     inverse = torch.argsort(perm)
     if static is not None:
@@ -187,6 +182,30 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         g_idx = (torch.arange(k) // size)[inverse].to(torch.int32)  # group of original column c: its visit slot
     return GPTQWeight(codes[:, inverse].to(torch.int32), torch.stack(scales).half(),
                       torch.stack(zeros).to(torch.int32), g_idx, bits)
+
+
+def _lazy_batch_updates(w: torch.Tensor, hinv: torch.Tensor, block_size: int,
+                        round_column: Callable[[int, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+                        ) -> torch.Tensor:
+    """GPTQ's column loop with lazy batch updates (Frantar et al. 2022, section 3, step 2), shared by both grids:
+    w [N, K] (visiting order, updated in place), hinv the upper Cholesky factor of H^-1 [K, K].
+    round_column(col, w1, i, i2) rounds column i of the current block w1 (= column col; the block ends at i2) and
+    returns (codes [N], their values on the grid [N]). Returns the codes float32 [N, K] in visiting order."""
+    n, k = w.shape
+    codes = torch.empty(n, k, dtype=torch.float32)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            q, value = round_column(i1 + i, w1, i, i2)
+            codes[:, i1 + i] = q
+            err = (w1[:, i] - value) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return codes
 
 
 def _without_dead_inputs(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,19 +264,12 @@ def gptq_int8_per_channel(weight: torch.Tensor, hessian: torch.Tensor, *, act_or
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
     hinv = _inverse_factor(h, percdamp)
-    codes = torch.empty(n, k, dtype=torch.float32)
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            q = (w1[:, i] / s).round_().clamp_(-127, 127)
-            codes[:, i1 + i] = q
-            err = (w1[:, i] - q * s) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+
+    def round_column(_col: int, w1: torch.Tensor, i: int, _i2: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = (w1[:, i] / s).round_().clamp_(-127, 127)
+        return q, q * s
+
+    codes = _lazy_batch_updates(w, hinv, block_size, round_column)
     return codes[:, torch.argsort(perm)].to(torch.int8).contiguous(), scales
 
 
