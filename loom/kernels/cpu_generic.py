@@ -68,7 +68,7 @@ class PagedDecode:
         fn = lib.loom_paged_decode
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
                        + [ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int])
-        fn.restype = None
+        fn.restype = ctypes.c_int
         self._fn = fn
         self.isa = isa
         # the AVX2 build's vector path: head_dim % 8 == 0, up to 256; the portable build takes any head_dim
@@ -110,6 +110,8 @@ class PagedDecode:
 
         Raises:
             ValueError: shapes or dtypes the kernel does not take (see `supports`), or a seq_len < 1.
+            MemoryError: the kernel's scratch (a few KiB per thread, plus the key-range partials) could not be
+                allocated.
         """
         if not self.supports(query, kv_cache):
             raise ValueError(f"paged_decode ({self.isa}) does not take query {tuple(query.shape)} {query.dtype} "
@@ -119,11 +121,12 @@ class PagedDecode:
         query = query.contiguous()
         seq_lens = seq_lens.contiguous()
         out = torch.empty_like(query)
-        if batch:
-            self._fn(query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
-                     block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_cache.shape[3],
-                     head_dim, kv_cache.shape[2], scale, sliding_window or 0,
-                     num_threads or torch.get_num_threads(), _DTYPES[query.dtype], _KV_TYPES[kv_cache.dtype])
+        if batch and self._fn(query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                              block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+                              batch, heads, kv_cache.shape[3], head_dim, kv_cache.shape[2], scale, sliding_window or 0,
+                              num_threads or torch.get_num_threads(), _DTYPES[query.dtype],
+                              _KV_TYPES[kv_cache.dtype]):
+            raise MemoryError("loom_paged_decode could not allocate its scratch memory")
         return out
 
 

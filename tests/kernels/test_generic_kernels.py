@@ -189,6 +189,21 @@ def test_paged_decode_refuses_what_it_cannot_serve(isa: str) -> None:
     assert paged(torch.empty(0, 4, 64), kv, table[:0], torch.empty(0, dtype=torch.int64), 0.1).shape == (0, 4, 64)
 
 
+
+@pytest.mark.parametrize("isa", kernel_isas("paged_decode"))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_decode_reports_scratch_it_cannot_allocate(isa: str, threads: int) -> None:
+    # a length of 2^44 keys asks for terabytes of key-range partials: the kernel must refuse before it reads a key
+    # (the block table has one column) and leave the process alive; it used to call abort()
+    paged = kernel_or_skip("paged_decode", isa)
+    kv = torch.randn(2, 4, 4, 2, 64)
+    with pytest.raises(MemoryError, match="scratch"):
+        paged(torch.randn(1, 4, 64), kv, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1 << 44]), 0.1,
+              num_threads=threads)
+    out = paged(torch.randn(1, 4, 64), kv, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([3]), 0.1,
+                num_threads=threads)  # and runs normally after
+    assert torch.isfinite(out).all()
+
 # ---------------------------------------------------------------- fused ops
 
 def torch_add_rmsnorm(x, res, w, eps):

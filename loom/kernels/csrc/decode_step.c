@@ -60,10 +60,10 @@ void loom_silu_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_
 void loom_gelu_tanh_mul(const void *gate_up, void *out, int64_t M, int64_t I, int is_bf16);
 void loom_rotary(const void *x, int64_t row_stride, const float *cos, const float *signed_sin, void *out, int64_t n,
                  int64_t heads, int64_t dim, int is_bf16);
-void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
-                       int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
-                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
-                       int kv_type);
+int loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                      int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
+                      int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
+                      int kv_type);
 
 /* A weight [N, K] in one of the layouts the step reads (`kind`): 0 q4g32 (4: q4g32r16, its 16-row interleave) and 1 q8g (5: q8gr16) with `group`
  * (loom/quant/layout.py: codes, float16 scales and minimums), 2 bfloat16 values row-major (a bf16 checkpoint
@@ -491,8 +491,9 @@ int loom_decode_step(const LoomDims *d, const LoomLayer *layers, const void *fin
             }
             read_table = sel, read_lens = sel_lens, read_stride = width;
         }
-        loom_paged_decode(q, L->k_cache, L->v_cache, read_table, read_stride, read_lens, attn, B, Hq, Hkv, D,
-                          d->block_size, d->scale, L->window, threads, bf16, cache_kv);
+        if (loom_paged_decode(q, L->k_cache, L->v_cache, read_table, read_stride, read_lens, attn, B, Hq, Hkv, D,
+                              d->block_size, d->scale, L->window, threads, bf16, cache_kv))
+            goto fail;
         if (gemm(&L->o, attn, Hq * D, B, h, bf16, threads)) goto fail;
         /* in place: the norm reads a row's sum of squares before it writes the row, element by element */
         if (L->post_attn_norm) loom_add_rmsnorm(h, NULL, L->post_attn_norm, h, NULL, B, H, d->eps, bf16);

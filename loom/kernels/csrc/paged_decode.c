@@ -45,6 +45,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+#define omp_get_thread_num() 0
+#endif
 
 #include "quant_common.h" /* loom_bf16_to_f32, loom_f32_to_bf16 */
 
@@ -520,10 +525,12 @@ static void merge_ranges(const float *first, int64_t ranges, int64_t part_floats
     store_out(out, at, acc, 1.0f / total, D, bf16);
 }
 
-void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
-                       int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
-                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
-                       int kv_type) {
+/* Returns 0, or -1 when its scratch memory cannot be allocated (nothing is written to out then). Every buffer is
+ * allocated before the parallel region, so that a failed allocation is reported, never met inside a thread. */
+int loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                      int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B, int64_t H, int64_t H_kv,
+                      int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
+                      int kv_type) {
     const int bf16 = is_bf16 != 0, kv = kv_type >= 1 && kv_type <= 3 ? kv_type : 0;
     const int64_t hrow = loom_kv_row_bytes(D, kv); /* bytes of a (token, head) row */
     const int64_t G = H / H_kv;
@@ -536,7 +543,7 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
      * With fewer requests than 4 per thread the ranges are the work items (batch 1 uses every thread); with more,
      * a request is one item whose ranges run in turn into its thread's buffer (partials of one request only). */
     int64_t *first_item = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1));
-    if (!first_item) abort(); /* a few bytes: out of memory before the model could run */
+    if (!first_item) return -1;
     first_item[0] = 0;
     int64_t most = 1;
     for (int64_t b = 0; b < B; ++b) {
@@ -549,20 +556,26 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
     const int64_t items = by_range ? first_item[B] : B;
     const int64_t part_floats = H * D + 2 * H; /* m, l, acc of one (request, range) */
     float *parts = by_range ? (float *)loom_alloc64(sizeof(float) * (size_t)(items * part_floats)) : NULL;
-    if (by_range && !parts) abort();
+    /* each thread's scratch, 64-byte aligned pieces so that no vector load of q, the scores or the accumulators
+     * splits a line: q [H, D], scores [G, tile], two tiles [tile, D], acc [H, D] (+ 2H), and without key-range
+     * items its own request's partials [most ranges, part_floats] */
+#define LOOM_ROUND16(n) (((n) + 15) & ~(int64_t)15)
+    const int64_t n_q = LOOM_ROUND16(H * D), n_sc = LOOM_ROUND16(G * tile), n_buf = LOOM_ROUND16(tile * D);
+    const int64_t n_mem = LOOM_ROUND16(2 * n_q + n_sc + 2 * n_buf + 2 * H);
+    const int64_t n_own = by_range ? 0 : LOOM_ROUND16(most * part_floats);
+#undef LOOM_ROUND16
+    float *scratch = (float *)loom_alloc64(sizeof(float) * (size_t)(num_threads * (n_mem + n_own)));
+    if (!scratch || (by_range && !parts)) {
+        free(scratch), free(parts), free(first_item);
+        return -1;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
-        /* 64-byte aligned pieces, so that no vector load of q, the scores or the accumulators splits a line */
-#define LOOM_ROUND16(n) (((n) + 15) & ~(int64_t)15)
-        const int64_t n_q = LOOM_ROUND16(H * D), n_sc = LOOM_ROUND16(G * tile), n_buf = LOOM_ROUND16(tile * D);
-        void *raw = NULL;
-        if (posix_memalign(&raw, 64, sizeof(float) * (size_t)(2 * n_q + n_sc + 2 * n_buf + 2 * H))) raw = NULL;
-        float *mem = (float *)raw;
-        float *own = by_range ? NULL : (float *)loom_alloc64(sizeof(float) * (size_t)(most * part_floats));
-        if (!mem || (!by_range && !own)) abort();
+        /* the team may be smaller than num_threads, never larger: thread t owns slice t */
+        float *mem = scratch + (int64_t)omp_get_thread_num() * (n_mem + n_own);
+        float *own = by_range ? NULL : mem + n_mem;
         const scratch_t S = {mem, mem + n_q, mem + n_q + n_sc, mem + n_q + n_sc + n_buf};
         float *acc = mem + n_q + n_sc + 2 * n_buf; /* [H, D] */
-#undef LOOM_ROUND16
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
             int64_t b = item, sp0 = 0, sp1;
@@ -601,9 +614,9 @@ void loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, 
                              D, bh % H, acc, out, bh * D, bf16);
             }
         }
-        free(own);
-        free(mem);
     }
+    free(scratch);
     free(parts);
     free(first_item);
+    return 0;
 }
