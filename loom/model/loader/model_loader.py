@@ -32,6 +32,7 @@ from loom.quant.awq_method import awq_quant_config, awq_quantization_config
 from loom.quant.fp8_checkpoint import compressed_tensors_config, fp8_quant_config
 from loom.quant.int8_checkpoint import int8_quant_config, iter_int8_weights
 from loom.quant.gptq_method import read_gptq_checkpoint
+from loom.quant.quantize import CONFIG_KEY
 
 
 @dataclass(slots=True)
@@ -191,7 +192,7 @@ def load_model(
             quant_config = fp8_quant_config(quantization, fp8_qc, safetensors_tensor_names(path))
         else:
             quant_config = get_quant_config(quantization or default_quantization(model), None, gptq)
-            prepared = config.get("loom_quantization")  # quantize.CONFIG_KEY: what `loom quantize` prepared
+            prepared = config.get(CONFIG_KEY)  # what `loom quantize` prepared
             if (isinstance(quant_config, RTNConfig) and isinstance(prepared, dict)
                     and prepared.get("weight_rounding") == "gptq" and prepared.get("method") == quant_config.name):
                 quant_config.source_label = "GPTQ-rounded by loom quantize"
