@@ -19,7 +19,7 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     from loom.bench.heldout import check_not_calibrated_on, janeausten_text
     from loom.bench.quality import token_windows
     from loom.model.loader import load_tokenizer
-    from loom.model.loader.model_loader import read_arch
+    from loom.model.loader.model_loader import read_arch, resolve_model_path
 
     checkpoints = [qr.parse_checkpoint_arg(c) for c in ns.checkpoint]
     if ns.result_dir.exists() and not ns.result_dir.is_dir():
@@ -62,6 +62,16 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     if tools is not None:
         llama_files = qr.llama_cpp_files(tools, ns.model, work, ns.llama_cpp_types)
         entries += [qr.QuantEntry(f"llama.cpp {t}", "llama.cpp", str(p)) for t, p in llama_files.items()]
+    round_trip: dict[str, float] = {}  # llama.cpp row label -> share of its linear weight bytes that are the source's
+    source_path = resolve_model_path(ns.model)
+    if llama_files and source_path.is_file():  # a GGUF source (a directory is a Hugging Face one)
+        for qtype, path in llama_files.items():
+            share = qr.source_identical_share(source_path, path)
+            round_trip[f"llama.cpp {qtype}"] = share
+            if share > qr.ROUND_TRIP_SHARE:
+                logger.warning("llama.cpp %s: %.1f%% of its linear weight bytes are the source's own (the source "
+                               "is already in this type's choices); its row measures a round trip", qtype,
+                               100 * share)
 
     quality = qr.measure_quality(ns.model, entries, windows)
     llama_quality: dict[str, dict[str, float]] = {}
@@ -78,13 +88,14 @@ def cmd_quant(ns: argparse.Namespace) -> int:
             else:
                 speed = qr.llama_speed(tools, Path(entry.model))
         lq = llama_quality.get(entry.label.removeprefix("llama.cpp "))
+        identical = round_trip.get(entry.label)
         rows.append(qr.QuantRow(
             entry.label, entry.engine, q["quantization"], entry.kv_cache_dtype, q["perplexity"],
             q["perplexity_change_pct"], q["top1_agreement"], q["mean_kl"], q["weight_mb"], q["linear_bits"],
             speed.get("decode_tok_s"), speed.get("batch32_output_tok_s"), speed.get("prefill_tok_s"),
             None if lq is None else lq["perplexity"], None if lq is None else lq["mean_kl"],
-            None if lq is None else lq["top1_pct"]))
-        print(qr.markdown_table(rows[-1:], quality[0]["perplexity_ref"]).splitlines()[-1], flush=True)
+            None if lq is None else lq["top1_pct"], identical))
+        print(qr.markdown_table(rows[-1:], quality[0]["perplexity_ref"]).splitlines()[4], flush=True)
     reference_ppl = quality[0]["perplexity_ref"]
     table = qr.markdown_table(rows, reference_ppl)
     ns.result_dir.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,9 @@ class QuantRow:
     llama_perplexity: float | None = None
     llama_kl: float | None = None
     llama_top1: float | None = None
+    # for a llama.cpp row of a GGUF source: the share of its linear weight bytes that are the source's own, byte for byte
+    # (a type the source is already in comes back nearly unchanged: a round trip, not a quantization)
+    source_identical: float | None = None
 
 
 def checkpoint_linear_bits(path: str | Path) -> float | None:
@@ -202,6 +205,41 @@ def gguf_decode_bytes(path: str | Path) -> int:
     tensors = {t.name: int(t.n_bytes) for t in open_gguf(Path(path)).tensors}
     tied = "output.weight" not in tensors
     return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def source_identical_share(source: str | Path, quantized: str | Path) -> float:
+    """Share (0..1) of the bytes of `quantized`'s decoder linear weights (GGUF_LINEAR) that are the tensor of the
+    same name and type in the GGUF file `source`, byte for byte. llama-quantize of a source already in the
+    requested types (Qwen2.5-Coder's Q4_K_M file to Q4_K_M) returns most tensors unchanged; its quality row then
+    measures a round trip, not the type. (The embedding and LM head are left out: a type that keeps them at 8 bits
+    returns an 8-bit source's table unchanged, which says nothing about the type's 4-bit part.)
+
+    Raises:
+        ValueError: either file is not a GGUF file (the gguf reader's error, named).
+    """
+    from loom.model.loader.gguf import open_gguf
+
+    src = {t.name: t for t in open_gguf(Path(source)).tensors}
+    same = total = 0
+    for t in open_gguf(Path(quantized)).tensors:
+        if not GGUF_LINEAR.match(t.name):
+            continue
+        n = int(t.n_bytes)
+        total += n
+        s = src.get(t.name)
+        if s is not None and s.tensor_type == t.tensor_type and int(s.n_bytes) == n and bytes(s.data) == bytes(t.data):
+            same += n
+    return same / total if total else 0.0
+
+
+ROUND_TRIP_SHARE = 0.5  # above this share of the source's own bytes a llama.cpp row is flagged as a round trip
+
+
+def round_trip_notes(rows: list[QuantRow]) -> list[str]:
+    """One line per llama.cpp row that is mostly the source's own bytes (source_identical > ROUND_TRIP_SHARE)."""
+    return [f"- {r.label}: {100 * r.source_identical:.1f}% of its linear weight bytes are the source's own, byte for "
+            f"byte (the source is already in this type's choices): a round trip, not a measure of the type."
+            for r in rows if r.source_identical is not None and r.source_identical > ROUND_TRIP_SHARE]
 
 
 def _quantized_at_load(path: str | Path) -> bool:
@@ -420,6 +458,9 @@ def markdown_table(rows: list[QuantRow], reference_ppl: float) -> str:
             f"{num(r.linear_bits, '.3f')} | {r.perplexity:.3f} | {r.perplexity_change_pct:+.2f}% | "
             f"{100 * r.top1_agreement:.2f}% | {_kl(r.mean_kl)} | {num(r.decode_tok_s, '.1f')} | "
             f"{num(r.batch32_output_tok_s, '.1f')} | {num(r.prefill_tok_s, '.1f')} | {llama} |")
+    notes = round_trip_notes(rows)
+    if notes:
+        lines += [""] + notes
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -220,3 +222,48 @@ def test_a_checkpoint_quantized_at_load_reports_the_bits_it_runs_with(tmp_path, 
     (tmp_path / "config.json").write_text("{}")
     assert not qr._quantized_at_load(tmp_path)
     assert not qr._quantized_at_load(default_gguf)
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, "gguf.GGMLQuantizationType"]]) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (values, qtype) in tensors.items():
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, values.astype(np.float32))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values.astype(np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_llama_cpp_file_that_returns_the_sources_bytes_is_a_round_trip(tmp_path) -> None:
+    q8, q4, f32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
+                   gguf.GGMLQuantizationType.F32)
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal((4, 64)) for _ in range(3))
+    names = [f"blk.0.{p}.weight" for p in ("attn_q", "attn_k", "ffn_up")]
+    src = _write_gguf(tmp_path / "src.gguf", {names[0]: (a, q8), names[1]: (b, q8), "token_embd.weight": (c, q8),
+                                              "blk.0.attn_norm.weight": (a[0], f32)})
+    # attn_q kept byte for byte, attn_k re-quantized to another type, ffn_up new; the embedding (the same bytes
+    # in both) and the F32 norm are not decoder linear weights and do not count
+    out = _write_gguf(tmp_path / "out.gguf", {names[0]: (a, q8), names[1]: (b, q4), names[2]: (c, q8),
+                                              "token_embd.weight": (c, q8), "blk.0.attn_norm.weight": (a[0], f32)})
+    q8_bytes, q4_bytes = 4 * 2 * (2 + 32), 4 * 2 * (2 + 16)  # rows x blocks x (fp16 scale + codes)
+    share = qr.source_identical_share(src, out)
+    assert share == pytest.approx(q8_bytes / (q8_bytes + q4_bytes + q8_bytes))
+    assert qr.source_identical_share(src, src) == 1.0
+    # the same type with other values is not the source's bytes
+    other = _write_gguf(tmp_path / "other.gguf", {names[0]: (a + 1, q8), names[1]: (b, q8)})
+    assert qr.source_identical_share(src, other) == pytest.approx(0.5)
+    row = qr.QuantRow("llama.cpp Q4_K_M", "llama.cpp", "none", "auto", 10.0, 0.1, 0.99, 0.004, 100.0, 5.5,
+                      source_identical=0.97)
+    plain = qr.QuantRow("llama.cpp Q4_0", "llama.cpp", "none", "auto", 11.0, 8.0, 0.8, 0.1, 90.0, 4.5,
+                        source_identical=0.0)
+    table = qr.markdown_table([row, plain], 10.0)
+    assert "- llama.cpp Q4_K_M: 97.0% of its linear weight bytes are the source's own" in table
+    assert "llama.cpp Q4_0:" not in table
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        qr.source_identical_share(src, tmp_path / "notes.txt")
