@@ -39,6 +39,8 @@ args_of() {  # the loom quantize arguments of each row
     gptq4-prose) echo --method gptq --bits 4 --group-size 128 --calibration-windows 32 --calibration-file "$PROSE" ;;
     awq4) echo --method awq --bits 4 --group-size 128 ;;
     mixed45) echo --method rtn --bits 4 --group-size 128 --asym --target-bits 4.5 ;;
+    # GPTQ asym base on the default calibration (8 windows): the mixed row a larger model can afford (Qwen 0.5B)
+    mixed45-gptq) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 4.5 ;;
     mixed45-gptq-prose) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 4.5 \
       --calibration-windows 32 --calibration-file "$PROSE" ;;
     # the linear bits of llama.cpp's Q4_K_M of SmolLM2 (its 576-wide rows fall back to other types)
