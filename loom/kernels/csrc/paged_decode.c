@@ -40,7 +40,6 @@
  * D % 8 == 0 on its vector path and any other D on the portable one; the `generic` build (no ISA flag,
  * portable C, any CPU) takes any D. Any group size G.
  */
-#define _POSIX_C_SOURCE 200112L /* posix_memalign */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
