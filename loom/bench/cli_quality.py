@@ -12,6 +12,7 @@ def cmd_quality(ns: argparse.Namespace) -> int:
     from loom.bench.heldout import check_not_calibrated_on, janeausten_text
     from loom.bench.quality import run_quality, token_windows
     from loom.model.loader import load_tokenizer
+    from loom.model.loader.model_loader import read_arch
 
     if ns.text_file is None:
         check_not_calibrated_on([ns.model], ns.book)
@@ -21,7 +22,8 @@ def cmd_quality(ns: argparse.Namespace) -> int:
     except (RuntimeError, OSError) as exc:  # the held-out text cannot be had: a one-line error, no traceback
         raise ValueError(f"--book/--text-file: {exc}") from exc
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    windows = token_windows(ids[ns.skip_tokens:], ns.num_windows, ns.window_len)
+    windows = token_windows(ids[ns.skip_tokens:], ns.num_windows, ns.window_len,
+                            read_arch(ns.model).max_position_embeddings)
     results = run_quality(ns.model, ns.quantization, ns.dtype, windows, ns.reference_model)
     reference = "" if ns.reference_model is None else f" of {ns.reference_model}"
     print(f"held-out: {ns.text_file or ns.book}, {len(windows)} windows x {ns.window_len} tokens; reference: "

@@ -28,6 +28,15 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     for kv in ns.kv_cache_dtypes:
         entries += [qr.QuantEntry(f"{m} + KV {kv}", "loom", ns.model, m, kv) for m in ns.kv_with]
     entries += checkpoints
+    if not entries:
+        raise ValueError("nothing to measure: give --methods, --kv-cache-dtypes (with --kv-with) or --checkpoint")
+    try:  # made now, so that a directory that cannot be written fails before the measuring, not after it
+        ns.result_dir.mkdir(parents=True, exist_ok=True)
+        probe = ns.result_dir / ".loom-write-check"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--result-dir {str(ns.result_dir)!r} cannot be written: {exc.strerror or exc}") from None
     if ns.text_file is None:
         check_not_calibrated_on([e.model for e in checkpoints], ns.book)
     taken = [e.label for e in entries]
@@ -54,8 +63,9 @@ def cmd_quant(ns: argparse.Namespace) -> int:
     except (RuntimeError, OSError) as exc:
         raise ValueError(f"--book/--text-file: {exc}") from exc
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-    windows = token_windows(ids, ns.num_windows, ns.window_len)
-    vocab = read_arch(ns.model).vocab_size
+    arch = read_arch(ns.model)
+    windows = token_windows(ids, ns.num_windows, ns.window_len, arch.max_position_embeddings)
+    vocab = arch.vocab_size
 
     llama_files: dict[str, Path] = {}
     work = ns.result_dir / "llama-cpp"
@@ -98,15 +108,16 @@ def cmd_quant(ns: argparse.Namespace) -> int:
         print(qr.markdown_table(rows[-1:], quality[0]["perplexity_ref"]).splitlines()[4], flush=True)
     reference_ppl = quality[0]["perplexity_ref"]
     table = qr.markdown_table(rows, reference_ppl)
-    ns.result_dir.mkdir(parents=True, exist_ok=True)
-    (ns.result_dir / "quant.md").write_text(table)
+    held_out = (f"held-out: {ns.text_file or ns.book}, {len(windows)} window{'s' if len(windows) != 1 else ''} x "
+                f"{ns.window_len} tokens; source: {ns.model or 'the bundled model'}")
+    (ns.result_dir / "quant.md").write_text(held_out + "\n\n" + table)
     (ns.result_dir / "quant.json").write_text(json.dumps({
         "model": ns.model, "held_out": ns.text_file or ns.book, "num_windows": ns.num_windows,
         "window_len": ns.window_len, "reference_perplexity": reference_ppl,
         "rows": [asdict(r) for r in rows]}, indent=2))
     png = qr.plot_rows(rows, ns.result_dir / "quant.png", f"{Path(ns.model).name if ns.model else 'bundled model'}"
                        f": KL vs weight bytes, {ns.num_windows} x {ns.window_len} tokens")
-    print(f"held-out: {ns.text_file or ns.book}, {len(windows)} windows x {ns.window_len} tokens")
+    print(held_out)
     print(table)
     print(f"wrote {ns.result_dir / 'quant.md'}, quant.json and {png}")
     return 0
@@ -129,7 +140,8 @@ def register_quant(bench_sub: argparse._SubParsersAction) -> None:
                    choices=QUANTIZATION_METHODS, help="loom run-time methods on the source (default: %(default)s)")
     p.add_argument("--kv-cache-dtypes", nargs="*", default=["int8", "fp8_e4m3"],
                    choices=[d for d in SUPPORTED_KV_CACHE_DTYPES if d != "auto"],
-                   help="quantized KV caches, each with every --kv-with method (default: %(default)s)")
+                   help="quantized KV caches, each with every --kv-with method (default: %(default)s; the "
+                   "option with no value: no KV rows)")
     p.add_argument("--kv-with", nargs="*", default=["none", "gguf"], choices=QUANTIZATION_METHODS,
                    help="weight methods the KV rows run with (default: %(default)s)")
     p.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",

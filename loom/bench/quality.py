@@ -69,12 +69,15 @@ def force_kernel_path(model: torch.nn.Module) -> None:
             method.dense_min_rows = 1 << 62
 
 
-def token_windows(token_ids: list[int], num_windows: int, window_len: int) -> list[list[int]]:
+def token_windows(token_ids: list[int], num_windows: int, window_len: int,
+                  max_position: int | None = None) -> list[list[int]]:
     """The first `num_windows` consecutive windows of `window_len` tokens.
 
     Raises:
-        ValueError: the text is too short.
+        ValueError: the text is too short, or window_len is above max_position (the model's context, when given).
     """
+    if max_position is not None and window_len > max_position:
+        raise ValueError(f"--window-len {window_len} is longer than the model's context ({max_position} positions)")
     if len(token_ids) < num_windows * window_len:
         raise ValueError(f"held-out text has {len(token_ids)} tokens, fewer than {num_windows} x {window_len}")
     return [token_ids[i * window_len : (i + 1) * window_len] for i in range(num_windows)]

@@ -206,6 +206,30 @@ def test_bench_quality_bad_arguments_are_one_line_errors(args: list[str], messag
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--methods", "--kv-cache-dtypes"], "nothing to measure: give --methods"),
+    (["--methods", "none", "--window-len", "100000"], "--window-len 100000 is longer than the model's context (8192"),
+    (["--methods", "none", "--result-dir", "{tmp}/afile/sub"], "--result-dir '{tmp}/afile/sub' cannot be written"),
+])
+def test_what_would_fail_after_the_measuring_is_refused_before_it(tmp_path, args: list[str], message: str) -> None:
+    """No rows (an IndexError traceback after loading the tokenizer), a window past the model's context (an error
+    from the first forward pass, naming no option) and a result directory that cannot be made (an error after every
+    row was measured: the work lost) are refused up front (fresh-user trial, 2026-12-06)."""
+    (tmp_path / "afile").write_text("x")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", "quant", "--no-speed", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and message.replace("{tmp}", str(tmp_path)) in proc.stderr
+    assert "Traceback" not in proc.stderr and "perplexity" not in proc.stdout + proc.stderr  # nothing was measured
+
+
+def test_bench_quality_refuses_a_window_past_the_context() -> None:
+    proc = subprocess.run([sys.executable, "-m", "loom.cli", "bench", "quality", "--num-windows", "1",
+                           "--window-len", "9000"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0 and "--window-len 9000 is longer than the model's context (8192" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_result_dir_that_is_a_file_is_refused(tmp_path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("x")
