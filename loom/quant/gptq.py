@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -153,22 +152,22 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     hinv = _inverse_factor(h, percdamp)
 
     scales, zeros = [], []
-    grid: list[Any] = [None, None]  # the current (scale, zero)
+    scale = zero = None  # the current group's grid
     if group_size == -1:
-        grid[:] = grid_params(w, bits, sym)
-        scales.append(grid[0])
-        zeros.append(grid[1])
+        scale, zero = grid_params(w, bits, sym)
+        scales.append(scale)
+        zeros.append(zero)
 
     def round_column(col: int, w1: torch.Tensor, i: int, i2: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal scale, zero
         if static is not None:
-            grid[:] = static[group_of[col]]
+            scale, zero = static[group_of[col]]
         elif group_size != -1 and col % group_size == 0:
             # the group's current (error-updated) weights: this block's rest, then columns not yet reached
             group = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :size]
-            grid[:] = grid_params(group, bits, sym)
-            scales.append(grid[0])
-            zeros.append(grid[1])
-        scale, zero = grid
+            scale, zero = grid_params(group, bits, sym)
+            scales.append(scale)
+            zeros.append(zero)
         q = round_to_grid(w1[:, i], scale, zero, bits)
         return q, scale * (q - zero)
 
