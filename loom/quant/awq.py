@@ -9,9 +9,14 @@ error. Per group of linear layers that read the same input x [T, K] it searches
 
 for the alpha whose block output with the weights quantized, f(x; Q(W s) / s), is closest (mean squared error)
 to the float block output f(x; W) on calibration activations (section 3.2). alpha = 0 gives s = 1, plain
-round to nearest, so the search never chooses worse than RTN on its own data. Optionally (section 3.2's
-"weight clipping", as the reference implementation does) the range of each weight group is then shrunk to the
-max |w| * (1 - i/20), i < 10, whose per-group output error is smallest.
+round to nearest, so the search never chooses worse than RTN on its own data. The reference implementation's
+later default ("duo scaling", AutoAWQ and llm-compressor) divides by the weights' own per-channel magnitude too,
+
+    s = mean_t |x_tj| ** alpha / (mean_n |w_nj| / max_{group} |w| ) ** (1 - alpha),
+
+and llm-compressor's "both" searches the two grids and keeps the better; `scaling` chooses among the three.
+Optionally (section 3.2's "weight clipping", as the reference implementation does) the range of each weight
+group is then shrunk to the max |w| * (1 - i/20), i < 10, whose per-group output error is smallest.
 
 The grid (asymmetric, "zero_point": true, one per group of `group_size` input columns and output row):
     scale = (max - min) / 15 (rounded to float16, the value the checkpoint stores),
@@ -22,6 +27,7 @@ The grid (asymmetric, "zero_point": true, one per group of `group_size` input co
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -105,17 +111,50 @@ def awq_quantize(w: torch.Tensor, group_size: int) -> GPTQWeight:
                       g_idx, BITS)
 
 
-def activation_scales(x_mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s [K] = mean|x| ** alpha, clamped to >= 1e-4 and divided by sqrt(max(s) min(s)) (AWQ section 3.2)."""
-    s = x_mean_abs.float().pow(alpha).clamp(min=1e-4)
+SCALINGS = ("activation", "duo", "both")  # the scale formulas search_scales may try (module docstring)
+
+
+def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """float32 [K]: per input channel, the mean over every row of the group's linears (each [N_i, K]) of |w|
+    divided by the largest |w| of its (row, quantization group): duo scaling's weight magnitude.
+
+    Raises:
+        ValueError: group_size outside 1..K.
+    """
+    w = torch.cat([x.float() for x in weights])
+    n, k = w.shape
+    _check_group(k, group_size)
+    out = torch.empty(n, k, dtype=torch.float32)
+    for cols, size in _split(k, group_size):
+        wg = w[:, cols].abs().reshape(n, -1, size)
+        out[:, cols] = (wg / (wg.amax(dim=-1, keepdim=True) + 1e-6)).reshape(n, -1)
+    return out.mean(dim=0)
+
+
+def activation_scales(x_mean_abs: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """s [K] = mean|x| ** alpha (AWQ section 3.2), or with w_mean (weight_mean) mean|x| ** alpha /
+    (w_mean ** (1 - alpha) + 1e-4) (duo scaling); clamped to >= 1e-4 and divided by sqrt(max(s) min(s))."""
+    s = x_mean_abs.float().pow(alpha)
+    if w_mean is not None:
+        s = s / (w_mean.float().pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
     return s / (s.max() * s.min()).sqrt()
 
 
 BlockFn = Callable[[list[torch.Tensor]], torch.Tensor]  # the block's weights -> its output on calibration inputs
 
 
+class ScaleSearch(NamedTuple):
+    """What search_scales chose."""
+
+    scales: torch.Tensor  # s [K] float32
+    alpha: float
+    duo: bool  # whether s is the duo-scaling formula's
+    errors: list[float]  # mean squared error of every candidate: the activation grid, then the duo grid
+
+
 def search_scales(x_mean_abs: torch.Tensor, weights: list[torch.Tensor], block: BlockFn, group_size: int,
-                  grid_points: int = GRID_POINTS) -> tuple[torch.Tensor, float, list[float]]:
+                  grid_points: int = GRID_POINTS, scaling: str = "activation") -> ScaleSearch:
     """AWQ's grid search for one group of linears that read the same input.
 
     Args:
@@ -123,24 +162,31 @@ def search_scales(x_mean_abs: torch.Tensor, weights: list[torch.Tensor], block: 
         weights: the group's float weights, each [N_i, K].
         block: the block output (any shape) on the calibration inputs for a list of weights (same shapes).
         group_size: input columns per quantization group.
-        grid_points: alphas i / grid_points, i = 0 .. grid_points - 1 (alpha 0 is RTN).
+        grid_points: alphas i / grid_points, i = 0 .. grid_points - 1 (on the activation grid alpha 0 is RTN).
+        scaling: "activation" (the paper's formula), "duo" (with the weights' magnitude) or "both" (each grid;
+            the smaller error wins, so never worse than RTN on the search's own tokens).
 
-    Returns:
-        (the best s [K] float32, its alpha, the mean squared error of every alpha in order).
+    Raises:
+        ValueError: an unknown scaling.
     """
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
     reference = block(weights)
+    w_mean = weight_mean(weights, group_size) if scaling != "activation" else None
+    grids = {"activation": [None], "duo": [w_mean], "both": [None, w_mean]}[scaling]
     errors: list[float] = []
-    best: tuple[float, torch.Tensor, float] | None = None
-    for i in range(grid_points):
-        alpha = i / grid_points
-        s = activation_scales(x_mean_abs, alpha)
-        trial = [fake_quantize(w.float() * s, group_size) / s for w in weights]
-        err = float((block(trial) - reference).float().square().mean())
-        errors.append(err)
-        if best is None or err < best[0]:
-            best = (err, s, alpha)
+    best: tuple[float, torch.Tensor, float, bool] | None = None
+    for wm in grids:
+        for i in range(grid_points):
+            alpha = i / grid_points
+            s = activation_scales(x_mean_abs, alpha, wm)
+            trial = [fake_quantize(w.float() * s, group_size) / s for w in weights]
+            err = float((block(trial) - reference).float().square().mean())
+            errors.append(err)
+            if best is None or err < best[0]:
+                best = (err, s, alpha, wm is not None)
     assert best is not None
-    return best[1], best[2], errors
+    return ScaleSearch(best[1], best[2], best[3], errors)
 
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int, steps: int = CLIP_STEPS,

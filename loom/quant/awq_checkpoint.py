@@ -105,7 +105,7 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     qc = quantization_config(settings.group_size, {
         "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
         "clip": settings.clip, "grid_points": settings.grid_points,
-        "search_windows": settings.search_windows, "o_proj_scaled": report.o_proj_scaled})
+        "search_windows": settings.search_windows, "scaling": settings.scaling, "o_proj_scaled": report.o_proj_scaled})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
     write_checkpoint(out, tensors, config, loaded.tokenizer)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from loom.quant.awq import apply_clip, awq_quantize, search_clip, search_scales
+from loom.quant.awq import SCALINGS, apply_clip, awq_quantize, search_clip, search_scales
 from loom.quant.gptq import GPTQWeight
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class AWQSettings:
     clip: bool = True  # search per-group clipping after the scales
     grid_points: int = 20  # alphas i / grid_points
     search_windows: int = 2  # calibration windows whose block outputs the search compares (all give mean |x|)
+    scaling: str = "activation"  # the scale formulas searched: "activation", "duo" or "both" (awq.search_scales)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -51,6 +52,8 @@ class AWQSettings:
             raise ValueError(f"search_windows must be >= 1, got {self.search_windows}")
         if self.grid_points < 1:
             raise ValueError(f"grid_points must be >= 1, got {self.grid_points}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
 
 
 @dataclass(slots=True)
@@ -58,6 +61,7 @@ class AWQReport:
     """What the search chose (for the log and the config's meta)."""
 
     alphas: dict[str, float] = field(default_factory=dict)  # loom layer name -> chosen alpha
+    duo: dict[str, bool] = field(default_factory=dict)  # loom layer name -> whether duo scaling's formula won
     o_proj_scaled: bool = False  # whether o_proj had scales (v_proj and o_proj of one shape)
 
 
@@ -167,12 +171,13 @@ def scale_layer(layer: torch.nn.Module, arch: Any, windows: _Windows, feats: dic
                ("down", mlp.down_proj, linear_block("down"), lambda s: fold_down(layer, arch, s))]
     with torch.no_grad():
         for key, lin, block, fold in groups:
-            s, alpha, _ = search_scales(xs[key].abs().mean(dim=0), [lin.weight.data.float()], block,
-                                        settings.group_size, settings.grid_points)
+            s, alpha, duo, _ = search_scales(xs[key].abs().mean(dim=0), [lin.weight.data.float()], block,
+                                             settings.group_size, settings.grid_points, settings.scaling)
             fold(s)
             xs[key] = xs[key] / s
             search[key] = search[key] / s
             report.alphas[f"{name}.{key}"] = alpha
+            report.duo[f"{name}.{key}"] = duo
     return xs
 
 

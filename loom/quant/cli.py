@@ -43,7 +43,7 @@ def _quantize(ns: argparse.Namespace) -> int:
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
                       group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act,
                       static_groups=ns.static_groups, damp_percent=ns.damp_percent,
-                      awq_clip=ns.awq_clip, target_bits=ns.target_bits, dynamic=ns.dynamic,
+                      awq_clip=ns.awq_clip, awq_scaling=ns.awq_scaling, target_bits=ns.target_bits, dynamic=ns.dynamic,
                       sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score,
                       activation_scales=ns.activation_scales, lm_head_bits=ns.lm_head_bits,
                       weight_rounding=ns.weight_rounding)
@@ -202,6 +202,10 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    "--no-static-groups: groups in act order, g_idx permuted, run per layer)")
     g.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
                    help="awq: search per-group weight clipping after the scales (default: on)")
+    g.add_argument("--awq-scaling", choices=("activation", "duo", "both"), default=None,
+                   help="awq: the scale formulas searched: the paper's mean|x|^alpha (activation), AutoAWQ's later "
+                   "default divided by the weights' magnitude too (duo), or each, keeping the better (both) "
+                   "(default: activation)")
     g.add_argument("--damp-percent", type=_fraction, default=None,
                    help="gptq: dampening, a fraction of the Hessian's mean diagonal (default: 0.01)")
     g.add_argument("--lm-head-bits", type=int, choices=(4, 8), default=None,

@@ -12,6 +12,7 @@ from loom.quant.awq import (
     fake_quantize,
     search_clip,
     search_scales,
+    weight_mean,
 )
 from loom.quant.awq_format import (
     ORDER,
@@ -42,7 +43,8 @@ def test_search_lowers_the_quantized_output_error_versus_rtn(k: int, group_size:
     def block(ws: list[torch.Tensor]) -> torch.Tensor:
         return x @ ws[0].T
 
-    s, alpha, errors = search_scales(x.abs().mean(0), [w], block, group_size)
+    s, alpha, duo, errors = search_scales(x.abs().mean(0), [w], block, group_size)
+    assert not duo and len(errors) == 20
     rtn = float((x @ fake_quantize(w, group_size).T - x @ w.T).square().mean())
     assert errors[0] == pytest.approx(rtn, rel=1e-6)  # alpha 0 is RTN (s = 1)
     assert torch.allclose(activation_scales(x.abs().mean(0), 0.0), torch.ones(k))
@@ -54,6 +56,41 @@ def test_search_lowers_the_quantized_output_error_versus_rtn(k: int, group_size:
     held_rtn = (x2 @ fake_quantize(w, group_size).T - x2 @ w.T).square().mean()
     held_awq = (x2 @ (fake_quantize(w * s, group_size) / s).T - x2 @ w.T).square().mean()
     assert held_awq < held_rtn
+
+
+def test_weight_mean_is_the_group_normalised_magnitude() -> None:
+    w = torch.randn(8, 96, generator=torch.Generator().manual_seed(7))
+    w2 = torch.randn(4, 96, generator=torch.Generator().manual_seed(8))
+    got = weight_mean([w, w2], 64)  # groups of 64 and a last one of 32
+    both = torch.cat([w, w2]).abs()
+    want = torch.cat([both[:, :64] / both[:, :64].amax(1, keepdim=True),
+                      both[:, 64:] / both[:, 64:].amax(1, keepdim=True)], dim=1).mean(0)
+    assert got.shape == (96,) and torch.allclose(got, want, atol=1e-5)
+    # the duo formula divides by it: at alpha 0 the small-weight channels get the large scales
+    s = activation_scales(torch.ones(96), 0.0, got)
+    assert int(s.argmax()) == int(got.argmin())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_both_searches_each_grid_and_keeps_the_better(seed: int) -> None:
+    x = outlier_inputs(256, 384, seed)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed + 20)) * 0.05
+    w[:, :8] *= 6  # weight-magnitude structure the duo formula sees
+
+    def block(ws: list[torch.Tensor]) -> torch.Tensor:
+        return x @ ws[0].T
+
+    act = search_scales(x.abs().mean(0), [w], block, 128, scaling="activation")
+    duo = search_scales(x.abs().mean(0), [w], block, 128, scaling="duo")
+    both = search_scales(x.abs().mean(0), [w], block, 128, scaling="both")
+    assert duo.duo and not act.duo and len(both.errors) == 40
+    assert both.errors == pytest.approx(act.errors + duo.errors, rel=1e-6)
+    assert min(both.errors) == pytest.approx(min(min(act.errors), min(duo.errors)), rel=1e-6)
+    chosen = float((x @ (fake_quantize(w * both.scales, 128) / both.scales).T - x @ w.T).square().mean())
+    assert chosen == pytest.approx(min(both.errors), rel=1e-5)
+    assert both.duo == (min(duo.errors) < min(act.errors))
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        search_scales(x.abs().mean(0), [w], block, 128, scaling="weights")
 
 
 def test_scales_favour_the_large_channels() -> None:

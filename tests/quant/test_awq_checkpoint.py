@@ -65,10 +65,12 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     tiny = tiny_models[name]
     out = tmp_path / "q"
     vocab = tiny.hf.config.vocab_size
-    settings = AWQSettings(group_size=32)
+    settings = AWQSettings(group_size=32, scaling="both" if name == "qwen2_gqa" else "activation")
     result = write_awq_checkpoint(str(tiny.path), str(out), settings, _windows(vocab), calibration="random ids")
+    assert (name == "qwen2_gqa") or not any(result.report.duo.values())
     assert result.report.o_proj_scaled == (name == "llama_mha_tied")  # GQA: o_proj keeps s = 1, as AutoAWQ
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["meta"]["scaling"] == settings.scaling
     assert {k: qc[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {
         "quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
     h, inter = tiny.hf.config.hidden_size, tiny.hf.config.intermediate_size
@@ -143,6 +145,8 @@ def test_refusals(tiny_models, tmp_path) -> None:
         write_awq_checkpoint(str(tiny.path), str(tmp_path / "x"), AWQSettings(group_size=32), [])
     with pytest.raises(ValueError, match="group_size"):
         AWQSettings(group_size=48).check()
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        AWQSettings(scaling="weights").check()
     from loom.quant.quantize import quantize
 
     with pytest.raises(ValueError, match="bits must be 4 for awq"):

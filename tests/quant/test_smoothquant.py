@@ -289,6 +289,7 @@ def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]
 @pytest.mark.parametrize(("method", "option", "value"), [
     ("rtn", "static_groups", True), ("rtn", "desc_act", True), ("rtn", "damp_percent", 0.1), ("awq", "desc_act", True),
     ("awq", "sym", True), ("fp8", "bits", 4), ("gptq", "alpha", 0.3), ("smoothquant", "awq_clip", False),
+    ("gptq", "awq_scaling", "duo"),
     ("sparse24", "group_size", 32), ("gptq", "prune_score", "magnitude"),
     ("smoothquant", "activation_scales", "static"),
     ("w8a8", "target_bits", 4.5), ("rtn", "weight_rounding", "gptq")])
