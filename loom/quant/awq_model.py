@@ -10,7 +10,8 @@ each group of linears that share an input, fold them into the op before, clip, a
 
 o_proj is scaled only when v_proj and o_proj have the same shape (no grouped-query attention), as the reference
 implementation does: with GQA one V channel feeds several o_proj columns, which would have to share one scale.
-The search compares block outputs on the first `search_windows` calibration windows (2 x 512 tokens by
+The scale formulas searched are AWQSettings.scaling's (awq.search_scales; default "both": the paper's and duo
+scaling's grids). The search compares block outputs on the first `search_windows` calibration windows (2 x 512 tokens by
 default, for CPU time; the reference implementation uses 128 x 512 on a GPU); mean |x| is over all windows.
 Layers run in order; each layer's calibration inputs are the float outputs of the layer before (scaled, not
 quantized, as the reference implementation). Weight clipping (awq.search_clip) covers every projection but q and
@@ -42,7 +43,7 @@ class AWQSettings:
     clip: bool = True  # search per-group clipping after the scales
     grid_points: int = 20  # alphas i / grid_points
     search_windows: int = 2  # calibration windows whose block outputs the search compares (all give mean |x|)
-    scaling: str = "activation"  # the scale formulas searched: "activation", "duo" or "both" (awq.search_scales)
+    scaling: str = "both"  # the scale formulas searched: "activation", "duo" or "both" (awq.search_scales)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""

@@ -205,7 +205,7 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--awq-scaling", choices=("activation", "duo", "both"), default=None,
                    help="awq: the scale formulas searched: the paper's mean|x|^alpha (activation), AutoAWQ's later "
                    "default divided by the weights' magnitude too (duo), or each, keeping the better (both) "
-                   "(default: activation)")
+                   "(default: both)")
     g.add_argument("--damp-percent", type=_fraction, default=None,
                    help="gptq: dampening, a fraction of the Hessian's mean diagonal (default: 0.01)")
     g.add_argument("--lm-head-bits", type=int, choices=(4, 8), default=None,

@@ -254,7 +254,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             permuted, run per layer).
         awq_clip: awq's weight-clipping search (default on).
         awq_scaling: the scale formulas awq searches (awq.search_scales): "activation" (the paper's), "duo"
-            (AutoAWQ's later default, with the weights' magnitude) or "both" (default "activation").
+            (AutoAWQ's later default, with the weights' magnitude) or "both" (default: measured best on both
+            models, benchmarks/BENCHMARKS.md).
         target_bits: rtn / gptq mixed precision: stored bits per weight of the decoder's linear layers, spent
             on the layers whose output KL suffers most (loom/quant/mixed.py); None = every layer in the base
             format.
@@ -301,7 +302,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     static_groups = desc_act if static_groups is None else static_groups  # refused without act-order (check())
     damp_percent = 0.01 if damp_percent is None else damp_percent
     clip = True if awq_clip is None else awq_clip
-    awq_scaling = "activation" if awq_scaling is None else awq_scaling
+    awq_scaling = "both" if awq_scaling is None else awq_scaling
     if sensitivity_windows is not None and target_bits is None:
         raise ValueError("sensitivity_windows applies with target_bits (mixed precision's sensitivity), not without")
     sensitivity_windows = 1 if sensitivity_windows is None else sensitivity_windows
