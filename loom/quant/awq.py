@@ -150,7 +150,7 @@ class ScaleSearch(NamedTuple):
     scales: torch.Tensor  # s [K] float32
     alpha: float
     duo: bool  # whether s is the duo-scaling formula's
-    errors: list[float]  # mean squared error of every candidate: the activation grid, then the duo grid
+    errors: list[float]  # mean squared error of every candidate in search order ("both": activation grid first)
 
 
 def search_scales(x_mean_abs: torch.Tensor, weights: list[torch.Tensor], block: BlockFn, group_size: int,
