@@ -6,7 +6,8 @@ reference found each token.
     python benchmarks/awq_ablation.py rtn
     python benchmarks/awq_ablation.py awq --scaling both --no-clip
     python benchmarks/awq_ablation.py awq --skip-first 1 --normalized-loss --clip-tokens 4096
-    (--model FILE: default the Qwen2.5-Coder-0.5B GGUF in ~/.cache/loom/qwen; --windows 16 for the report's protocol)
+    (--model FILE: default the Qwen2.5-Coder-0.5B GGUF that loom.bench.model_fetch.fetch_gguf puts in
+    ~/.cache/loom/qwen, shared/DESIGN.md; --windows 16 for the report's protocol)
 
 Variants beyond loom's AWQSettings (experiments only, not loom options):
   --skip-first N     leave each calibration window's first N positions out of mean |x| and the search's error
@@ -115,17 +116,20 @@ def _clip_layer(args: argparse.Namespace, window_len: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Fmt)
     p.add_argument("method", choices=("rtn", "awq"))
-    p.add_argument("--model", default=str(QWEN))
-    p.add_argument("--windows", type=int, default=4, help="held-out windows of 512 tokens (default 4)")
-    p.add_argument("--scaling", choices=("activation", "duo", "both"), default="both")
-    p.add_argument("--no-clip", action="store_true")
-    p.add_argument("--search-windows", type=int, default=2)
-    p.add_argument("--skip-first", type=int, default=0)
-    p.add_argument("--normalized-loss", action="store_true")
-    p.add_argument("--clip-tokens", type=int, default=am.CLIP_TOKENS)
-    p.add_argument("--clip-window-starts", action="store_true")
+    p.add_argument("--model", default=str(QWEN), help="GGUF file or HF directory")
+    p.add_argument("--windows", type=int, default=4, help="held-out windows of 512 tokens")
+    p.add_argument("--scaling", choices=("activation", "duo", "both"), default="both", help="AWQSettings.scaling")
+    p.add_argument("--no-clip", action="store_true", help="skip the clipping search")
+    p.add_argument("--search-windows", type=int, default=2, help="AWQSettings.search_windows")
+    p.add_argument("--skip-first", type=int, default=0, help="see above")
+    p.add_argument("--normalized-loss", action="store_true", help="see above")
+    p.add_argument("--clip-tokens", type=int, default=am.CLIP_TOKENS, help="see above")
+    p.add_argument("--clip-window-starts", action="store_true", help="see above")
     args = p.parse_args()
 
     torch.manual_seed(0)

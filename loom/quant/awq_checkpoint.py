@@ -105,10 +105,13 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     qc = quantization_config(settings.group_size, {
         "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
         "clip": settings.clip, "grid_points": settings.grid_points,
-        "search_windows": settings.search_windows, "scaling": settings.scaling, "o_proj_scaled": report.o_proj_scaled})
+        "search_windows": min(settings.search_windows, len(windows)), "scaling": settings.scaling,
+        "duo_groups": sum(report.duo.values()), "scaled_groups": len(report.duo),
+        "o_proj_scaled": report.o_proj_scaled})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
     write_checkpoint(out, tensors, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
-    logger.info("wrote %s in %.1f s", out, seconds)
+    logger.info("wrote %s in %.1f s (scaling %s: the duo formula won %d of %d groups)", out, seconds, settings.scaling,
+                sum(report.duo.values()), len(report.duo))
     return AWQResult(out, settings, calibration, tokens, seconds, qc, report)

@@ -73,7 +73,9 @@ def _quantize(ns: argparse.Namespace) -> int:
         return 0
     if result.method == "awq":
         qc = result.quantization_config
-        print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, {result.calibration_tokens} "
+        meta = qc.get("meta", {})
+        print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, scaling {meta.get('scaling')}: "
+              f"duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} groups, {result.calibration_tokens} "
               f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; an AutoAWQ gemm checkpoint, "
               f"run by loom's packed kernels: loom generate --model {result.output} ...")
         return 0
@@ -204,8 +206,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="awq: search per-group weight clipping after the scales (default: on)")
     g.add_argument("--awq-scaling", choices=("activation", "duo", "both"), default=None,
                    help="awq: the scale formulas searched: the paper's mean|x|^alpha (activation), AutoAWQ's later "
-                   "default divided by the weights' magnitude too (duo), or each, keeping the better (both) "
-                   "(default: both)")
+                   "default mean|x|^alpha / w_mean^(1-alpha) (duo), or both grids, keeping the better (both; "
+                   "twice the scale search's time) (default: both)")
     g.add_argument("--damp-percent", type=_fraction, default=None,
                    help="gptq: dampening, a fraction of the Hessian's mean diagonal (default: 0.01)")
     g.add_argument("--lm-head-bits", type=int, choices=(4, 8), default=None,

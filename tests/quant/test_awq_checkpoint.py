@@ -71,6 +71,8 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     assert result.report.o_proj_scaled == (name == "llama_mha_tied")  # GQA: o_proj keeps s = 1, as AutoAWQ
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["meta"]["scaling"] == settings.scaling
+    assert qc["meta"]["scaled_groups"] == len(result.report.duo) > 0
+    assert qc["meta"]["duo_groups"] == sum(result.report.duo.values())
     assert {k: qc[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {
         "quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
     h, inter = tiny.hf.config.hidden_size, tiny.hf.config.intermediate_size
@@ -151,5 +153,27 @@ def test_refusals(tiny_models, tmp_path) -> None:
 
     with pytest.raises(ValueError, match="bits must be 4 for awq"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", bits=8)
+    with pytest.raises(ValueError, match="awq_scaling must be one of"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", awq_scaling="nope")
+    assert not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="group_size"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", group_size=-1)
+
+
+def test_cli_passes_the_scaling_and_reports_what_the_search_chose(tmp_path, capsys, monkeypatch) -> None:
+    """`loom quantize --method awq --awq-scaling duo` reaches quantize() as awq_scaling, and the closing line says
+    how many groups the duo formula won (the fresh-user trial found no way to tell)."""
+    import loom.quant.quantize as q
+    from loom.cli import main
+
+    seen = {}
+
+    def fake(model, output, method, **kw):
+        seen.update(kw, method=method)
+        qc = {"group_size": 128, "meta": {"scaling": kw["awq_scaling"], "duo_groups": 3, "scaled_groups": 8}}
+        return q.QuantizeResult(tmp_path / "out", "awq", "random ids", 64, None, 1.0, qc)
+
+    monkeypatch.setattr(q, "quantize", fake)
+    assert main(["quantize", "--method", "awq", "--awq-scaling", "duo", "--output", str(tmp_path / "out")]) == 0
+    assert seen["method"] == "awq" and seen["awq_scaling"] == "duo"
+    assert "scaling duo: duo won 3 of 8 groups" in capsys.readouterr().out
