@@ -105,7 +105,7 @@ def cmd_quant(ns: argparse.Namespace) -> int:
             speed.get("decode_tok_s"), speed.get("batch32_output_tok_s"), speed.get("prefill_tok_s"),
             None if lq is None else lq["perplexity"], None if lq is None else lq["mean_kl"],
             None if lq is None else lq["top1_pct"], identical))
-        print(qr.markdown_table(rows[-1:], quality[0]["perplexity_ref"]).splitlines()[4], flush=True)
+        print(qr.markdown_row(rows[-1]), flush=True)
     reference_ppl = quality[0]["perplexity_ref"]
     table = qr.markdown_table(rows, reference_ppl)
     held_out = (f"held-out: {ns.text_file or ns.book}, {len(windows)} window{'s' if len(windows) != 1 else ''} x "

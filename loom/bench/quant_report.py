@@ -75,7 +75,8 @@ class QuantRow:
     llama_perplexity: float | None = None
     llama_kl: float | None = None
     llama_top1: float | None = None
-    # for a llama.cpp row of a GGUF source: the share of its linear weight bytes that are the source's own, byte for byte
+    # for a llama.cpp row of a GGUF source: the share of its linear weight bytes that are the source's own, byte
+    # for byte
     # (a type the source is already in comes back nearly unchanged: a round trip, not a quantization)
     source_identical: float | None = None
 
@@ -442,26 +443,29 @@ def batched_output_tok_s(text: str, prompt: int, output: int, batch: int) -> flo
 
 
 def markdown_table(rows: list[QuantRow], reference_ppl: float) -> str:
-    """The report's table (one line per row)."""
-    def num(x: float | None, fmt: str) -> str:
-        return "–" if x is None else format(x, fmt)
-
+    """The report's table (one line per row, markdown_row), then the round-trip notes."""
     lines = [f"Reference perplexity (float32, unquantized source): {reference_ppl:.3f}", "",
              "| row | engine | method | KV | weight MB | linear bits/w | perplexity | change | top-1 | mean KL | "
              "decode tok/s | batch-32 out tok/s | prefill tok/s | llama-perplexity PPL / KL / top-1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        llama = ("–" if r.llama_perplexity is None else
-                 f"{r.llama_perplexity:.3f} / {r.llama_kl:.5f} / {r.llama_top1:.2f}%")
-        lines.append(
-            f"| {r.label} | {r.engine} | {r.quantization} | {r.kv_cache_dtype} | {r.weight_mb:.1f} | "
-            f"{num(r.linear_bits, '.3f')} | {r.perplexity:.3f} | {r.perplexity_change_pct:+.2f}% | "
-            f"{100 * r.top1_agreement:.2f}% | {_kl(r.mean_kl)} | {num(r.decode_tok_s, '.1f')} | "
-            f"{num(r.batch32_output_tok_s, '.1f')} | {num(r.prefill_tok_s, '.1f')} | {llama} |")
+    lines += [markdown_row(r) for r in rows]
     notes = round_trip_notes(rows)
     if notes:
         lines += [""] + notes
     return "\n".join(lines) + "\n"
+
+
+def markdown_row(r: QuantRow) -> str:
+    """One row of markdown_table."""
+    def num(x: float | None, fmt: str) -> str:
+        return "–" if x is None else format(x, fmt)
+
+    llama = ("–" if r.llama_perplexity is None else
+             f"{r.llama_perplexity:.3f} / {r.llama_kl:.5f} / {r.llama_top1:.2f}%")
+    return (f"| {r.label} | {r.engine} | {r.quantization} | {r.kv_cache_dtype} | {r.weight_mb:.1f} | "
+            f"{num(r.linear_bits, '.3f')} | {r.perplexity:.3f} | {r.perplexity_change_pct:+.2f}% | "
+            f"{100 * r.top1_agreement:.2f}% | {_kl(r.mean_kl)} | {num(r.decode_tok_s, '.1f')} | "
+            f"{num(r.batch32_output_tok_s, '.1f')} | {num(r.prefill_tok_s, '.1f')} | {llama} |")
 
 
 def _kl(x: float) -> str:

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from loom.quant.awq import SCALINGS
+
 logger = logging.getLogger(__name__)
 
 QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse24")
@@ -303,8 +305,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     damp_percent = 0.01 if damp_percent is None else damp_percent
     clip = True if awq_clip is None else awq_clip
     awq_scaling = "both" if awq_scaling is None else awq_scaling
-    if method == "awq" and awq_scaling not in ("activation", "duo", "both"):
-        raise ValueError(f"awq_scaling must be one of activation, duo, both, got {awq_scaling!r}")
+    if method == "awq" and awq_scaling not in SCALINGS:
+        raise ValueError(f"awq_scaling must be one of {', '.join(SCALINGS)}, got {awq_scaling!r}")
     if sensitivity_windows is not None and target_bits is None:
         raise ValueError("sensitivity_windows applies with target_bits (mixed precision's sensitivity), not without")
     sensitivity_windows = 1 if sensitivity_windows is None else sensitivity_windows
