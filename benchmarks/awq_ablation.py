@@ -7,7 +7,7 @@ reference found each token.
     python benchmarks/awq_ablation.py awq --scaling both --no-clip
     python benchmarks/awq_ablation.py awq --skip-first 1 --normalized-loss --clip-tokens 4096
     (--model FILE: default the Qwen2.5-Coder-0.5B GGUF that loom.bench.model_fetch.fetch_gguf puts in
-    ~/.cache/loom/qwen, shared/DESIGN.md; --windows 16 for the report's protocol)
+    $LOOM_MODEL_DIR or ~/.cache/loom/qwen, shared/DESIGN.md; --windows 16 for the report's protocol)
 
 Variants beyond loom's AWQSettings (experiments only, not loom options):
   --skip-first N     leave each calibration window's first N positions out of mean |x| and the search's error
@@ -31,12 +31,13 @@ import torch.nn.functional as F
 
 import loom.quant.awq_model as am
 from loom.bench.heldout import janeausten_text
+from loom.bench.model_fetch import model_dir
 from loom.bench.quality import compare, token_windows, window_logits
 from loom.model.loader import load_model
 from loom.quant.awq import apply_clip, fake_quantize, search_clip, search_scales
 from loom.quant.quantize import calibration_windows
 
-QWEN = Path.home() / ".cache/loom/qwen/qwen2.5-coder-0.5b-instruct.gguf"
+QWEN = model_dir() / "qwen2.5-coder-0.5b-instruct.gguf"
 
 
 def _keep(lengths: list[int], skip: int) -> torch.Tensor:
@@ -131,6 +132,10 @@ def main() -> None:
     p.add_argument("--clip-tokens", type=int, default=am.CLIP_TOKENS, help="see above")
     p.add_argument("--clip-window-starts", action="store_true", help="see above")
     args = p.parse_args()
+    if not Path(args.model).exists():
+        p.error(f"--model: no such file or directory: {args.model}" + (
+            " (fetch it with: python -c \"from loom.bench.model_fetch import fetch_gguf; "
+            "fetch_gguf('qwen2.5-coder-0.5b-instruct')\")" if args.model == str(QWEN) else ""))
 
     torch.manual_seed(0)
     m = load_model(args.model, torch.float32, torch.device("cpu"), quantization="none")
