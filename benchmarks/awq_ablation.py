@@ -4,7 +4,7 @@ with AWQ variants, then score it against its own float32 logits on held-out pros
 reference found each token.
 
     python benchmarks/awq_ablation.py rtn
-    python benchmarks/awq_ablation.py awq --scaling both --no-clip
+    python benchmarks/awq_ablation.py awq --scaling both --no-clip     (--clip auto: loom's default)
     python benchmarks/awq_ablation.py awq --skip-first 1 --normalized-loss --clip-tokens 4096
     (--model FILE: default the Qwen2.5-Coder-0.5B GGUF that loom.bench.model_fetch.fetch_gguf puts in
     $LOOM_MODEL_DIR or ~/.cache/loom/qwen, shared/DESIGN.md; --windows 16 for the report's protocol)
@@ -13,7 +13,7 @@ Variants beyond loom's AWQSettings (experiments only, not loom options):
   --skip-first N     leave each calibration window's first N positions out of mean |x| and the search's error
                      (the first token carries Qwen's massive activations)
   --normalized-loss  the search's block error divided per output channel by the float output's RMS (so the
-                     residual stream's few huge channels do not dominate it)
+                     residual stream's few huge channels do not dominate it): loom's AWQSettings.loss "normalized"
   --clip-tokens N    tokens the clipping search reads (loom: 512, evenly spaced, as AutoAWQ)
   --clip-window-starts  add every window's first token to the clipping search's tokens
 Same calibration as `loom quantize --method awq` (quantize.calibration_for: ShareGPT + Emma, 8 x 512).
@@ -34,7 +34,7 @@ from loom.bench.heldout import janeausten_text
 from loom.bench.model_fetch import model_dir
 from loom.bench.quality import compare, token_windows, window_logits
 from loom.model.loader import load_model
-from loom.quant.awq import apply_clip, fake_quantize, search_clip, search_scales
+from loom.quant.awq import fake_quantize, search_clip, search_scales
 from loom.quant.quantize import calibration_windows
 
 QWEN = model_dir() / "qwen2.5-coder-0.5b-instruct.gguf"
@@ -46,7 +46,7 @@ def _keep(lengths: list[int], skip: int) -> torch.Tensor:
 
 
 def _scale_layer(args: argparse.Namespace):
-    """awq_model.scale_layer with the --skip-first and --normalized-loss variants."""
+    """awq_model.scale_layer with the --skip-first variant (and --normalized-loss with it)."""
 
     def scale_layer(layer, arch, windows, feats, settings, name, report):
         attn, mlp = layer.self_attn, layer.mlp
@@ -97,23 +97,21 @@ def _scale_layer(args: argparse.Namespace):
     return scale_layer
 
 
-def _clip_layer(args: argparse.Namespace, window_len: int):
-    """awq_model.clip_layer with --clip-tokens and --clip-window-starts."""
+def _search_layer_clip(args: argparse.Namespace, window_len: int):
+    """awq_model.search_layer_clip with --clip-tokens and --clip-window-starts."""
 
-    def clip_layer(layer, arch, xs, group_size):
-        lins = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
-                "down": layer.mlp.down_proj}
+    def search_layer_clip(layer, arch, xs, group_size):
+        bounds = {}
         with torch.no_grad():
-            for key, lin in lins.items():
+            for key, lin in am._linears(layer).items():
                 x = xs[key]
                 idx = torch.linspace(0, x.shape[0] - 1, min(args.clip_tokens, x.shape[0])).long()
                 if args.clip_window_starts:
                     idx = torch.unique(torch.cat([idx, torch.arange(0, x.shape[0], window_len)]))
-                w = lin.weight.data
-                rows = slice(arch.q_size + arch.kv_size, None) if key == "qkv" else slice(None)
-                w[rows] = apply_clip(w[rows], search_clip(w[rows], x[idx], group_size), group_size)
+                bounds[key] = search_clip(lin.weight.data[am._clip_rows(key, arch)], x[idx], group_size)
+        return bounds
 
-    return clip_layer
+    return search_layer_clip
 
 
 def main() -> None:
@@ -125,7 +123,8 @@ def main() -> None:
     p.add_argument("--model", default=str(QWEN), help="GGUF file or HF directory")
     p.add_argument("--windows", type=int, default=4, help="held-out windows of 512 tokens")
     p.add_argument("--scaling", choices=("activation", "duo", "both"), default="both", help="AWQSettings.scaling")
-    p.add_argument("--no-clip", action="store_true", help="skip the clipping search")
+    p.add_argument("--clip", choices=am.CLIPS, default="on", help="AWQSettings.clip (default on, as every row measured before auto existed)")
+    p.add_argument("--no-clip", dest="clip", action="store_const", const="off", help="--clip off")
     p.add_argument("--search-windows", type=int, default=2, help="AWQSettings.search_windows")
     p.add_argument("--skip-first", type=int, default=0, help="see above")
     p.add_argument("--normalized-loss", action="store_true", help="see above")
@@ -149,12 +148,15 @@ def main() -> None:
                 lin.weight.data.copy_(fake_quantize(lin.weight.data, 128))
     else:
         calib, _ = calibration_windows(m.tokenizer, None, 8, 512)
-        am.scale_layer = _scale_layer(args)
-        am.clip_layer = _clip_layer(args, 512)
-        settings = am.AWQSettings(clip=not args.no_clip, search_windows=args.search_windows, scaling=args.scaling)
+        if args.skip_first:  # loom's own scale_layer otherwise (its loss "normalized" is --normalized-loss)
+            am.scale_layer = _scale_layer(args)
+        am.search_layer_clip = _search_layer_clip(args, 512)
+        settings = am.AWQSettings(clip=args.clip, search_windows=args.search_windows, scaling=args.scaling,
+                                  loss="normalized" if args.normalized_loss else "mse")
         _, report = am.quantize_model_awq(m.model, m.arch, settings, calib)
         nonzero = sum(a > 0 for a in report.alphas.values())
-        print(f"alpha > 0 in {nonzero} of {len(report.alphas)} groups; duo formula won in {sum(report.duo.values())}")
+        print(f"alpha > 0 in {nonzero} of {len(report.alphas)} groups; duo formula won in {sum(report.duo.values())}; "
+              f"clipped: {'+'.join(report.clipped) or 'none'} {report.clip_nll or ''}")
     print(f"quantized in {time.perf_counter() - start:.0f} s")
     out = [window_logits(m.model, m.arch, w) for w in held]
     r = compare(ref, out, held)

@@ -189,6 +189,22 @@ def search_scales(x_mean_abs: torch.Tensor, weights: list[torch.Tensor], block: 
     return ScaleSearch(best[1], best[2], best[3], errors)
 
 
+def normalized_loss(block: BlockFn) -> BlockFn:
+    """`block` with its output divided per output channel (last dimension) by the first call's RMS over the rest,
+    for search_scales, whose first call is the float reference: each channel's error then counts relative to its
+    own size, so that a few huge channels (the massive activations of Sun et al. 2024, arXiv:2402.17762, in the
+    residual stream that o_proj and down_proj write) do not decide the search alone. A loom variant, not the
+    paper's loss (plain mean squared error); benchmarks/BENCHMARKS.md measures both."""
+    rms: list[torch.Tensor] = []
+
+    def normalized(weights: list[torch.Tensor]) -> torch.Tensor:
+        out = block(weights)
+        if not rms:
+            rms.append(out.reshape(-1, out.shape[-1]).square().mean(dim=0).sqrt().clamp(min=1e-6))
+        return out / rms[0]
+    return normalized
+
+
 def search_clip(w: torch.Tensor, x: torch.Tensor, group_size: int, steps: int = CLIP_STEPS,
                 grid_points: int = GRID_POINTS) -> torch.Tensor:
     """AWQ's weight clipping: per (output row, group) the max |w| * (1 - i / grid_points), i < steps, whose

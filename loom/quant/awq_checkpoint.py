@@ -105,8 +105,10 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     qc = quantization_config(settings.group_size, {
         "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
         "clip": settings.clip, "grid_points": settings.grid_points,
-        "search_windows": min(settings.search_windows, len(windows)), "scaling": settings.scaling,
+        "search_windows": min(settings.search_windows, len(windows)), "scaling": settings.scaling, "loss": settings.loss,
         "duo_groups": sum(report.duo.values()), "scaled_groups": len(report.duo),
+        "clipped": list(report.clipped),
+        "clip_scores": {name: score._asdict() for name, score in report.clip_scores.items()},
         "o_proj_scaled": report.o_proj_scaled})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)

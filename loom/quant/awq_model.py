@@ -16,23 +16,35 @@ default, for CPU time; the reference implementation uses 128 x 512 on a GPU); me
 Layers run in order; each layer's calibration inputs are the float outputs of the layer before (scaled, not
 quantized, as the reference implementation). Weight clipping (awq.search_clip) covers every projection but q and
 k (whose errors the softmax amplifies; the reference implementation skips them too).
+
+Clipping ("on" in the reference implementation) is chosen per projection type by default (AWQSettings.clip
+"auto"): the clip search minimises each linear's own output error on 512 tokens, which on some models costs the
+rare tokens that perplexity counts (on Qwen2.5-Coder-0.5B clipping gate/up alone doubled AWQ's perplexity loss;
+benchmarks/BENCHMARKS.md). Because later layers' calibration inputs come from float layers, the clip decisions
+change no search, so after the last layer the model is scored, whole, on calibration windows the scale search did
+not read: every type unclipped, each type clipped alone, the types that helped alone clipped together, and all
+four clipped. The candidate closest to the unquantized model (KL) wins among those whose next-token negative
+log-likelihood is no higher than without clipping (select_clip).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
 
-from loom.quant.awq import SCALINGS, apply_clip, awq_quantize, search_clip, search_scales
+from loom.quant.awq import SCALINGS, apply_clip, awq_quantize, normalized_loss, search_clip, search_scales
 from loom.quant.gptq import GPTQWeight
 
 logger = logging.getLogger(__name__)
 
 CLIP_TOKENS = 512  # calibration tokens the clipping search reads (evenly spaced), as the reference implementation
+CLIPS = ("auto", "on", "off")  # AWQSettings.clip
+LOSSES = ("mse", "normalized")  # AWQSettings.loss
+CLIP_TYPES = ("qkv", "o", "gate_up", "down")  # the projection types clipping is chosen for ("qkv": v's rows only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +52,11 @@ class AWQSettings:
     """What `loom quantize --method awq` does."""
 
     group_size: int = 128  # input columns per scale (32, 64 or 128; a last group may be shorter)
-    clip: bool = True  # search per-group clipping after the scales
+    clip: str = "auto"  # per-group weight clipping after the scales: "on", "off", or "auto" (chosen per type)
     grid_points: int = 20  # alphas i / grid_points
     search_windows: int = 2  # calibration windows whose block outputs the search compares (all give mean |x|)
     scaling: str = "both"  # the scale formulas searched: "activation", "duo" or "both" (awq.search_scales)
+    loss: str = "mse"  # the scale search's block error: "mse" (the paper's) or "normalized" (per output channel)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -53,8 +66,19 @@ class AWQSettings:
             raise ValueError(f"search_windows must be >= 1, got {self.search_windows}")
         if self.grid_points < 1:
             raise ValueError(f"grid_points must be >= 1, got {self.grid_points}")
+        if self.clip not in CLIPS:
+            raise ValueError(f"clip must be one of {', '.join(CLIPS)}, got {self.clip!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
+
+
+class ClipScore(NamedTuple):
+    """A clipping candidate's model on the held-out calibration windows."""
+
+    nll: float  # mean next-token negative log-likelihood (nats)
+    kl: float  # mean KL(unquantized model || this one) over positions (nats)
 
 
 @dataclass(slots=True)
@@ -64,6 +88,9 @@ class AWQReport:
     alphas: dict[str, float] = field(default_factory=dict)  # loom layer name -> chosen alpha
     duo: dict[str, bool] = field(default_factory=dict)  # loom layer name -> whether duo scaling's formula won
     o_proj_scaled: bool = False  # whether o_proj had scales (v_proj and o_proj of one shape)
+    clipped: tuple[str, ...] = ()  # the projection types (CLIP_TYPES) whose weights were clipped
+    clip_scores: dict[str, ClipScore] = field(default_factory=dict)  # "auto": candidate ("none", "o", "qkv+down",
+    # "all") -> its model on the held-out calibration windows
 
 
 class _Windows:
@@ -164,12 +191,15 @@ def scale_layer(layer: torch.nn.Module, arch: Any, windows: _Windows, feats: dic
     def linear_block(key: str) -> Any:
         return lambda ws: search[key] @ ws[0].T
 
-    groups = [("qkv", attn.qkv_proj, attn_block, lambda s: fold_qkv(layer, s))]
+    def loss(block: Any) -> Any:
+        return normalized_loss(block) if settings.loss == "normalized" else block
+
+    groups = [("qkv", attn.qkv_proj, loss(attn_block), lambda s: fold_qkv(layer, s))]
     if arch.kv_size == arch.q_size:
-        groups.append(("o", attn.o_proj, linear_block("o"), lambda s: fold_o(layer, arch, s)))
+        groups.append(("o", attn.o_proj, loss(linear_block("o")), lambda s: fold_o(layer, arch, s)))
         report.o_proj_scaled = True
-    groups += [("gate_up", mlp.gate_up_proj, mlp_block, lambda s: fold_gate_up(layer, s)),
-               ("down", mlp.down_proj, linear_block("down"), lambda s: fold_down(layer, arch, s))]
+    groups += [("gate_up", mlp.gate_up_proj, loss(mlp_block), lambda s: fold_gate_up(layer, s)),
+               ("down", mlp.down_proj, loss(linear_block("down")), lambda s: fold_down(layer, arch, s))]
     with torch.no_grad():
         for key, lin, block, fold in groups:
             s, alpha, duo, _ = search_scales(xs[key].abs().mean(dim=0), [lin.weight.data.float()], block,
@@ -182,24 +212,115 @@ def scale_layer(layer: torch.nn.Module, arch: Any, windows: _Windows, feats: dic
     return xs
 
 
-def clip_layer(layer: torch.nn.Module, arch: Any, xs: dict[str, torch.Tensor], group_size: int) -> None:
-    """AWQ's weight clipping (awq.search_clip) on every projection but q and k, in place."""
-    lins = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
+def _linears(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
             "down": layer.mlp.down_proj}
+
+
+def _clip_rows(key: str, arch: Any) -> slice:
+    """The rows clipping touches: all but q and k."""
+    return slice(arch.q_size + arch.kv_size, None) if key == "qkv" else slice(None)
+
+
+def search_layer_clip(layer: torch.nn.Module, arch: Any, xs: dict[str, torch.Tensor], group_size: int,
+                      ) -> dict[str, torch.Tensor]:
+    """AWQ's weight-clipping search (awq.search_clip) for each projection type of one layer, on CLIP_TOKENS of its
+    inputs `xs` (evenly spaced); returns type -> float32 bounds [rows clipped, groups] (nothing is changed)."""
+    bounds = {}
     with torch.no_grad():
-        for key, lin in lins.items():
+        for key, lin in _linears(layer).items():
             x = xs[key]
             x = x[torch.linspace(0, x.shape[0] - 1, min(CLIP_TOKENS, x.shape[0])).long()]
-            w = lin.weight.data
-            rows = slice(arch.q_size + arch.kv_size, None) if key == "qkv" else slice(None)
-            w[rows] = apply_clip(w[rows], search_clip(w[rows], x, group_size), group_size)
+            bounds[key] = search_clip(lin.weight.data[_clip_rows(key, arch)], x, group_size)
+    return bounds
+
+
+def _quantize_layer(layer: torch.nn.Module, arch: Any, weights: dict[str, torch.Tensor],
+                    bounds: dict[str, torch.Tensor], clipped: tuple[str, ...], group_size: int,
+                    ) -> dict[str, GPTQWeight]:
+    """Set each linear of `layer` to the 4-bit values of its float `weights` (those of the `clipped` types
+    clipped to `bounds` first); returns type -> GPTQWeight."""
+    out = {}
+    with torch.no_grad():
+        for key, lin in _linears(layer).items():
+            w = weights[key]
+            if key in clipped:
+                w = w.clone()
+                rows = _clip_rows(key, arch)
+                w[rows] = apply_clip(w[rows], bounds[key], group_size)
+            q = awq_quantize(w, group_size)
+            lin.weight.data.copy_(q.dequantize())
+            out[key] = q
+    return out
+
+
+def log_probs(model: torch.nn.Module, arch: Any, windows: list[list[int]]) -> list[torch.Tensor]:
+    """Per window, the model's next-token log-probabilities, float32 [len(window), vocab], each window one prefill."""
+    from loom.bench.quality import window_logits
+
+    with torch.no_grad():
+        return [torch.log_softmax(window_logits(model, arch, tokens), dim=-1) for tokens in windows]
+
+
+def _score(model: torch.nn.Module, arch: Any, windows: list[list[int]], reference: list[torch.Tensor]) -> ClipScore:
+    nll, kl, positions = 0.0, 0.0, 0
+    for tokens, ref, lq in zip(windows, reference, log_probs(model, arch, windows), strict=True):
+        ref, lq = ref.double(), lq.double()
+        kl += float((ref.exp() * (ref - lq)).sum())
+        nll -= float(lq[:-1].gather(1, torch.tensor(tokens[1:])[:, None]).sum())
+        positions += len(tokens)
+    return ClipScore(nll / (positions - len(windows)), kl / positions)
+
+
+def select_clip(model: torch.nn.Module, arch: Any, layers: list[tuple[torch.nn.Module, dict[str, torch.Tensor],
+                dict[str, torch.Tensor]]], windows: list[list[int]], reference: list[torch.Tensor],
+                group_size: int) -> tuple[tuple[str, ...], dict[str, ClipScore]]:
+    """Choose which projection types to clip by the whole quantized model on held-out calibration windows: the
+    candidate closest to the unquantized model (lowest KL) among those whose NLL is no higher than with no clipping
+    (clipping that brings the model's top choices closer can still take probability from rarer tokens, which
+    perplexity counts: BENCHMARKS.md, "why AWQ loses to RTN on Qwen").
+
+    Args:
+        layers: per decoder layer (module, type -> its scaled float weight, type -> its clip bounds).
+        windows: held-out calibration token ids (not read by the scale search), each of 2 tokens or more.
+        reference: log_probs of the unquantized model on `windows`.
+    Returns:
+        (the chosen types in CLIP_TYPES order, candidate name -> ClipScore): candidates are none, each type alone,
+        the types that improved on none alone (both measures; when two or more), and all four; ties go to the
+        earlier candidate.
+    The layers' weights are left at the 4-bit values of the last candidate scored.
+    """
+    scores: dict[tuple[str, ...], ClipScore] = {}
+
+    def score(clipped: tuple[str, ...]) -> ClipScore:
+        for layer, weights, bounds in layers:
+            _quantize_layer(layer, arch, weights, bounds, clipped, group_size)
+        scores[clipped] = _score(model, arch, windows, reference)
+        logger.info("awq clip %s: held-out calibration NLL %.5f, KL %.5f", "+".join(clipped) or "none",
+                    *scores[clipped])
+        return scores[clipped]
+
+    base = score(())
+    helped = []
+    for key in CLIP_TYPES:
+        one = score((key,))
+        if one.kl < base.kl and one.nll <= base.nll:
+            helped.append(key)
+    for combo in (tuple(helped), CLIP_TYPES):
+        if combo not in scores:
+            score(combo)
+    eligible = [c for c in scores if scores[c].nll <= base.nll]  # insertion order: ties go to the earlier
+    best = min(eligible, key=lambda c: scores[c].kl)
+    names = {c: ("all" if c == CLIP_TYPES else "+".join(c) or "none") for c in scores}
+    return best, {names[c]: v for c, v in scores.items()}
 
 
 def quantize_model_awq(model: torch.nn.Module, arch: Any, settings: AWQSettings, windows: list[list[int]],
                        ) -> tuple[dict[str, GPTQWeight], AWQReport]:
     """AWQ over every decoder layer of a dense float32 loom model (quantization "none"), in place: the scales
-    folded (norm weights and v / up rows change), weights clipped, and each linear's weight replaced by its
-    dequantized 4-bit values.
+    folded (norm weights and v / up rows change), weights clipped (settings.clip; "auto" scores the model on
+    windows[settings.search_windows:], or on every window when none is left), and each linear's weight replaced
+    by its dequantized 4-bit values.
 
     Returns:
         (loom layer name ("model.layers.0.self_attn.qkv_proj", ...) -> its GPTQWeight (stacked rows, AWQ grid),
@@ -212,22 +333,41 @@ def quantize_model_awq(model: torch.nn.Module, arch: Any, settings: AWQSettings,
     if not windows:
         raise ValueError("awq needs at least one calibration window")
     report = AWQReport()
+    if settings.clip == "auto":
+        held_out = [w for w in windows[settings.search_windows:] if len(w) > 1] or [w for w in windows if len(w) > 1]
+        if not held_out:
+            raise ValueError("awq clip 'auto' needs a calibration window of 2 tokens or more")
+        if len(windows) <= settings.search_windows:
+            logger.warning("awq clip auto: the scale search reads every calibration window; clipping is chosen on "
+                           "those same windows (give more calibration windows to hold some out)")
+        reference = log_probs(model, arch, held_out)  # the unquantized model's
     ctx = _Windows(model, arch, [len(w) for w in windows])
     with torch.no_grad():
         states = [(model.model.embed_tokens(torch.tensor(w)), None) for w in windows]
+    clipped = {"on": CLIP_TYPES, "off": (), "auto": ()}[settings.clip]
+    pending = []  # "auto": per layer (module, scaled float weights, clip bounds), quantized once clipping is chosen
     out: dict[str, GPTQWeight] = {}
+
+    def keep(i: int, qs: dict[str, GPTQWeight]) -> None:
+        for key, lin_name in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"),
+                              ("gate_up", "mlp.gate_up_proj"), ("down", "mlp.down_proj")):
+            out[f"model.layers.{i}.{lin_name}"] = qs[key]
+
     for i, layer in enumerate(tqdm(model.model.layers, desc="awq", unit="layer")):
         with torch.no_grad():
             feats, states = _capture(layer, ctx, states)
-        name = f"model.layers.{i}"
-        xs = scale_layer(layer, arch, ctx, feats, settings, name, report)
+        xs = scale_layer(layer, arch, ctx, feats, settings, f"model.layers.{i}", report)
         del feats
-        if settings.clip:
-            clip_layer(layer, arch, xs, settings.group_size)
-        for parent, lin_name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
-                                 ("mlp", "down_proj")):
-            lin = getattr(getattr(layer, parent), lin_name)
-            q = awq_quantize(lin.weight.data, settings.group_size)
-            lin.weight.data.copy_(q.dequantize())
-            out[f"{name}.{parent}.{lin_name}"] = q
+        bounds = search_layer_clip(layer, arch, xs, settings.group_size) if settings.clip != "off" else {}
+        weights = {key: lin.weight.data for key, lin in _linears(layer).items()}
+        if settings.clip == "auto":
+            pending.append((layer, {k: w.clone() for k, w in weights.items()}, bounds))
+        else:
+            keep(i, _quantize_layer(layer, arch, weights, bounds, clipped, settings.group_size))
+    if pending:
+        clipped, report.clip_scores = select_clip(model, arch, pending, held_out, reference, settings.group_size)
+        logger.info("awq clip auto: clipping %s", "+".join(clipped) or "no type")
+        for i, (layer, weights, bounds) in enumerate(pending):
+            keep(i, _quantize_layer(layer, arch, weights, bounds, clipped, settings.group_size))
+    report.clipped = clipped
     return out, report

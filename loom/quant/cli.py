@@ -43,7 +43,8 @@ def _quantize(ns: argparse.Namespace) -> int:
                       num_windows=ns.calibration_windows, window_len=ns.calibration_window_len, bits=ns.bits,
                       group_size=ns.group_size, sym=ns.sym, desc_act=ns.desc_act,
                       static_groups=ns.static_groups, damp_percent=ns.damp_percent,
-                      awq_clip=ns.awq_clip, awq_scaling=ns.awq_scaling, target_bits=ns.target_bits, dynamic=ns.dynamic,
+                      awq_clip=ns.awq_clip, awq_scaling=ns.awq_scaling, awq_loss=ns.awq_loss,
+                      target_bits=ns.target_bits, dynamic=ns.dynamic,
                       sensitivity_windows=ns.sensitivity_windows, prune_score=ns.prune_score,
                       activation_scales=ns.activation_scales, lm_head_bits=ns.lm_head_bits,
                       weight_rounding=ns.weight_rounding)
@@ -74,8 +75,9 @@ def _quantize(ns: argparse.Namespace) -> int:
     if result.method == "awq":
         qc = result.quantization_config
         meta = qc.get("meta", {})
-        print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, scaling {meta.get('scaling')}: "
-              f"duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} groups, {result.calibration_tokens} "
+        print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, scaling {meta.get('scaling')}, loss {meta.get('loss')}: "
+              f"duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} groups, clip {meta.get('clip')}: "
+              f"{'+'.join(meta.get('clipped') or ()) or 'none'} clipped, {result.calibration_tokens} "
               f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; an AutoAWQ gemm checkpoint, "
               f"run by loom's packed kernels: loom generate --model {result.output} ...")
         return 0
@@ -202,8 +204,14 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="gptq with act-order: fix each group's scale and zero first, over consecutive columns, so the "
                    "file keeps plain group order and runs in loom's C decode step (default: on with act-order; "
                    "--no-static-groups: groups in act order, g_idx permuted, run per layer)")
-    g.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
-                   help="awq: search per-group weight clipping after the scales (default: on)")
+    g.add_argument("--awq-clip", choices=("auto", "on", "off"), default=None,
+                   help="awq: per-group weight clipping after the scales: on (the reference implementation's), off, "
+                   "or auto: per projection type, kept where it lowers the model's perplexity on calibration windows "
+                   "the scale search did not read (~7 more forward passes over them) (default: auto)")
+    g.add_argument("--awq-loss", choices=("mse", "normalized"), default=None,
+                   help="awq: the scale search's block error: mse (the paper's) or normalized (each output channel's "
+                   "error relative to its own RMS, so a model's few huge residual channels do not decide it) "
+                   "(default: mse)")
     g.add_argument("--awq-scaling", choices=("activation", "duo", "both"), default=None,
                    help="awq: the scale formulas searched: the paper's mean|x|^alpha (activation), AutoAWQ's later "
                    "default mean|x|^alpha / w_mean^(1-alpha) (duo), or both grids, keeping the better (both; "

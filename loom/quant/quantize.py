@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from loom.quant.awq import SCALINGS
+from loom.quant.awq_model import CLIPS, LOSSES
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ METHOD_OPTIONS = {
     "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8"),
     "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
     "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq",), "awq_clip": ("awq",),
-    "awq_scaling": ("awq",),
+    "awq_scaling": ("awq",), "awq_loss": ("awq",),
     "target_bits": ("rtn", "gptq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq"),
     "prune_score": ("sparse24",), "lm_head_bits": ("rtn", "gptq"),
 }
@@ -231,7 +232,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
              calibration_file: str | None = None, num_windows: int | None = None, window_len: int | None = None,
              bits: int | None = None, group_size: int | None = None, sym: bool | None = None,
              desc_act: bool | None = None, static_groups: bool | None = None, damp_percent: float | None = None,
-             awq_clip: bool | None = None, awq_scaling: str | None = None, target_bits: float | None = None,
+             awq_clip: str | None = None, awq_scaling: str | None = None, awq_loss: str | None = None,
+             target_bits: float | None = None,
              dynamic: dict[str, dict[str, Any]] | None = None, sensitivity_windows: int | None = None,
              prune_score: str | None = None, activation_scales: str | None = None,
              lm_head_bits: int | None = None, weight_rounding: str | None = None) -> QuantizeResult:
@@ -254,7 +256,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             consecutive columns (AutoGPTQ's static_groups), so the file keeps plain group order and runs through
             loom's C decode step (the default with act-order); False = groups taken in act order (g_idx
             permuted, run per layer).
-        awq_clip: awq's weight-clipping search (default on).
+        awq_clip: awq's weight clipping: "on" (the reference implementation's), "off", or "auto" (default: per
+            projection type, kept where it brings the model closer to the unquantized one (KL) on calibration
+            windows the scale search did not read; awq_model.select_clip).
+        awq_loss: awq's scale-search error: "mse" (the paper's, default) or "normalized" (per output channel,
+            relative to its RMS; awq.normalized_loss).
         awq_scaling: the scale formulas awq searches (awq.search_scales): "activation" (the paper's), "duo"
             (AutoAWQ's later default, with the weights' magnitude) or "both" (default: measured best on both
             models, benchmarks/BENCHMARKS.md).
@@ -286,7 +292,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
     given = {"alpha": alpha, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
              "static_groups": static_groups, "damp_percent": damp_percent, "awq_clip": awq_clip,
-             "awq_scaling": awq_scaling,
+             "awq_scaling": awq_scaling, "awq_loss": awq_loss,
              "target_bits": target_bits, "dynamic": dynamic, "sensitivity_windows": sensitivity_windows,
              "prune_score": prune_score, "activation_scales": activation_scales, "lm_head_bits": lm_head_bits,
              "weight_rounding": weight_rounding}
@@ -303,10 +309,15 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     desc_act = (method == "gptq") if desc_act is None else desc_act
     static_groups = desc_act if static_groups is None else static_groups  # refused without act-order (check())
     damp_percent = 0.01 if damp_percent is None else damp_percent
-    clip = True if awq_clip is None else awq_clip
+    clip = "auto" if awq_clip is None else awq_clip
+    if method == "awq" and clip not in CLIPS:
+        raise ValueError(f"awq_clip must be one of {', '.join(CLIPS)}, got {clip!r}")
     awq_scaling = "both" if awq_scaling is None else awq_scaling
     if method == "awq" and awq_scaling not in SCALINGS:
         raise ValueError(f"awq_scaling must be one of {', '.join(SCALINGS)}, got {awq_scaling!r}")
+    awq_loss = "mse" if awq_loss is None else awq_loss
+    if method == "awq" and awq_loss not in LOSSES:
+        raise ValueError(f"awq_loss must be one of {', '.join(LOSSES)}, got {awq_loss!r}")
     if sensitivity_windows is not None and target_bits is None:
         raise ValueError("sensitivity_windows applies with target_bits (mixed precision's sensitivity), not without")
     sensitivity_windows = 1 if sensitivity_windows is None else sensitivity_windows
@@ -351,7 +362,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
                               fp8.bits_per_weight)
     if method == "awq":
         return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip,
-                             awq_scaling)
+                             awq_scaling, awq_loss)
     if method in ("rtn", "gptq"):
         from loom.quant.gptq_checkpoint import GPTQSettings
 
@@ -418,14 +429,14 @@ def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibra
 
 
 def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
-                  bits: int, group_size: int, clip: bool, scaling: str) -> QuantizeResult:
+                  bits: int, group_size: int, clip: str, scaling: str, loss: str) -> QuantizeResult:
     """awq through awq_checkpoint.write_awq_checkpoint."""
     from loom.quant.awq_checkpoint import write_awq_checkpoint
     from loom.quant.awq_model import AWQSettings
 
     if bits != 4:
         raise ValueError(f"bits must be 4 for awq (the AWQ gemm format), got {bits}")
-    settings = AWQSettings(group_size=group_size, clip=clip, scaling=scaling)
+    settings = AWQSettings(group_size=group_size, clip=clip, scaling=scaling, loss=loss)
     settings.check()
     windows, source = calibration_for(model, output, calibration_file, num_windows, window_len)
     result = write_awq_checkpoint(model, output, settings, windows, calibration=source)

@@ -10,6 +10,7 @@ from loom.quant.awq import (
     apply_clip,
     awq_quantize,
     fake_quantize,
+    normalized_loss,
     search_clip,
     search_scales,
     weight_mean,
@@ -91,6 +92,29 @@ def test_both_searches_each_grid_and_keeps_the_better(seed: int) -> None:
     assert both.duo == (min(duo.errors) < min(act.errors))
     with pytest.raises(ValueError, match="scaling must be one of"):
         search_scales(x.abs().mean(0), [w], block, 128, scaling="weights")
+
+
+def test_normalized_loss_ignores_an_output_channel_s_magnitude() -> None:
+    """With the per-channel normalised error, making one output row 1024x larger (a power of two: its 4-bit grid
+    scales exactly) leaves every candidate's error, so the choice, as it was; the plain error is then decided by
+    that row alone (Qwen's massive residual channels, in miniature)."""
+    x = outlier_inputs(256, 384, 5)
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(7)) * 0.05
+    big = w.clone()
+    big[3] *= 1024
+
+    def search(weights: torch.Tensor, normalized: bool):
+        def block(ws: list[torch.Tensor]) -> torch.Tensor:
+            return x @ ws[0].T
+        return search_scales(x.abs().mean(0), [weights], normalized_loss(block) if normalized else block, 128,
+                             scaling="both")
+
+    same, scaled = search(w, True), search(big, True)
+    assert scaled.errors == pytest.approx(same.errors, rel=1e-4) and scaled.alpha == same.alpha
+    plain = search(big, False)
+    row3 = [float(((x @ (fake_quantize(big[3:4] * s, 128) / s).T) - x @ big[3:4].T).square().sum()) / big.shape[0]
+            / x.shape[0] for s in (activation_scales(x.abs().mean(0), a) for a in (0.0, 0.5))]
+    assert plain.errors[0] == pytest.approx(row3[0], rel=0.01) and plain.errors[10] == pytest.approx(row3[1], rel=0.01)
 
 
 def test_scales_favour_the_large_channels() -> None:

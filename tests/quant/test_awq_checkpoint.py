@@ -73,6 +73,10 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     assert qc["meta"]["scaling"] == settings.scaling
     assert qc["meta"]["scaled_groups"] == len(result.report.duo) > 0
     assert qc["meta"]["duo_groups"] == sum(result.report.duo.values())
+    # the default clipping, "auto": what it scored and chose is in the meta
+    assert qc["meta"]["clip"] == "auto" and qc["meta"]["clipped"] == list(result.report.clipped)
+    assert {"none", "qkv", "o", "gate_up", "down", "all"} <= set(qc["meta"]["clip_scores"])
+    assert qc["meta"]["clip_scores"]["none"] == result.report.clip_scores["none"]._asdict()
     assert {k: qc[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {
         "quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
     h, inter = tiny.hf.config.hidden_size, tiny.hf.config.intermediate_size
@@ -116,13 +120,16 @@ def test_awq_beats_rtn_and_runs_through_llm(tiny_models, tmp_path) -> None:
     load_tokenizer(None).save_pretrained(str(source))
     calib = _windows(vocab, 6, 64, seed=1)
     outs = {"awq": tmp_path / "awq", "rtn": tmp_path / "rtn"}
-    write_awq_checkpoint(str(source), str(outs["awq"]), AWQSettings(group_size=32), calib)
+    # clipping "on", the paper's: "auto" weighs next-token NLL, which random tokens on random weights make noise
+    write_awq_checkpoint(str(source), str(outs["awq"]), AWQSettings(group_size=32, clip="on"), calib)
     # RTN on the same grid and format: alpha 0 only (s = 1), no clipping
-    write_awq_checkpoint(str(source), str(outs["rtn"]), AWQSettings(group_size=32, clip=False, grid_points=1), calib)
+    write_awq_checkpoint(str(source), str(outs["rtn"]), AWQSettings(group_size=32, clip="off", grid_points=1), calib)
     held_out = _windows(vocab, 3, 48, seed=2)
     kl = {m: sum(_kl(hf_logits(tiny.hf, w), _logits(load_model(str(p), torch.float32, CPU), w)) for w in held_out)
           for m, p in outs.items()}
     assert kl["awq"] < kl["rtn"]
+    meta = json.loads((outs["awq"] / "config.json").read_text())["quantization_config"]["meta"]
+    assert meta["clip"] == "on" and meta["clipped"] == ["qkv", "o", "gate_up", "down"] and meta["clip_scores"] == {}
 
     prompts = [w[:12] for w in held_out]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -149,12 +156,20 @@ def test_refusals(tiny_models, tmp_path) -> None:
         AWQSettings(group_size=48).check()
     with pytest.raises(ValueError, match="scaling must be one of"):
         AWQSettings(scaling="weights").check()
+    with pytest.raises(ValueError, match="clip must be one of auto, on, off, got True"):
+        AWQSettings(clip=True).check()
+    with pytest.raises(ValueError, match="loss must be one of mse, normalized, got 'l1'"):
+        AWQSettings(loss="l1").check()
     from loom.quant.quantize import quantize
 
     with pytest.raises(ValueError, match="bits must be 4 for awq"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", bits=8)
     with pytest.raises(ValueError, match="awq_scaling must be one of"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", awq_scaling="nope")
+    with pytest.raises(ValueError, match="awq_clip must be one of auto, on, off, got 'sometimes'"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", awq_clip="sometimes")
+    with pytest.raises(ValueError, match="awq_loss must be one of mse, normalized, got 'l1'"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", awq_loss="l1")
     assert not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="group_size"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", group_size=-1)
@@ -170,10 +185,99 @@ def test_cli_passes_the_scaling_and_reports_what_the_search_chose(tmp_path, caps
 
     def fake(model, output, method, **kw):
         seen.update(kw, method=method)
-        qc = {"group_size": 128, "meta": {"scaling": kw["awq_scaling"], "duo_groups": 3, "scaled_groups": 8}}
+        qc = {"group_size": 128, "meta": {"scaling": kw["awq_scaling"], "duo_groups": 3, "scaled_groups": 8,
+                                          "loss": kw["awq_loss"], "clip": kw["awq_clip"], "clipped": ["qkv", "down"]}}
         return q.QuantizeResult(tmp_path / "out", "awq", "random ids", 64, None, 1.0, qc)
 
     monkeypatch.setattr(q, "quantize", fake)
-    assert main(["quantize", "--method", "awq", "--awq-scaling", "duo", "--output", str(tmp_path / "out")]) == 0
-    assert seen["method"] == "awq" and seen["awq_scaling"] == "duo"
-    assert "scaling duo: duo won 3 of 8 groups" in capsys.readouterr().out
+    assert main(["quantize", "--method", "awq", "--awq-scaling", "duo", "--awq-clip", "auto", "--awq-loss",
+                 "normalized", "--output", str(tmp_path / "out")]) == 0
+    assert seen["method"] == "awq" and seen["awq_scaling"] == "duo" and seen["awq_clip"] == "auto"
+    assert seen["awq_loss"] == "normalized"
+    assert ("scaling duo, loss normalized: duo won 3 of 8 groups, clip auto: qkv+down clipped"
+            in capsys.readouterr().out)
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "--method", "awq", "--awq-clip", "sometimes", "--output", str(tmp_path / "out")])
+    assert exc.value.code == 2 and "--awq-clip" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["llama_mha_tied", "qwen2_gqa"])
+def test_auto_clip_keeps_the_candidate_it_scored_best(tiny_models, name: str) -> None:
+    """clip "auto" scores none / each type / all on the windows the scale search did not read, against the
+    unquantized model, and keeps the lowest KL among those no worse in NLL than none; the model it leaves is the
+    chosen candidate's (it scores the same), and "none" and "all" are exactly what clip "off" and "on" produce."""
+    from loom.quant.awq_model import _score, log_probs
+
+    tiny = tiny_models[name]
+    calib = _windows(tiny.hf.config.vocab_size, 4, 48, seed=3)
+    held_out = calib[2:]  # search_windows = 2
+    reference, got = None, {}
+    for clip in ("auto", "on", "off"):
+        m = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+        if reference is None:
+            reference = log_probs(m.model, m.arch, held_out)
+        _, report = quantize_model_awq(m.model, m.arch, AWQSettings(group_size=32, grid_points=4, clip=clip), calib)
+        got[clip] = _score(m.model, m.arch, held_out, reference)
+        if clip == "auto":
+            scores = report.clip_scores
+            assert list(scores)[:5] == ["none", "qkv", "o", "gate_up", "down"] and "all" in scores
+            chosen = "all" if report.clipped == ("qkv", "o", "gate_up", "down") else "+".join(report.clipped) or "none"
+            eligible = [s.kl for s in scores.values() if s.nll <= scores["none"].nll]
+            assert scores[chosen].kl == min(eligible) and scores[chosen].nll <= scores["none"].nll
+            assert got["auto"] == pytest.approx(scores[chosen], rel=1e-9, abs=0)
+        else:
+            assert report.clipped == (("qkv", "o", "gate_up", "down") if clip == "on" else ()) and not report.clip_scores
+    assert got["off"] == pytest.approx(scores["none"], rel=1e-9, abs=0)
+    assert got["on"] == pytest.approx(scores["all"], rel=1e-9, abs=0)
+
+
+def test_select_clip_keeps_the_closest_candidate_that_costs_no_perplexity(monkeypatch) -> None:
+    """The candidates and the choice, with the scorer replaced by a table (clipped types -> (nll, kl)): the types
+    that improved both measures alone are scored together; a candidate with a higher NLL than none's is never
+    chosen, however low its KL; ties go to the earlier candidate."""
+    import loom.quant.awq_model as am
+
+    state = {"clipped": ()}
+    monkeypatch.setattr(am, "_quantize_layer", lambda layer, arch, w, b, clipped, g: state.update(clipped=clipped))
+    calls = []
+
+    def table(values):
+        def score(model, arch, windows, reference):
+            calls.append(state["clipped"])
+            return am.ClipScore(*values.get(state["clipped"], (9.0, 9.0)))
+        return score
+
+    def select():
+        return am.select_clip(None, None, [(None, {}, {})], [[1, 2]], [], 32)
+
+    # o and down improve both; qkv lowers KL most but costs NLL; the union of o and down is best
+    monkeypatch.setattr(am, "_score", table({(): (3.0, 0.30), ("qkv",): (3.1, 0.10), ("o",): (2.9, 0.29),
+                                             ("down",): (3.0, 0.28), ("o", "down"): (2.95, 0.25),
+                                             am.CLIP_TYPES: (3.2, 0.05)}))
+    best, scores = select()
+    assert best == ("o", "down") and scores["o+down"] == (2.95, 0.25) and scores["all"] == (3.2, 0.05)
+    assert calls == [(), ("qkv",), ("o",), ("gate_up",), ("down",), ("o", "down"), am.CLIP_TYPES]
+    # one type helps: no separate union; every other candidate costs NLL
+    monkeypatch.setattr(am, "_score", table({(): (3.0, 0.30), ("gate_up",): (3.0, 0.2)}))
+    best, scores = select()
+    assert best == ("gate_up",) and list(scores) == ["none", "qkv", "o", "gate_up", "down", "all"]
+    # nothing helps: none; a tie in KL goes to the earlier candidate
+    monkeypatch.setattr(am, "_score", table({(): (3.0, 0.30), am.CLIP_TYPES: (3.0, 0.30)}))
+    assert select()[0] == ()
+
+
+@pytest.mark.parametrize("loss", ["mse", "normalized"])
+def test_loss_setting_reaches_every_group_s_search(tiny_models, monkeypatch, loss: str) -> None:
+    """AWQSettings.loss "normalized" wraps each scale search's block (q/k/v, o where scaled, gate/up, down) in
+    awq.normalized_loss; "mse" leaves the paper's error."""
+    import loom.quant.awq_model as am
+
+    wrapped = []
+    real = am.normalized_loss
+    monkeypatch.setattr(am, "normalized_loss", lambda block: wrapped.append(block) or real(block))
+    tiny = tiny_models["llama_mha_tied"]  # kv_size == q_size: o_proj is scaled too
+    m = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+    _, report = quantize_model_awq(m.model, m.arch, AWQSettings(group_size=32, grid_points=2, clip="off", loss=loss),
+                                   _windows(tiny.hf.config.vocab_size, 2, 32))
+    assert len(wrapped) == (len(report.alphas) if loss == "normalized" else 0) and len(report.alphas) == 4 * len(
+        m.model.model.layers)
