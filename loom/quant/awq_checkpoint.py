@@ -109,6 +109,7 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         "duo_groups": sum(report.duo.values()), "scaled_groups": len(report.duo),
         "clipped": list(report.clipped),
         "clip_scores": {name: score._asdict() for name, score in report.clip_scores.items()},
+        "clip_windows": report.clip_windows, "clip_held_out": report.clip_held_out,
         "o_proj_scaled": report.o_proj_scaled})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)

@@ -90,7 +90,9 @@ class AWQReport:
     o_proj_scaled: bool = False  # whether o_proj had scales (v_proj and o_proj of one shape)
     clipped: tuple[str, ...] = ()  # the projection types (CLIP_TYPES) whose weights were clipped
     clip_scores: dict[str, ClipScore] = field(default_factory=dict)  # "auto": candidate ("none", "o", "qkv+down",
-    # "all") -> its model on the held-out calibration windows
+    # "all") -> its model on the clip_windows calibration windows
+    clip_windows: int = 0  # "auto": how many calibration windows scored the candidates
+    clip_held_out: bool = False  # "auto": whether the scale search did not read them (fewer windows: it did)
 
 
 class _Windows:
@@ -296,7 +298,7 @@ def select_clip(model: torch.nn.Module, arch: Any, layers: list[tuple[torch.nn.M
         for layer, weights, bounds in layers:
             _quantize_layer(layer, arch, weights, bounds, clipped, group_size)
         scores[clipped] = _score(model, arch, windows, reference)
-        logger.info("awq clip %s: held-out calibration NLL %.5f, KL %.5f", "+".join(clipped) or "none",
+        logger.info("awq clip %s: calibration NLL %.5f, KL %.5f", "+".join(clipped) or "none",
                     *scores[clipped])
         return scores[clipped]
 
@@ -334,12 +336,16 @@ def quantize_model_awq(model: torch.nn.Module, arch: Any, settings: AWQSettings,
         raise ValueError("awq needs at least one calibration window")
     report = AWQReport()
     if settings.clip == "auto":
-        held_out = [w for w in windows[settings.search_windows:] if len(w) > 1] or [w for w in windows if len(w) > 1]
+        held_out = [w for w in windows[settings.search_windows:] if len(w) > 1]
+        report.clip_held_out = bool(held_out)
         if not held_out:
-            raise ValueError("awq clip 'auto' needs a calibration window of 2 tokens or more")
-        if len(windows) <= settings.search_windows:
+            held_out = [w for w in windows if len(w) > 1]
+            if not held_out:
+                raise ValueError("awq clip 'auto' needs a calibration window of 2 tokens or more")
             logger.warning("awq clip auto: the scale search reads every calibration window; clipping is chosen on "
-                           "those same windows (give more calibration windows to hold some out)")
+                           "those same windows, not held-out ones (give more than %d calibration windows to hold "
+                           "some out)", settings.search_windows)
+        report.clip_windows = len(held_out)
         reference = log_probs(model, arch, held_out)  # the unquantized model's
     ctx = _Windows(model, arch, [len(w) for w in windows])
     with torch.no_grad():
@@ -366,7 +372,8 @@ def quantize_model_awq(model: torch.nn.Module, arch: Any, settings: AWQSettings,
             keep(i, _quantize_layer(layer, arch, weights, bounds, clipped, settings.group_size))
     if pending:
         clipped, report.clip_scores = select_clip(model, arch, pending, held_out, reference, settings.group_size)
-        logger.info("awq clip auto: clipping %s", "+".join(clipped) or "no type")
+        logger.info("awq clip auto: clipping %s (scored on %d %s calibration windows)", "+".join(clipped) or "no type",
+                    report.clip_windows, "held-out" if report.clip_held_out else "searched")
         for i, (layer, weights, bounds) in enumerate(pending):
             keep(i, _quantize_layer(layer, arch, weights, bounds, clipped, settings.group_size))
     report.clipped = clipped

@@ -75,9 +75,12 @@ def _quantize(ns: argparse.Namespace) -> int:
     if result.method == "awq":
         qc = result.quantization_config
         meta = qc.get("meta", {})
+        chosen_on = (f" (chosen on {meta.get('clip_windows')} "
+                     f"{'held-out' if meta.get('clip_held_out') else 'searched, not held-out,'} calibration windows)"
+                     if meta.get("clip") == "auto" else "")
         print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, scaling {meta.get('scaling')}, loss {meta.get('loss')}: "
               f"duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} groups, clip {meta.get('clip')}: "
-              f"{'+'.join(meta.get('clipped') or ()) or 'none'} clipped, {result.calibration_tokens} "
+              f"{'+'.join(meta.get('clipped') or ()) or 'none'} clipped{chosen_on}, {result.calibration_tokens} "
               f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; an AutoAWQ gemm checkpoint, "
               f"run by loom's packed kernels: loom generate --model {result.output} ...")
         return 0
@@ -206,8 +209,9 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    "--no-static-groups: groups in act order, g_idx permuted, run per layer)")
     g.add_argument("--awq-clip", choices=("auto", "on", "off"), default=None,
                    help="awq: per-group weight clipping after the scales: on (the reference implementation's), off, "
-                   "or auto: per projection type, kept where it lowers the model's perplexity on calibration windows "
-                   "the scale search did not read (~7 more forward passes over them) (default: auto)")
+                   "or auto: per projection type, the clipping that brings the model closest to the unquantized one "
+                   "(KL) without raising its perplexity, scored on calibration windows the scale search did not read "
+                   "(up to 7 more forward passes over them) (default: auto)")
     g.add_argument("--awq-loss", choices=("mse", "normalized"), default=None,
                    help="awq: the scale search's block error: mse (the paper's) or normalized (each output channel's "
                    "error relative to its own RMS, so a model's few huge residual channels do not decide it) "

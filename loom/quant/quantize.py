@@ -107,7 +107,8 @@ def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int,
         return _cut(ids, num_windows, window_len, f"calibration_file {text_file!r}"), text_file
     num_prose = num_windows // 2
     prose: list[list[int]] = []
-    source = f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK}, alternating windows"
+    source = (f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK}, alternating windows" if num_prose
+              else f"{SHAREGPT_SOURCE} only (one window: the first of the alternation)")
     if num_prose:
         try:
             prose = _prose_windows(tokenizer, num_prose, window_len)

@@ -77,6 +77,7 @@ def test_checkpoint_follows_the_format_and_runs_packed(tiny_models, tmp_path, na
     assert qc["meta"]["clip"] == "auto" and qc["meta"]["clipped"] == list(result.report.clipped)
     assert {"none", "qkv", "o", "gate_up", "down", "all"} <= set(qc["meta"]["clip_scores"])
     assert qc["meta"]["clip_scores"]["none"] == result.report.clip_scores["none"]._asdict()
+    assert qc["meta"]["clip_windows"] == 2 and qc["meta"]["clip_held_out"]  # _windows(vocab): 4, the search reads 2
     assert {k: qc[k] for k in ("quant_method", "version", "bits", "group_size", "zero_point")} == {
         "quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32, "zero_point": True}
     h, inter = tiny.hf.config.hidden_size, tiny.hf.config.intermediate_size
@@ -186,7 +187,8 @@ def test_cli_passes_the_scaling_and_reports_what_the_search_chose(tmp_path, caps
     def fake(model, output, method, **kw):
         seen.update(kw, method=method)
         qc = {"group_size": 128, "meta": {"scaling": kw["awq_scaling"], "duo_groups": 3, "scaled_groups": 8,
-                                          "loss": kw["awq_loss"], "clip": kw["awq_clip"], "clipped": ["qkv", "down"]}}
+                                          "loss": kw["awq_loss"], "clip": kw["awq_clip"], "clipped": ["qkv", "down"],
+                                          "clip_windows": 6, "clip_held_out": True}}
         return q.QuantizeResult(tmp_path / "out", "awq", "random ids", 64, None, 1.0, qc)
 
     monkeypatch.setattr(q, "quantize", fake)
@@ -194,8 +196,8 @@ def test_cli_passes_the_scaling_and_reports_what_the_search_chose(tmp_path, caps
                  "normalized", "--output", str(tmp_path / "out")]) == 0
     assert seen["method"] == "awq" and seen["awq_scaling"] == "duo" and seen["awq_clip"] == "auto"
     assert seen["awq_loss"] == "normalized"
-    assert ("scaling duo, loss normalized: duo won 3 of 8 groups, clip auto: qkv+down clipped"
-            in capsys.readouterr().out)
+    assert ("scaling duo, loss normalized: duo won 3 of 8 groups, clip auto: qkv+down clipped (chosen on 6 "
+            "held-out calibration windows)" in capsys.readouterr().out)
     with pytest.raises(SystemExit) as exc:
         main(["quantize", "--method", "awq", "--awq-clip", "sometimes", "--output", str(tmp_path / "out")])
     assert exc.value.code == 2 and "--awq-clip" in capsys.readouterr().err
@@ -281,3 +283,18 @@ def test_loss_setting_reaches_every_group_s_search(tiny_models, monkeypatch, los
                                    _windows(tiny.hf.config.vocab_size, 2, 32))
     assert len(wrapped) == (len(report.alphas) if loss == "normalized" else 0) and len(report.alphas) == 4 * len(
         m.model.model.layers)
+
+
+def test_auto_clip_with_no_window_left_scores_the_searched_ones_and_says_so(tiny_models, caplog) -> None:
+    """With no more calibration windows than the scale search reads, "auto" scores on those windows; the report
+    (and so the checkpoint's meta and the CLI's last line) says they were not held out, and a warning says why
+    (a fresh-user trial found the log calling them held-out)."""
+    import logging
+
+    tiny = tiny_models["llama_gqa"]
+    m = load_model(str(tiny.path), torch.float32, CPU, quantization="none")
+    with caplog.at_level(logging.INFO, logger="loom.quant.awq_model"):
+        _, report = quantize_model_awq(m.model, m.arch, AWQSettings(group_size=32, grid_points=2),
+                                       _windows(tiny.hf.config.vocab_size, 1, 32))
+    assert report.clip_windows == 1 and not report.clip_held_out and report.clip_scores
+    assert "not held-out ones" in caplog.text and "held-out calibration" not in caplog.text

@@ -364,7 +364,8 @@ def test_default_calibration_alternates_chat_and_prose(monkeypatch) -> None:
     chat = q._chat_windows(tokenizer, 3, 64)
     assert windows[0][0] == im_start and windows[0::2] == chat  # chat, prose, chat, prose, chat
     assert windows[1] == emma[:64] and windows[3] == emma[64:128]
-    assert q.calibration_windows(tokenizer, None, 1, 64)[0] == chat[:1]  # one window: chat
+    one, source = q.calibration_windows(tokenizer, None, 1, 64)
+    assert one == chat[:1] and "only" in source and "emma" not in source  # one window: chat, and labelled so
 
     def unavailable(book: str) -> str:
         raise RuntimeError("apt-get not found")
