@@ -155,8 +155,9 @@ def main() -> None:
                                   loss="normalized" if args.normalized_loss else "mse")
         _, report = am.quantize_model_awq(m.model, m.arch, settings, calib)
         nonzero = sum(a > 0 for a in report.alphas.values())
+        scores = {name: f"NLL {s.nll:.4f} KL {s.kl:.4f}" for name, s in report.clip_scores.items()}
         print(f"alpha > 0 in {nonzero} of {len(report.alphas)} groups; duo formula won in {sum(report.duo.values())}; "
-              f"clipped: {'+'.join(report.clipped) or 'none'} {report.clip_nll or ''}")
+              f"clipped: {'+'.join(report.clipped) or 'none'} {scores or ''}")
     print(f"quantized in {time.perf_counter() - start:.0f} s")
     out = [window_logits(m.model, m.arch, w) for w in held]
     r = compare(ref, out, held)

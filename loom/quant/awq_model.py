@@ -56,7 +56,7 @@ class AWQSettings:
     grid_points: int = 20  # alphas i / grid_points
     search_windows: int = 2  # calibration windows whose block outputs the search compares (all give mean |x|)
     scaling: str = "both"  # the scale formulas searched: "activation", "duo" or "both" (awq.search_scales)
-    loss: str = "mse"  # the scale search's block error: "mse" (the paper's) or "normalized" (per output channel)
+    loss: str = "normalized"  # the scale search's block error: "normalized" (per output channel) or "mse" (the paper's)
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field."""

@@ -215,7 +215,7 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--awq-loss", choices=("mse", "normalized"), default=None,
                    help="awq: the scale search's block error: mse (the paper's) or normalized (each output channel's "
                    "error relative to its own RMS, so a model's few huge residual channels do not decide it) "
-                   "(default: mse)")
+                   "(default: normalized)")
     g.add_argument("--awq-scaling", choices=("activation", "duo", "both"), default=None,
                    help="awq: the scale formulas searched: the paper's mean|x|^alpha (activation), AutoAWQ's later "
                    "default mean|x|^alpha / w_mean^(1-alpha) (duo), or both grids, keeping the better (both; "

@@ -260,8 +260,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         awq_clip: awq's weight clipping: "on" (the reference implementation's), "off", or "auto" (default: per
             projection type, kept where it brings the model closer to the unquantized one (KL) on calibration
             windows the scale search did not read; awq_model.select_clip).
-        awq_loss: awq's scale-search error: "mse" (the paper's, default) or "normalized" (per output channel,
-            relative to its RMS; awq.normalized_loss).
+        awq_loss: awq's scale-search error: "normalized" (default: per output channel, relative to its RMS;
+            awq.normalized_loss; measured closer on both models, benchmarks/BENCHMARKS.md) or "mse" (the paper's).
         awq_scaling: the scale formulas awq searches (awq.search_scales): "activation" (the paper's), "duo"
             (AutoAWQ's later default, with the weights' magnitude) or "both" (default: measured best on both
             models, benchmarks/BENCHMARKS.md).
@@ -316,7 +316,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     awq_scaling = "both" if awq_scaling is None else awq_scaling
     if method == "awq" and awq_scaling not in SCALINGS:
         raise ValueError(f"awq_scaling must be one of {', '.join(SCALINGS)}, got {awq_scaling!r}")
-    awq_loss = "mse" if awq_loss is None else awq_loss
+    awq_loss = "normalized" if awq_loss is None else awq_loss
     if method == "awq" and awq_loss not in LOSSES:
         raise ValueError(f"awq_loss must be one of {', '.join(LOSSES)}, got {awq_loss!r}")
     if sensitivity_windows is not None and target_bits is None:
