@@ -123,7 +123,8 @@ def main() -> None:
     p.add_argument("--model", default=str(QWEN), help="GGUF file or HF directory")
     p.add_argument("--windows", type=int, default=4, help="held-out windows of 512 tokens")
     p.add_argument("--scaling", choices=("activation", "duo", "both"), default="both", help="AWQSettings.scaling")
-    p.add_argument("--clip", choices=am.CLIPS, default="on", help="AWQSettings.clip (default on, as every row measured before auto existed)")
+    p.add_argument("--clip", choices=am.CLIPS, default="on",
+                   help="AWQSettings.clip (default on, as every row measured before auto existed)")
     p.add_argument("--no-clip", dest="clip", action="store_const", const="off", help="--clip off")
     p.add_argument("--search-windows", type=int, default=2, help="AWQSettings.search_windows")
     p.add_argument("--skip-first", type=int, default=0, help="see above")

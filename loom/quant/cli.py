@@ -78,7 +78,8 @@ def _quantize(ns: argparse.Namespace) -> int:
         chosen_on = (f" (chosen on {meta.get('clip_windows')} "
                      f"{'held-out' if meta.get('clip_held_out') else 'searched, not held-out,'} calibration windows)"
                      if meta.get("clip") == "auto" else "")
-        print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, scaling {meta.get('scaling')}, loss {meta.get('loss')}: "
+        print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, scaling {meta.get('scaling')}, "
+              f"loss {meta.get('loss')}: "
               f"duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} groups, clip {meta.get('clip')}: "
               f"{'+'.join(meta.get('clipped') or ()) or 'none'} clipped{chosen_on}, {result.calibration_tokens} "
               f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; an AutoAWQ gemm checkpoint, "

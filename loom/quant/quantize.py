@@ -258,8 +258,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             loom's C decode step (the default with act-order); False = groups taken in act order (g_idx
             permuted, run per layer).
         awq_clip: awq's weight clipping: "on" (the reference implementation's), "off", or "auto" (default: per
-            projection type, kept where it brings the model closer to the unquantized one (KL) on calibration
-            windows the scale search did not read; awq_model.select_clip).
+            projection type, the candidate closest to the unquantized model (KL) that does not raise its NLL, on
+            calibration windows the scale search did not read; awq_model.select_clip).
         awq_loss: awq's scale-search error: "normalized" (default: per output channel, relative to its RMS;
             awq.normalized_loss; measured closer on both models, benchmarks/BENCHMARKS.md) or "mse" (the paper's).
         awq_scaling: the scale formulas awq searches (awq.search_scales): "activation" (the paper's), "duo"
