@@ -34,7 +34,7 @@ from loom.bench.heldout import janeausten_text
 from loom.bench.model_fetch import model_dir
 from loom.bench.quality import compare, token_windows, window_logits
 from loom.model.loader import load_model
-from loom.quant.awq import fake_quantize, search_clip, search_scales
+from loom.quant.awq import fake_quantize, normalized_loss, search_clip, search_scales
 from loom.quant.quantize import calibration_windows
 
 QWEN = model_dir() / "qwen2.5-coder-0.5b-instruct.gguf"
@@ -57,16 +57,7 @@ def _scale_layer(args: argparse.Namespace):
         search = {k: torch.cat(v[:n]) for k, v in feats.items()}
 
         def normalized(block):
-            if not args.normalized_loss:
-                return block
-            rms: list[torch.Tensor] = []  # the first call is search_scales' float reference
-
-            def f(ws):
-                out = block(ws)
-                if not rms:
-                    rms.append(out.square().mean(0).sqrt().clamp(min=1e-6))
-                return out / rms[0]
-            return f
+            return normalized_loss(block) if args.normalized_loss else block
 
         def attn_block(ws):
             with am._SwapWeight(attn.qkv_proj, ws[0]):

@@ -116,10 +116,8 @@ def _capture(layer: torch.nn.Module, windows: _Windows, states: list[tuple[torch
              ) -> tuple[dict[str, list[torch.Tensor]], list[tuple[torch.Tensor, Any]]]:
     """Run the layer on every window; returns (its four linears' inputs per window, the layer's outputs)."""
     feats: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
-    mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
-            "down": layer.mlp.down_proj}
     handles = [m.register_forward_pre_hook(lambda _m, args, key=key: feats[key].append(args[0].detach().clone()))
-               for key, m in mods.items()]
+               for key, m in _linears(layer).items()]
     out = []
     try:
         for (hidden, residual), (cos_sin, cache, meta) in zip(states, windows.items, strict=True):
