@@ -101,6 +101,15 @@ def test_autogptq_reads_loom_gptq_checkpoints(tiny_models, tmp_path, name: str, 
         ours = gptq_format.from_checkpoint(t, bits)  # loom's reading of the same tensors
         g = ours.g_idx.long()
         assert torch.equal(w_ref, ours.scales.float()[g].T * (ours.codes.float() - ours.zeros.float()[g].T))
+        # ... and AutoGPTQ's own writer (QuantLinear.pack), given these weights, scales, zero points and g_idx,
+        # writes loom's bytes: loom's reader is tested on the reference's files too
+        packer = ref.QuantLinear(bits, layer.group_size, k_in, n_out, bias=False, weight_dtype=torch.float32)
+        linear = torch.nn.Linear(k_in, n_out, bias=False)
+        linear.weight.data = w_ref
+        packer.pack(linear, ours.scales.float().T, ours.zeros.T.contiguous(), g_idx=ours.g_idx)
+        for key in ("qweight", "qzeros", "g_idx"):
+            assert torch.equal(getattr(packer, key).to(torch.int32), t[key]), (p, key)
+        assert torch.equal(packer.scales.half(), t["scales"])
         dequantized[p] = w_ref
         bits_seen.add(bits)
     if settings.target_bits is not None:
