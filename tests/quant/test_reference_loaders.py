@@ -1,7 +1,8 @@
-"""`loom quantize`'s GPTQ and AWQ checkpoints read by the reference implementations' own code (AutoGPTQ's
-QuantLinear, AutoAWQ's dequantize_gemm; tests/quant/reference_impl.py): every quantized layer decodes to the
-weights loom's loader reads, and a transformers model built from the reference's weights gives the logits loom's
-packed kernels give. Skips only when PyPI cannot be reached."""
+"""`loom quantize`'s checkpoints read by the reference implementations' own code: GPTQ by AutoGPTQ's QuantLinear,
+AWQ by AutoAWQ's dequantize_gemm (tests/quant/reference_impl.py; those skip only when PyPI cannot be reached), FP8
+and W8A8 (compressed-tensors) by transformers with the compressed-tensors library. Every quantized layer decodes
+to the weights loom's loader reads, and a transformers model built from the reference's weights gives the logits
+loom's packed kernels give."""
 
 from __future__ import annotations
 
@@ -145,3 +146,43 @@ def test_autoawq_reads_loom_awq_checkpoints(tiny_models, tmp_path, name: str) ->
     tokens = _windows(vocab, 1, 32, seed=9)[0]
     reference = hf_logits(_reference_model(out, tensors, dequantized), tokens)
     torch.testing.assert_close(_loom_logits(out, tokens), reference, rtol=1e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize("method", ["fp8", "w8a8", "w8a8-static"])
+def test_transformers_reads_loom_compressed_tensors_checkpoints(tiny_models, tmp_path, method: str) -> None:
+    """transformers with the compressed-tensors library (vLLM's and llm-compressor's reader of the format) loads
+    loom's FP8 and W8A8 files and dequantizes them (`CompressedTensorsConfig(dequantize=True)`): every layer's
+    weight is exactly the file's codes times its scales, and its dense model gives loom's logits (fp8; w8a8 runs
+    int8 activations per token, so within a KL bound)."""
+    pytest.importorskip("compressed_tensors")  # a test extra (pyproject.toml)
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from loom.quant.fp8_checkpoint import write_fp8_checkpoint
+    from loom.quant.int8_checkpoint import write_int8_checkpoint
+
+    tiny = tiny_models["qwen2_gqa"]
+    out = tmp_path / method
+    vocab = tiny.hf.config.vocab_size
+    if method == "fp8":
+        write_fp8_checkpoint(str(tiny.path), str(out))
+    else:
+        activations = "static" if method == "w8a8-static" else "dynamic"  # static: an input_scale per layer
+        write_int8_checkpoint(str(tiny.path), str(out), _windows(vocab), activations=activations)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    reference = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
+    tensors = _tensors(out)
+    scaled = sorted(k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale"))
+    assert len(scaled) == 7 * tiny.hf.config.num_hidden_layers
+    for p in scaled:
+        w = reference.get_submodule(p).weight
+        assert w.dtype == torch.float32
+        assert torch.equal(w, tensors[f"{p}.weight"].float() * tensors[f"{p}.weight_scale"].float()), p
+    tokens = _windows(vocab, 1, 32, seed=9)[0]
+    ours, theirs = _loom_logits(out, tokens), hf_logits(reference, tokens)
+    if method == "fp8":
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    else:
+        lp, lq = torch.log_softmax(theirs.double(), -1), torch.log_softmax(ours.double(), -1)
+        assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 0.01  # measured 0.0005 dynamic, 0.0024 static
