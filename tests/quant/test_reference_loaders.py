@@ -1,5 +1,6 @@
 """`loom quantize`'s checkpoints read by the reference implementations' own code: GPTQ by AutoGPTQ's QuantLinear,
-AWQ by AutoAWQ's dequantize_gemm (tests/quant/reference_impl.py; those skip only when PyPI cannot be reached), FP8
+AWQ by AutoAWQ's dequantize_gemm (tests/quant/reference_impl.py; those skip, saying why, when pip cannot fetch
+them), FP8
 and W8A8 (compressed-tensors) by transformers with the compressed-tensors library. Every quantized layer decodes
 to the weights loom's loader reads, and a transformers model built from the reference's weights gives the logits
 loom's packed kernels give."""
