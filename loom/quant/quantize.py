@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from loom.quant.awq import SCALINGS
-from loom.quant.awq_model import CLIPS, LOSSES
+from loom.quant.awq_model import CLIPS, LOSSES, AWQSettings
 
 logger = logging.getLogger(__name__)
 
@@ -310,13 +310,14 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     desc_act = (method == "gptq") if desc_act is None else desc_act
     static_groups = desc_act if static_groups is None else static_groups  # refused without act-order (check())
     damp_percent = 0.01 if damp_percent is None else damp_percent
-    clip = "auto" if awq_clip is None else awq_clip
+    awq_defaults = AWQSettings()  # the one place AWQ's defaults are set
+    clip = awq_defaults.clip if awq_clip is None else awq_clip
     if method == "awq" and clip not in CLIPS:
         raise ValueError(f"awq_clip must be one of {', '.join(CLIPS)}, got {clip!r}")
-    awq_scaling = "both" if awq_scaling is None else awq_scaling
+    awq_scaling = awq_defaults.scaling if awq_scaling is None else awq_scaling
     if method == "awq" and awq_scaling not in SCALINGS:
         raise ValueError(f"awq_scaling must be one of {', '.join(SCALINGS)}, got {awq_scaling!r}")
-    awq_loss = "normalized" if awq_loss is None else awq_loss
+    awq_loss = awq_defaults.loss if awq_loss is None else awq_loss
     if method == "awq" and awq_loss not in LOSSES:
         raise ValueError(f"awq_loss must be one of {', '.join(LOSSES)}, got {awq_loss!r}")
     if sensitivity_windows is not None and target_bits is None:
@@ -433,7 +434,6 @@ def _quantize_awq(model: str | None, output: str, calibration_file: str | None, 
                   bits: int, group_size: int, clip: str, scaling: str, loss: str) -> QuantizeResult:
     """awq through awq_checkpoint.write_awq_checkpoint."""
     from loom.quant.awq_checkpoint import write_awq_checkpoint
-    from loom.quant.awq_model import AWQSettings
 
     if bits != 4:
         raise ValueError(f"bits must be 4 for awq (the AWQ gemm format), got {bits}")

@@ -4,7 +4,6 @@ AWQ loader into q4g32, run end to end."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
@@ -18,24 +17,11 @@ from loom.quant.awq_format import from_checkpoint
 from loom.quant.awq_method import AWQLinearMethod
 from loom.quant.awq_model import AWQSettings, fold_down, fold_gate_up, fold_o, fold_qkv, quantize_model_awq
 from tests.model.model_harness import hf_logits
+from tests.quant.checkpoint_harness import kl as _kl
+from tests.quant.checkpoint_harness import logits as _logits
+from tests.quant.checkpoint_harness import windows as _windows
 
 CPU = torch.device("cpu")
-
-
-def _windows(vocab: int, n: int = 4, length: int = 48, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
-
-
-def _logits(loaded, tokens: list[int]) -> torch.Tensor:
-    from loom.bench.quality import window_logits
-
-    return window_logits(loaded.model, loaded.arch, tokens)
-
-
-def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
-    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(other.double(), -1)
-    return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
 @pytest.mark.parametrize("name", ["llama_mha_tied", "qwen2_gqa"])

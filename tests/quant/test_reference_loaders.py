@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
@@ -21,6 +20,9 @@ from loom.quant.awq_checkpoint import write_awq_checkpoint
 from loom.quant.awq_model import AWQSettings
 from loom.quant.gptq_checkpoint import GPTQSettings, write_gptq_checkpoint
 from tests.model.model_harness import hf_logits
+from tests.quant.checkpoint_harness import kl as _kl
+from tests.quant.checkpoint_harness import logits as _logits
+from tests.quant.checkpoint_harness import windows as _windows
 from tests.quant.reference_impl import reference_module
 
 CPU = torch.device("cpu")
@@ -31,11 +33,6 @@ def _module(name: str):
         return reference_module(name)
     except RuntimeError as e:  # no network / no index: a missing resource, not a loom failure
         pytest.skip(f"reference implementation unavailable: {e}")
-
-
-def _windows(vocab: int, n: int = 4, length: int = 48, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
 def _tensors(out) -> dict[str, torch.Tensor]:
@@ -64,10 +61,7 @@ def _reference_model(out, tensors: dict[str, torch.Tensor], dequantized: dict[st
 
 
 def _loom_logits(out, tokens: list[int]) -> torch.Tensor:
-    from loom.bench.quality import window_logits
-
-    loaded = load_model(str(out), torch.float32, CPU)
-    return window_logits(loaded.model, loaded.arch, tokens)
+    return _logits(load_model(str(out), torch.float32, CPU), tokens)
 
 
 @pytest.mark.parametrize(("name", "settings"), [
@@ -101,8 +95,7 @@ def test_autogptq_reads_loom_gptq_checkpoints(tiny_models, tmp_path, name: str, 
         with torch.no_grad():  # identity rows: out = W^T exactly (one nonzero product per sum)
             w_ref = layer(torch.eye(k_in)).T  # [N, K]
         ours = gptq_format.from_checkpoint(t, bits)  # loom's reading of the same tensors
-        g = ours.g_idx.long()
-        assert torch.equal(w_ref, ours.scales.float()[g].T * (ours.codes.float() - ours.zeros.float()[g].T))
+        assert torch.equal(w_ref, ours.dequantize())
         # ... and AutoGPTQ's own writer (QuantLinear.pack), given these weights, scales, zero points and g_idx,
         # writes loom's bytes: loom's reader is tested on the reference's files too
         packer = ref.QuantLinear(bits, layer.group_size, k_in, n_out, bias=False, weight_dtype=torch.float32)
@@ -140,9 +133,7 @@ def test_autoawq_reads_loom_awq_checkpoints(tiny_models, tmp_path, name: str) ->
         t = {k: tensors[f"{p}.{k}"] for k in ("qweight", "qzeros", "scales")}
         # float32 scales (the file's float16 widened exactly): each weight rounded once, as loom computes it
         w_ref = ref.dequantize_gemm(t["qweight"], t["qzeros"], t["scales"].float(), 4, 32).T  # [N, K]
-        ours = awq_format.from_checkpoint(t, 32)  # loom's reading
-        g = ours.g_idx.long()
-        assert torch.equal(w_ref, ours.scales.float()[g].T * (ours.codes.float() - ours.zeros.float()[g].T))
+        assert torch.equal(w_ref, awq_format.from_checkpoint(t, 32).dequantize())  # loom's reading
         dequantized[p] = w_ref
     tokens = _windows(vocab, 1, 32, seed=9)[0]
     reference = hf_logits(_reference_model(out, tensors, dequantized), tokens)
@@ -185,5 +176,4 @@ def test_transformers_reads_loom_compressed_tensors_checkpoints(tiny_models, tmp
     if method == "fp8":
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     else:
-        lp, lq = torch.log_softmax(theirs.double(), -1), torch.log_softmax(ours.double(), -1)
-        assert float((lp.exp() * (lp - lq)).sum(-1).mean()) < 0.01  # measured 0.0005 dynamic, 0.0024 static
+        assert _kl(theirs, ours) < 0.01  # measured 0.0005 dynamic, 0.0024 static
