@@ -14,7 +14,7 @@ Paths:
   t.int8    torch.ops.aten._weight_int8pack_mm (int8 per output channel, float32 x)
   t.int4    torch._weight_int4pack_mm_for_cpu (4-bit groups of 32 with scale and zero, bfloat16 x)
 
-`--model-step` also times one decode step's matmuls at M = 1: 30 layers of SmolLM2's q4g32 matrices
+`--model-step` also times one decode step's matmuls at M = 1: 30 layers of SmolLM2's q4g matrices
 (qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536], with mins) and the q8g LM head
 [49152, 576], activations quantized once per distinct input, as PackedLinearMethod runs them.
 
@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from loom.kernels.registry import get_kernel
-from loom.quant.layout import PackedWeight, pack_q4g32
+from loom.quant.layout import PackedWeight, pack_q4g
 
 SHAPES = (  # name, layout, N, K, group, mins
-    ("o [576,576]", "q4g32", 576, 576, 32, True),
-    ("gate_up [3072,576]", "q4g32", 3072, 576, 32, True),
-    ("down [576,1536]", "q4g32", 576, 1536, 32, True),
+    ("o [576,576]", "q4g", 576, 576, 32, True),
+    ("gate_up [3072,576]", "q4g", 3072, 576, 32, True),
+    ("down [576,1536]", "q4g", 576, 1536, 32, True),
     ("lm_head [49152,576]", "q8g", 49152, 576, 32, False),
 )
 
@@ -47,8 +47,8 @@ SHAPES = (  # name, layout, N, K, group, mins
 def make_weight(layout: str, n: int, k: int, group: int, mins: bool, gen: torch.Generator) -> PackedWeight:
     scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).half()
     m = (torch.randn(n, k // group, generator=gen) * 0.05).half() if mins else None
-    if layout == "q4g32":
-        return pack_q4g32(torch.randint(0, 16, (n, k), generator=gen), scales, m)
+    if layout == "q4g":
+        return pack_q4g(torch.randint(0, 16, (n, k), generator=gen), scales, m)
     codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     return PackedWeight("q8g", codes, scales, m, group)
 
@@ -128,7 +128,7 @@ def bench_shape(kern, name: str, layout: str, n: int, k: int, group: int, mins: 
 def model_step(kern, args: argparse.Namespace) -> tuple[float, float, int]:
     """(median ms, GB/s, bytes) of one M = 1 decode step's matmuls on the q8 path."""
     gen = torch.Generator().manual_seed(1)
-    layers = [[make_weight("q4g32", n, k, 32, True, gen) for n, k in ((960, 576), (576, 576), (3072, 576),
+    layers = [[make_weight("q4g", n, k, 32, True, gen) for n, k in ((960, 576), (576, 576), (3072, 576),
                                                                       (576, 1536))] for _ in range(30)]
     head = make_weight("q8g", 49152, 576, 32, False, gen)
     total = sum(w.nbytes for ly in layers for w in ly) + head.nbytes

@@ -52,7 +52,7 @@ args_of() {  # the loom quantize arguments of each row
     # ... and at Q4_K_M's total weight bytes (its token_embd is Q8_0, as loom's 8-bit head)
     mixed525-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.25 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
-    # ... and at them: loom runs 4-bit g128 layers in its q4g32 layout (5.0 bits read), so 5.25 file bits read
+    # ... and at them: loom runs 4-bit g128 layers in its q4g layout (5.0 bits read), so 5.25 file bits read
     # 104.7 MB against Q4_K_M's 103.7; 5.1 bits read 103.73 against 103.67 (closer in perplexity and top-1, not KL)
     mixed510-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.1 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
@@ -61,7 +61,7 @@ args_of() {  # the loom quantize arguments of each row
     mixed510s4-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.1 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 --sensitivity-windows 4 ;;
     # Two attempts to beat Q4_K_M's KL at its bytes, both worse (BENCHMARKS, "the awq4 rows at today's defaults");
-    # not in the default ROWS. A base of 4-bit groups of 32 (loom reads g128 and g32 as the same q4g32 bytes):
+    # not in the default ROWS. A base of 4-bit groups of 32 (loom reads g128 and g32 as the same q4g bytes):
     mixed520g32-gptq-prose-head8) echo --method gptq --bits 4 --group-size 32 --asym --target-bits 5.2 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
     # the LM head at 4 bits (17.7 MB read against 8 bits' 29.2), its 11.5 MB spent on 8-bit layers instead:

@@ -35,7 +35,7 @@ _Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), (
                     ("rot", ctypes.c_int64), ("act_scale", ctypes.c_float)]
 # LoomPacked.kind of each weight layout the step reads (bf16: a bf16 checkpoint's weights, float32 models only;
 # q8g_int8: q8g under per-token int8 activations, W8A8, float32 models only)
-_KINDS = {"q4g32": 0, "q8g": 1, "bf16": 2, "q8g_int8": 3, "q4g32r16": 4, "q8gr16": 5}
+_KINDS = {"q4g": 0, "q8g": 1, "bf16": 2, "q8g_int8": 3, "q4gr16": 4, "q8gr16": 5}
 
 
 class _Layer(ctypes.Structure):

@@ -63,8 +63,8 @@ def _check_weight(w: PackedWeight, k: int) -> int:
     n, cols = qw.shape
     if w.layout in Q4_LAYOUTS:
         wk = 2 * cols
-        if qw.dtype != torch.uint8 or g != 32 or (w.layout == "q4g32r16" and n % 16):
-            raise ValueError(f"{w.layout} weight must have uint8 qweight and groups of 32 (and q4g32r16 N % 16 == 0)")
+        if qw.dtype != torch.uint8 or g != 32 or (w.layout == "q4gr16" and n % 16):
+            raise ValueError(f"{w.layout} weight must have uint8 qweight and groups of 32 (and q4gr16 N % 16 == 0)")
     else:
         wk = cols
         if w.layout == "q8gr16" and (g not in (16, 32) or n % 16):
@@ -117,32 +117,32 @@ class QuantKernels:
         impl.argtypes, impl.restype = [], ctypes.c_char_p
         self.impl = impl().decode()  # the code the build holds: "avx512_vnni", "avx2" or "scalar"
         self._quant = self._fn(lib.loom_quantize_act, [p, i64, i32, i64, i64, i32, p, p, p, i32], None)
-        self._q4_q8 = self._fn(lib.loom_gemm_q4g32_q8, [p, p, p, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
+        self._q4_q8 = self._fn(lib.loom_gemm_q4g_q8, [p, p, p, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
         self._q8_q8 = self._fn(lib.loom_gemm_q8g_q8, [p, p, p, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._quant16 = self._fn(lib.loom_quantize_act16, [p, i64, i32, i64, i64, p, p, p, i32], None)
-        self._q4_f = self._fn(lib.loom_gemm_q4g32_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
-        self._q4r16_f = self._fn(lib.loom_gemm_q4g32r16_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
+        self._q4_f = self._fn(lib.loom_gemm_q4g_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
+        self._q4r16_f = self._fn(lib.loom_gemm_q4gr16_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
         self._q8r16_f = self._fn(lib.loom_gemm_q8gr16_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32],
                                  i32)
         self._q8_f = self._fn(lib.loom_gemm_q8g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
-        self._dq4 = self._fn(lib.loom_dequant_q4g32, [p, p, p, i64, i64, p, i32, i32], None)
+        self._dq4 = self._fn(lib.loom_dequant_q4g, [p, p, p, i64, i64, p, i32, i32], None)
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
         self._rotate = self._fn(lib.loom_rotate_rows, [p, i64, i64, i64, i64, p, i32], None)
         self._q8c = self._fn(lib.loom_gemm_q8c_q8t, [p, p, i64, i64, i64, p, p, p, p, i64, i32, i32], None)
         self._nx16_min = self._fn(lib.loom_set_nx16_min_rows, [i64], i64)
-        # rows from which gemm_f of q4g32 runs the 16-row groups, faster there than dequantization + torch's
+        # rows from which gemm_f of q4g runs the 16-row groups, faster there than dequantization + torch's
         # float32 GEMM (benchmarks/NOTES.md, "q4g32 at many rows"); None in builds without them
         default = self._nx16_min(1 << 40)
         if default >= 0:
             self._nx16_min(default)
         self.row_group_min_rows: int | None = int(default) if default >= 0 else None
-        # layouts this build's gemm_f runs fastest: q4g32r16, whose 16-row groups run at every row count (one
-        # summation order for any batch; PackedLinearMethod interleaves q4g32 weights at load where listed). Every
-        # build reads q4g32r16 with the same bits, the others a lane at a time (tests force them on any CPU).
-        self.interleaved_layouts: tuple[str, ...] = ("q4g32r16", "q8gr16") if default >= 0 else ()
+        # layouts this build's gemm_f runs fastest: q4gr16, whose 16-row groups run at every row count (one
+        # summation order for any batch; PackedLinearMethod interleaves q4g weights at load where listed). Every
+        # build reads q4gr16 with the same bits, the others a lane at a time (tests force them on any CPU).
+        self.interleaved_layouts: tuple[str, ...] = ("q4gr16", "q8gr16") if default >= 0 else ()
 
     def set_row_group_min_rows(self, rows: int) -> int:
-        """Sets the row count from which q4g32's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16;
+        """Sets the row count from which q4g's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16;
         avx512_vnni builds); returns the previous value, or -1 in builds without them (nothing changes).
         Tests force the groups at any M with it; `row_group_min_rows` keeps the default."""
         return int(self._nx16_min(int(rows)))
@@ -222,7 +222,7 @@ class QuantKernels:
             raise ValueError("QuantizedActivations must hold contiguous CPU tensors")
         n = _check_weight(w, k)
         if w.layout in INTERLEAVED:
-            raise ValueError(f"gemm_q8 reads q4g32 and q8g weights; a {w.layout} weight runs under float activations")
+            raise ValueError(f"gemm_q8 reads q4g and q8g weights; a {w.layout} weight runs under float activations")
         _check_bias(bias, n)
         _check_out(out_dtype)
         y = torch.empty(m, n, dtype=out_dtype)
@@ -231,7 +231,7 @@ class QuantKernels:
         mins = None if w.mins is None else w.mins.data_ptr()
         b = None if bias is None else bias.data_ptr()
         args = (y.data_ptr(), n, int(out_dtype == torch.bfloat16), torch.get_num_threads())
-        if w.layout == "q4g32":
+        if w.layout == "q4g":
             rc = self._q4_q8(xa.xq.data_ptr(), xa.xs.data_ptr(), xa.xsum.data_ptr(), m, k, w.qweight.data_ptr(),
                              w.scales.data_ptr(), mins, b, *args)
         else:
@@ -291,12 +291,12 @@ class QuantKernels:
         head = (x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), m, k, w.qweight.data_ptr(), w.scales.data_ptr(),
                 mins)
         tail = (b, y.data_ptr(), n, int(out_dtype == torch.bfloat16), torch.get_num_threads())
-        if w.layout == "q4g32r16":  # every build; fast in avx512_vnni ones (`interleaved_layouts`)
+        if w.layout == "q4gr16":  # every build; fast in avx512_vnni ones (`interleaved_layouts`)
             rc = self._q4r16_f(*head, *tail)
         elif w.layout == "q8gr16":
             rc = self._q8r16_f(*head, w.group_size, *tail)
         else:
-            rc = self._q4_f(*head, *tail) if w.layout == "q4g32" else self._q8_f(*head, w.group_size, *tail)
+            rc = self._q4_f(*head, *tail) if w.layout == "q4g" else self._q8_f(*head, w.group_size, *tail)
         if rc:
             raise MemoryError("qgemm: scratch allocation failed")
         return y
@@ -319,7 +319,7 @@ class QuantKernels:
         if n and k:
             mins = None if w.mins is None else w.mins.data_ptr()
             bf16, threads = int(dtype == torch.bfloat16), torch.get_num_threads()
-            if w.layout == "q4g32":
+            if w.layout == "q4g":
                 self._dq4(w.qweight.data_ptr(), w.scales.data_ptr(), mins, n, k, out.data_ptr(), bf16, threads)
             else:
                 self._dq8(w.qweight.data_ptr(), w.scales.data_ptr(), mins, w.group_size, n, k, out.data_ptr(), bf16,

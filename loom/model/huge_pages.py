@@ -2,7 +2,7 @@
 
 At 4 bits a SmolLM2-135M step reads ~96 MB: ~24,000 4 KB pages, far more than the second-level TLB holds, so every
 page of every step is a page walk, and in a virtual machine (nested paging) a walk costs several memory reads. On
-2 MB pages the same bytes are 48 pages. Measured on a 2-core Ice Lake-class VM (the 120 q4g32 layer matrices and the
+2 MB pages the same bytes are 48 pages. Measured on a 2-core Ice Lake-class VM (the 120 q4g layer matrices and the
 q8g LM head of SmolLM2 at M = 1, the same bytes on 4 KB and on 2 MB pages, alternated in one process): the layers
 0.86-0.90x and the LM head 0.83-0.89x the time (benchmarks/NOTES.md, "Issue 9: the per-token overhead of a single
 stream").

@@ -664,7 +664,7 @@ class LlamaForCausalLM(nn.Module):
         self.model.prepare_decode_step()
 
     def _share_interleaved_table(self) -> None:
-        """A tied LM head whose packed matrix was interleaved at load (q4g32r16 / q8gr16) holds the embedding's table
+        """A tied LM head whose packed matrix was interleaved at load (q4gr16 / q8gr16) holds the embedding's table
         in another order: the embedding then looks its rows up there (PackedWeight.rows gathers them), so the
         matrix is held once."""
         head, embed = self.lm_head, self.model.embed_tokens

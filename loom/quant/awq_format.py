@@ -17,8 +17,8 @@ GPTQ: AWQ packs along the output dimension (qweight [K, N/8]), GPTQ along the in
 g_idx. config.json: `quantization_config` = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size",
 "zero_point": true, "modules_to_not_convert": null}.
 
-The decoded layer is a loom.quant.gptq.GPTQWeight, so it reaches loom's q4g32 layout through the same
-repacking as GPTQ (gptq_format.to_loom: a group of 128 is four q4g32 groups with its scale; min = -zero * scale
+The decoded layer is a loom.quant.gptq.GPTQWeight, so it reaches loom's q4g layout through the same
+repacking as GPTQ (gptq_format.to_loom: a group of 128 is four q4g groups with its scale; min = -zero * scale
 in float16).
 """
 

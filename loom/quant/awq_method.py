@@ -1,6 +1,6 @@
 """AutoAWQ "gemm" checkpoints run on loom's packed kernels: the config (`quantization_config.quant_method ==
 "awq"` in config.json) and the linear method that decodes each layer's qweight / qzeros / scales
-(loom/quant/awq_format.py) and repacks them into q4g32 through the GPTQ path (loom/quant/gptq_format.py
+(loom/quant/awq_format.py) and repacks them into q4g through the GPTQ path (loom/quant/gptq_format.py
 to_loom: the file's codes and scales, min = -zero * scale in float16).
 """
 
@@ -41,7 +41,7 @@ def awq_quant_config(name: str | None, quantization_config: dict[str, Any], tens
 
 
 class AWQConfig(GPTQConfig):
-    """Each linear layer whose projections the checkpoint stores as AWQ tensors runs packed (q4g32); the others
+    """Each linear layer whose projections the checkpoint stores as AWQ tensors runs packed (q4g); the others
     (the LM head) stay dense in the model dtype."""
 
     name = "awq"

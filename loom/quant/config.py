@@ -10,7 +10,7 @@ file name.
 | w4a16   | 4-bit weights (RTN, asymmetric groups of 32), float activations                               |
 | w8a8    | int8 weights (per channel) and int8 activations per token (dynamic), both Hadamard-rotated   |
 | fp8     | float8 e4m3 weights, a float32 scale per channel                                              |
-| gptq    | a Hugging Face GPTQ checkpoint's own 4/8-bit codes, repacked into q4g32 / q8g (gptq_method.py)   |
+| gptq    | a Hugging Face GPTQ checkpoint's own 4/8-bit codes, repacked into q4g / q8g (gptq_method.py)   |
 
 A config answers `get_quant_method(layer, prefix)` for each linear layer (the LM head included, prefix
 "lm_head") and says whether the token embedding stays packed.

@@ -1,6 +1,6 @@
 """Repack GGUF quantized tensors, at load, into loom's packed layouts (`loom.quant.layout`).
 
-Each supported GGML type maps onto `q4g32` or `q8g` with no requantization: the integer codes are carried
+Each supported GGML type maps onto `q4g` or `q8g` with no requantization: the integer codes are carried
 over unchanged (only re-laid out), the scales / mins are GGUF's own float16 values, or for the K-quants the
 float16 rounding of GGUF's two-level (super-block float16 x 6/8-bit sub-block) scale.
 
@@ -10,8 +10,8 @@ All multi-byte fields little-endian; "nibbles" means byte i of a 16-byte run hol
 nibble and element i + 16 in its high nibble.
 
 - Q4_0 (32 values, 18 B): d f16, qs[16] nibbles; w = d * (q - 8).
-  -> q4g32, codes q, scale d, min fp16(-8d) (exact; ValueError if |8d| > 65504).                  EXACT
-- Q4_1 (32 values, 20 B): d f16, m f16, qs[16] nibbles; w = d * q + m.  -> q4g32, a copy.           EXACT
+  -> q4g, codes q, scale d, min fp16(-8d) (exact; ValueError if |8d| > 65504).                  EXACT
+- Q4_1 (32 values, 20 B): d f16, m f16, qs[16] nibbles; w = d * q + m.  -> q4g, a copy.           EXACT
 - Q5_0 (32 values, 22 B): d f16, qh u32 (bit i = bit 4 of element i), qs[16] nibbles; w = d * (q - 16).
   -> q8g group 32, codes q - 16, no mins.                                                            EXACT
 - Q5_1 (32 values, 24 B): d f16, m f16, qh u32, qs[16] nibbles; w = d * q + m.
@@ -22,7 +22,7 @@ nibble and element i + 16 in its high nibble.
   sub-blocks 4-7 in their high 2 bits; bytes 8-11 hold the low 4 bits of sc (low nibble) and m (high
   nibble) of sub-blocks 4-7), qs[128]: sub-blocks 2c and 2c+1 are the low and high nibbles of bytes
   32c..32c+31; w = (d * sc) * q - dmin * m.
-  -> q4g32, codes q, scale fp16(d * sc), min fp16(-dmin * m).                                      BOUNDED
+  -> q4g, codes q, scale fp16(d * sc), min fp16(-dmin * m).                                      BOUNDED
 - Q5_K (256 values, 176 B): d, dmin, scales[12] as Q4_K, qh[32] (bit j of byte i = bit 4 of element
   32j + i), qs[128] as Q4_K; w = (d * sc) * q - dmin * m, q in 0..31.
   -> q8g group 32, codes q, scale fp16(d * sc), min fp16(-dmin * m).                               BOUNDED
@@ -89,7 +89,7 @@ REPACKED_TYPES: frozenset[T] = frozenset(_BLOCKS)
 
 # bytes per weight of loom's layout for each repacked GGML type (codes + float16 scale [+ min] per group)
 PACKED_BYTES_PER_WEIGHT: dict[str, float] = {
-    "Q4_0": 20 / 32, "Q4_1": 20 / 32, "Q4_K": 20 / 32,  # q4g32 with mins
+    "Q4_0": 20 / 32, "Q4_1": 20 / 32, "Q4_K": 20 / 32,  # q4g with mins
     "Q8_0": 34 / 32, "Q5_0": 34 / 32,  # q8g/32 symmetric
     "Q5_1": 36 / 32, "Q5_K": 36 / 32,  # q8g/32 with mins
     "Q6_K": 18 / 16,  # q8g/16 symmetric
@@ -174,12 +174,12 @@ def _repack_q4_0(blocks: np.ndarray, n: int, k: int) -> PackedWeight:
     d = _f16(blocks, "d")
     mins = _checked_f16(d.astype(np.float32) * np.float32(-8.0), T.Q4_0, "min -8*d")
     qweight = np.ascontiguousarray(blocks["qs"]).reshape(n, k // 2)
-    return PackedWeight("q4g32", _tensor(qweight), _tensor(d), _tensor(mins), 32)
+    return PackedWeight("q4g", _tensor(qweight), _tensor(d), _tensor(mins), 32)
 
 
 def _repack_q4_1(blocks: np.ndarray, n: int, k: int) -> PackedWeight:
     qweight = np.ascontiguousarray(blocks["qs"]).reshape(n, k // 2)
-    return PackedWeight("q4g32", _tensor(qweight), _tensor(_f16(blocks, "d")), _tensor(_f16(blocks, "m")), 32)
+    return PackedWeight("q4g", _tensor(qweight), _tensor(_f16(blocks, "d")), _tensor(_f16(blocks, "m")), 32)
 
 
 def _q5_codes(blocks: np.ndarray) -> np.ndarray:
@@ -226,13 +226,13 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _repack_q4_k(blocks: np.ndarray, n: int, k: int) -> PackedWeight:
     scales, mins = _k_scales_mins(blocks, T.Q4_K)
-    # Re-lay each sub-block's 32 bytes-of-nibbles as q4g32's 16 bytes: element i low, element i + 16 high.
+    # Re-lay each sub-block's 32 bytes-of-nibbles as q4g's 16 bytes: element i low, element i + 16 high.
     qs = blocks["qs"].reshape(n, -1, 4, 2, 16)  # [N, B, c, half of the 32 bytes, 16]
     first, second = qs[..., 0, :], qs[..., 1, :]  # elements 0..15 / 16..31 of sub-blocks 2c, 2c+1
     even = (first & 0x0F) | (second << 4)  # sub-block 2c: low nibbles
     odd = (first >> 4) | (second & 0xF0)  # sub-block 2c+1: high nibbles
     qweight = np.stack([even, odd], axis=-2).reshape(n, k // 2)
-    return PackedWeight("q4g32", _tensor(qweight), _tensor(scales), _tensor(mins), 32)
+    return PackedWeight("q4g", _tensor(qweight), _tensor(scales), _tensor(mins), 32)
 
 
 def _repack_q5_k(blocks: np.ndarray, n: int, k: int) -> PackedWeight:

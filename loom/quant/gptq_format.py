@@ -17,7 +17,7 @@ and W[n, k] = scales[g, n] * (code[k, n] - zero[g, n]) with g = g_idx[k]. config
 "damp_percent", "true_sequential", "static_groups", "checkpoint_format", ...}.
 
 Into loom's layouts (loom/quant/layout.py), `to_loom`:
-- 4-bit -> q4g32: every block of 32 input columns lies in one GPTQ group (group sizes 32, 64, 128 and per
+- 4-bit -> q4g: every block of 32 input columns lies in one GPTQ group (group sizes 32, 64, 128 and per
   channel), so it takes that group's scale, and min = -zero * scale, rounded to float16. The codes and scales
   are the file's own; the min is exact whenever zero * scale is a float16 (always for symmetric checkpoints,
   zero = 8), else within 2^-11 relative of it (as loom's Q4_K repacking).
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from loom.quant.gptq import GPTQWeight
-from loom.quant.layout import PackedWeight, pack_q4g32
+from loom.quant.layout import PackedWeight, pack_q4g
 
 FORMATS = ("gptq", "gptq_v2")  # checkpoint_format values: v1 stores zero - 1, v2 the zero itself
 
@@ -123,7 +123,7 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], bits: int, checkpoint_form
 class LoomGPTQ:
     """One GPTQ layer in loom's run-time form."""
 
-    packed: PackedWeight | None  # q4g32 / q8g over the permuted input columns, or None (dense below)
+    packed: PackedWeight | None  # q4g / q8g over the permuted input columns, or None (dense below)
     input_perm: torch.Tensor | None  # int64 [K]: x[:, input_perm] is what `packed` multiplies; None = identity
     dense: torch.Tensor | None  # float32 [N, K] when the groups do not fall on blocks of 32
 
@@ -146,7 +146,7 @@ def to_loom(weight: GPTQWeight) -> LoomGPTQ:
     zeros = weight.zeros[groups].T.float()
     if weight.bits == 4:
         mins = (-zeros * scales.float()).half()
-        packed = pack_q4g32(codes, scales, mins)
+        packed = pack_q4g(codes, scales, mins)
     else:
         mins = ((128 - zeros) * scales.float()).half()
         packed = PackedWeight("q8g", (codes - 128).to(torch.int8).contiguous(), scales,

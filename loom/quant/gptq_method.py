@@ -1,6 +1,6 @@
 """Hugging Face GPTQ checkpoints run on loom's packed kernels: the config (`quantization_config.quant_method ==
 "gptq"` in config.json) and the linear method that turns each layer's qweight / qzeros / scales / g_idx into
-loom's layouts (loom/quant/gptq_format.py: 4-bit -> q4g32, 8-bit -> q8g, desc_act -> an input permutation).
+loom's layouts (loom/quant/gptq_format.py: 4-bit -> q4g, 8-bit -> q8g, desc_act -> an input permutation).
 
 Per-module precision follows GPTQModel's `dynamic` key of quantization_config (the form vLLM also reads): an
 ordered map from a regular expression over module names to overrides; the first pattern that matches a module

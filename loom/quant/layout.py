@@ -4,15 +4,15 @@ exist only for them.
 Two layouts, both row-major over the output rows n < N and grouped along the input k < K, and one arrangement
 of the first for loom's AVX-512 VNNI kernels:
 
-- `q4g32`: 4-bit unsigned codes in groups of 32. `qweight` uint8 [N, K // 2]: each group is 16 bytes, and
+- `q4g`: 4-bit unsigned codes in groups of 32. `qweight` uint8 [N, K // 2]: each group is 16 bytes, and
   byte i of a group holds element i in its low nibble and element i + 16 in its high nibble (the order of
   GGUF's Q4_0 / Q4_1 blocks, so those repack as copies).
 - `q8g`: 8-bit signed codes in groups of `group_size` (16, or a multiple of 32 up to K). `qweight` int8 [N, K].
-- `q4g32r16` (and `q8gr16`, the same for q8g with groups of 16 or 32: 8 words per block of 32): q4g32's bytes
+- `q4gr16` (and `q8gr16`, the same for q8g with groups of 16 or 32: 8 words per block of 32): q4g's bytes
   with every 16 rows interleaved (N a multiple of 16), as the kernels' 16-row groups
   read them, one weight row per 32-bit lane (loom/kernels/csrc/qgemm.c, "16 weight rows per vector"): for rows
   16 g .. 16 g + 15, group (block) b, word j < 4 (bytes 4j .. 4j+3 of the row's 16-byte group), the 16 rows'
-  words lie side by side; scales and mins likewise, [g][b][16 rows]. The tensors keep q4g32's shapes ([N, K // 2],
+  words lie side by side; scales and mins likewise, [g][b][16 rows]. The tensors keep q4g's shapes ([N, K // 2],
   [N, K // 32]) and bytes; only their order differs (`interleave_rows16` / `deinterleave_rows16`). Made at load
   (PackedLinearMethod) where the kernels have the groups, so that every row count runs one summation order.
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("q4g32", "q8g", "q4g32r16", "q8gr16")
-INTERLEAVED = {"q4g32r16": "q4g32", "q8gr16": "q8g"}  # 16-row interleaved layout -> its row-major layout
-Q4_LAYOUTS = ("q4g32", "q4g32r16")  # 4-bit codes, two per byte
+LAYOUTS = ("q4g", "q8g", "q4gr16", "q8gr16")
+INTERLEAVED = {"q4gr16": "q4g", "q8gr16": "q8g"}  # 16-row interleaved layout -> its row-major layout
+Q4_LAYOUTS = ("q4g", "q4gr16")  # 4-bit codes, two per byte
 
 
 @dataclass(slots=True)
@@ -40,10 +40,10 @@ class PackedWeight:
     """A weight matrix [N, K] in one of loom's layouts (see the module docstring)."""
 
     layout: str  # one of LAYOUTS
-    qweight: torch.Tensor  # q4g32 / q4g32r16: uint8 [N, K // 2]; q8g / q8gr16: int8 [N, K]
+    qweight: torch.Tensor  # q4g / q4gr16: uint8 [N, K // 2]; q8g / q8gr16: int8 [N, K]
     scales: torch.Tensor  # float16 [N, K // group_size]
     mins: torch.Tensor | None  # float16 [N, K // group_size], or None (symmetric codes)
-    group_size: int  # values per scale: 32 for q4g32; 16 or a multiple of 32 for q8g
+    group_size: int  # values per scale: 32 for q4g; 16 or a multiple of 32 for q8g
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -58,8 +58,8 @@ class PackedWeight:
             raise ValueError(f"{self.layout} qweight must be {want_dtype} [N, K{' // 2' if k != self.qweight.shape[1] else ''}]")
         if q4 and self.group_size != 32:
             raise ValueError(f"{self.layout} has groups of 32")
-        if self.layout == "q4g32r16" and n % 16:
-            raise ValueError(f"q4g32r16 needs a multiple of 16 rows, got N={n}")
+        if self.layout == "q4gr16" and n % 16:
+            raise ValueError(f"q4gr16 needs a multiple of 16 rows, got N={n}")
         if self.group_size != 16 and (self.group_size % 32 or self.group_size > k) or k % self.group_size:
             raise ValueError(f"group_size {self.group_size} must be 16 or a multiple of 32 dividing K={k}")
         for name, t in (("scales", self.scales), ("mins", self.mins)):
@@ -86,7 +86,7 @@ class PackedWeight:
 
     def rows(self, index: torch.Tensor | slice) -> PackedWeight:
         """The packed rows `index` (a permutation, a slice), same layout: rows are independent. Of an interleaved
-        weight (q4g32r16, q8gr16), the rows in its row-major layout (gathered lane by lane: an embedding lookup
+        weight (q4gr16, q8gr16), the rows in its row-major layout (gathered lane by lane: an embedding lookup
         from a tied LM head's matrix)."""
         if self.layout in INTERLEAVED:
             n = self.shape[0]
@@ -111,11 +111,11 @@ class PackedWeight:
             ValueError: start or stop not on a group boundary (a group's codes share one scale).
         """
         _row_major(self)
-        g = 32 if self.layout == "q4g32" else self.group_size
+        g = 32 if self.layout == "q4g" else self.group_size
         if start % g or stop % g or not 0 <= start < stop <= self.shape[1]:
             raise ValueError(f"columns [{start}, {stop}) of a {self.layout} matrix with groups of {g} and "
                              f"K={self.shape[1]}: a split must fall on group boundaries")
-        per_byte = 2 if self.layout == "q4g32" else 1
+        per_byte = 2 if self.layout == "q4g" else 1
         q = self.qweight[:, start // per_byte : stop // per_byte].contiguous()
         gs = slice(start // self.group_size, stop // self.group_size)
         return PackedWeight(self.layout, q, self.scales[:, gs].contiguous(),
@@ -128,46 +128,46 @@ def _row_major(w: PackedWeight) -> None:
 
 
 def interleavable(w: PackedWeight) -> bool:
-    """Whether interleave_rows16 takes `w`: q4g32, or q8g with groups of 16 or 32, N a multiple of 16."""
-    return w.shape[0] % 16 == 0 and (w.layout == "q4g32" or (w.layout == "q8g" and w.group_size in (16, 32)))
+    """Whether interleave_rows16 takes `w`: q4g, or q8g with groups of 16 or 32, N a multiple of 16."""
+    return w.shape[0] % 16 == 0 and (w.layout == "q4g" or (w.layout == "q8g" and w.group_size in (16, 32)))
 
 
 def interleave_rows16(w: PackedWeight) -> PackedWeight:
-    """A q4g32 weight, or a q8g one with groups of 16 or 32, [N, K] (N a multiple of 16) in its 16-row interleaved
-    arrangement (q4g32r16, q8gr16; module docstring): the same bytes, reordered. Runs on any device.
+    """A q4g weight, or a q8g one with groups of 16 or 32, [N, K] (N a multiple of 16) in its 16-row interleaved
+    arrangement (q4gr16, q8gr16; module docstring): the same bytes, reordered. Runs on any device.
 
     Raises:
         ValueError: another layout or group, or N not a multiple of 16.
     """
-    if w.layout not in ("q4g32", "q8g") or (w.layout == "q8g" and w.group_size not in (16, 32)):
-        raise ValueError(f"interleave_rows16 takes a q4g32 weight or a q8g one with groups of 16 or 32, got "
+    if w.layout not in ("q4g", "q8g") or (w.layout == "q8g" and w.group_size not in (16, 32)):
+        raise ValueError(f"interleave_rows16 takes a q4g weight or a q8g one with groups of 16 or 32, got "
                          f"{w.layout!r} with groups of {w.group_size}")
     n, k = w.shape
     if n % 16:
         raise ValueError(f"interleave_rows16 needs a multiple of 16 rows, got N={n}")
     g, words = n // 16, w.qweight.shape[1] // 4  # 32-bit words per row
-    packed = w.qweight.view(torch.int32).view(g, 16, words // (4 if w.layout == "q4g32" else 8), -1)
+    packed = w.qweight.view(torch.int32).view(g, 16, words // (4 if w.layout == "q4g" else 8), -1)
     packed = packed.permute(0, 2, 3, 1).contiguous()
 
     def side(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.view(g, 16, -1).transpose(1, 2).contiguous().view(t.shape)
 
-    layout = "q4g32r16" if w.layout == "q4g32" else "q8gr16"
+    layout = "q4gr16" if w.layout == "q4g" else "q8gr16"
     return PackedWeight(layout, packed.view(w.qweight.dtype).view(w.qweight.shape), side(w.scales), side(w.mins),
                         w.group_size)
 
 
 def deinterleave_rows16(w: PackedWeight) -> PackedWeight:
-    """The row-major weight a q4g32r16 or q8gr16 weight holds (the inverse of interleave_rows16).
+    """The row-major weight a q4gr16 or q8gr16 weight holds (the inverse of interleave_rows16).
 
     Raises:
         ValueError: not an interleaved layout.
     """
     if w.layout not in INTERLEAVED:
-        raise ValueError(f"deinterleave_rows16 takes a q4g32r16 or q8gr16 weight, got {w.layout!r}")
+        raise ValueError(f"deinterleave_rows16 takes a q4gr16 or q8gr16 weight, got {w.layout!r}")
     n = w.shape[0]
     g, words = n // 16, w.qweight.shape[1] // 4
-    per_block = 4 if w.layout == "q4g32r16" else 8
+    per_block = 4 if w.layout == "q4gr16" else 8
     packed = w.qweight.contiguous().view(torch.int32).view(g, words // per_block, per_block, 16)
     packed = packed.permute(0, 3, 1, 2).contiguous()
 
@@ -179,7 +179,7 @@ def deinterleave_rows16(w: PackedWeight) -> PackedWeight:
 
 
 def unpack_codes(packed: PackedWeight) -> torch.Tensor:
-    """The integer codes q [N, K] int16 (q4g32, q4g32r16: 0..15; q8g, q8gr16: -128..127), in row-major order."""
+    """The integer codes q [N, K] int16 (q4g, q4gr16: 0..15; q8g, q8gr16: -128..127), in row-major order."""
     if packed.layout in INTERLEAVED:
         packed = deinterleave_rows16(packed)
     if packed.layout == "q8g":
@@ -203,9 +203,9 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torc
     return w.reshape(n, k).to(dtype)
 
 
-def pack_q4g32(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> PackedWeight:
-    """codes [N, K] integers 0..15, scales / mins float16 [N, K // 32] -> q4g32 PackedWeight."""
+def pack_q4g(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> PackedWeight:
+    """codes [N, K] integers 0..15, scales / mins float16 [N, K // 32] -> q4g PackedWeight."""
     n, k = codes.shape
     c = codes.to(torch.uint8).view(n, k // 32, 2, 16)
     qweight = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return PackedWeight("q4g32", qweight, scales.contiguous(), None if mins is None else mins.contiguous(), 32)
+    return PackedWeight("q4g", qweight, scales.contiguous(), None if mins is None else mins.contiguous(), 32)

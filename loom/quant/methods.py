@@ -7,7 +7,7 @@ how activations enter the kernel:
 | scheme | weights                                   | activations                                      |
 |--------|-------------------------------------------|--------------------------------------------------|
 | gguf   | the file's own blocks, repacked exactly   | int16 codes per block of 32 (see below)          |
-| w4a16  | RTN 4-bit asymmetric groups of 32 (q4g32) | int16 codes per block of 32                      |
+| w4a16  | RTN 4-bit asymmetric groups of 32 (q4g) | int16 codes per block of 32                      |
 | w8a16  | RTN int8 groups of 32, best grid (q8g)    | int16 codes per block of 32                      |
 | w8a8   | RTN int8 symmetric, one scale per output  | int8, one dynamic scale per token, after the     |
 |        | channel, of the weight rotated by block   | same rotation (loom/quant/hadamard.py); int32    |
@@ -31,7 +31,7 @@ the CPU has no int8 dot-product instruction torch's exact fallback is a scalar l
 (groups of 32 agreed on ~0.5-1 point more top-1 tokens but cannot be one integer GEMM: benchmarks/NOTES.md,
 "W8A8 prefill"). Above `dense_min_rows` rows (prefill, large batches) the other methods' matmuls are
 compute-bound, and the weight is dequantized (in C) and multiplied by torch's GEMM instead (benchmarks/NOTES.md,
-"Quantized kernels"), except q4g32 under float activations where the kernels have row groups (`row_group_min_rows`:
+"Quantized kernels"), except q4g under float activations where the kernels have row groups (`row_group_min_rows`:
 the avx512_vnni build, 16 weight rows per vector, ~1.9x torch's float32 GEMM on a Zen 4; benchmarks/NOTES.md,
 "q4g32 at many rows").
 """
@@ -56,10 +56,10 @@ from loom.quant.rtn import quantize_fp8_e4m3, quantize_q4g32, quantize_q8, quant
 from loom.quant.torch_kernels import TorchQuantKernels
 
 # Rows above which a packed layer dequantizes and runs torch's GEMM, per layout (measured on Zen 3 with the
-# cache-blocked M > 1 tiles, benchmarks/NOTES.md "Fourth pass": SmolLM2's four q4g32 layer matrices cross
+# cache-blocked M > 1 tiles, benchmarks/NOTES.md "Fourth pass": SmolLM2's four q4g layer matrices cross
 # over at ~200 rows, q8g ones at ~64; the LM head's dequantization alone costs 74 ms, so it stays packed at
 # every batch here). A layer of several layouts takes the smallest.
-DENSE_MIN_ROWS_BY_LAYOUT = {"q4g32": 128, "q8g": 64}
+DENSE_MIN_ROWS_BY_LAYOUT = {"q4g": 128, "q8g": 64}
 DENSE_MIN_ROWS = min(DENSE_MIN_ROWS_BY_LAYOUT.values())  # the C decode step's batch limit: every layout packed
 
 
@@ -235,7 +235,7 @@ class PackedLinearMethod:
                 x = (xa.xq.to(x.dtype).view(m, k // 32, 32) * xa.xs.to(x.dtype).unsqueeze(-1)).view(m, k)
             groups = self.scheme.activations == "float" and x.shape[0] >= (
                 getattr(kernels, "row_group_min_rows", None) or sys.maxsize)
-            outs = [kernels.gemm_f(x, p, b, x.dtype) if (groups and p.layout == "q4g32") or p.layout in INTERLEAVED
+            outs = [kernels.gemm_f(x, p, b, x.dtype) if (groups and p.layout == "q4g") or p.layout in INTERLEAVED
                     else F.linear(x, kernels.dequantize(p, x.dtype), None if b is None else b.to(x.dtype))
                     for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         elif self.scheme.activations == "float":

@@ -10,7 +10,7 @@ Methods:
 |               | `quantization_config`), 4 or 8 bits, by round-to-nearest or GPTQ (gptq_checkpoint.py); it   |
 |               | runs as `gptq` (loom's packed kernels) by default and loads in GPTQ loaders                 |
 | awq           | an AutoAWQ "gemm" checkpoint (qweight / qzeros / scales, `quantization_config` quant_method |
-|               | "awq"), 4 bits, by AWQ (awq_checkpoint.py); it runs as `awq` (q4g32) by default             |
+|               | "awq"), 4 bits, by AWQ (awq_checkpoint.py); it runs as `awq` (q4g) by default             |
 | fp8           | FP8 e4m3 weights with a float32 scale per output channel, in the compressed-tensors layout  |
 |               | (fp8_checkpoint.py); it runs as `fp8` by default                                            |
 | sparse24      | 2:4 semi-structured pruning by magnitude or Wanda (sparsity.py): dense float32 weights with |

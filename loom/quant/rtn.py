@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.quant.layout import PackedWeight, pack_q4g32
+from loom.quant.layout import PackedWeight, pack_q4g
 
 
 def quantize_q4g32(weight: torch.Tensor) -> PackedWeight:
@@ -28,7 +28,7 @@ def quantize_q4g32(weight: torch.Tensor) -> PackedWeight:
     mins = lo.half()
     s = scales.float().unsqueeze(-1)
     codes = torch.where(s > 0, ((w - mins.float().unsqueeze(-1)) / s.clamp_min(1e-30)).round(), torch.zeros_like(w))
-    return pack_q4g32(codes.clamp_(0, 15).reshape(n, k), scales, mins)
+    return pack_q4g(codes.clamp_(0, 15).reshape(n, k), scales, mins)
 
 
 def quantize_q8(weight: torch.Tensor, group_size: int) -> PackedWeight:

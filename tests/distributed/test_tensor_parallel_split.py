@@ -8,7 +8,7 @@ import torch
 from loom.core.sched_output import ScheduledRequest, SchedulerOutput
 from loom.distributed.tensor_parallel import TensorParallel, head_shard, max_kv_heads_per_rank, partition
 from loom.executor.step_message import StepDecoder, StepEncoder
-from loom.quant.layout import dequantize, pack_q4g32
+from loom.quant.layout import dequantize, pack_q4g
 from loom.sampling_params import SamplingParams
 
 
@@ -49,7 +49,7 @@ def test_packed_columns_equal_the_dequantized_slice_and_refuse_mid_group() -> No
     codes = torch.randint(0, 16, (5, 128), generator=gen)
     scales = torch.rand(5, 4, generator=gen).to(torch.float16)
     mins = -torch.rand(5, 4, generator=gen).to(torch.float16)
-    packed = pack_q4g32(codes, scales, mins)
+    packed = pack_q4g(codes, scales, mins)
     assert torch.equal(dequantize(packed.cols(32, 96)), dequantize(packed)[:, 32:96])
     with pytest.raises(ValueError, match="group boundaries"):
         packed.cols(16, 64)

@@ -197,7 +197,7 @@ def test_mixed_layout_shards_run_as_a_chain_of_parts(batch: int) -> None:
 
     dense_k = qkv.quant_method.kernels.dequantize(rows(q_rows, q_rows + kv_rows), torch.float32)
     qkv.packed = [rows(0, q_rows), quantize_for_scheme("w8a16", dense_k), rows(q_rows + kv_rows, q_rows + 2 * kv_rows)]
-    assert {p.layout for p in qkv.packed} in ({"q4g32", "q8g"}, {"q4g32r16", "q8g"})  # interleaved where VNNI
+    assert {p.layout for p in qkv.packed} in ({"q4g", "q8g"}, {"q4gr16", "q8g"})  # interleaved where VNNI
     qkv.packed_bias = [None, None, None]
     inner.prepare_decode_step()
     step = inner.decode_step

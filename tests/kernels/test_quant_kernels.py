@@ -23,7 +23,7 @@ import torch
 
 from loom.kernels import build, registry
 from loom.kernels.quant import QuantizedActivations
-from loom.quant.layout import (PackedWeight, deinterleave_rows16, dequantize, interleave_rows16, pack_q4g32,
+from loom.quant.layout import (PackedWeight, deinterleave_rows16, dequantize, interleave_rows16, pack_q4g,
                                unpack_codes)
 from loom.quant.torch_kernels import TorchQuantKernels
 
@@ -31,7 +31,7 @@ EPS = 2.0 ** -23
 TORCH = TorchQuantKernels()
 C_ISAS = [isa for isa in registry.kernel_isas("qgemm") if registry.get_kernel("qgemm", isa=isa) is not None]
 IMPLS = [*C_ISAS, "torch"]
-LAYOUTS = [("q4g32", 32), ("q8g", 16), ("q8g", 32), ("q8g", 64), ("q8g", "K")]
+LAYOUTS = [("q4g", 32), ("q8g", 16), ("q8g", 32), ("q8g", 64), ("q8g", "K")]
 MS = [1, 2, 3, 4, 5, 8, 9, 17, 64]
 NS = [1, 7, 33, 577]
 KS = [32, 64, 96, 576]
@@ -48,8 +48,8 @@ def random_weight(layout: str, n: int, k: int, group: int, mins: bool, g: torch.
     scales[torch.rand(n, groups, generator=g) < 0.05] = 3e-6  # float16 subnormal
     scales = scales.half()
     m = (torch.randn(n, groups, generator=g) * 0.2).half() if mins else None
-    if layout == "q4g32":
-        return pack_q4g32(torch.randint(0, 16, (n, k), generator=g), scales, m)
+    if layout == "q4g":
+        return pack_q4g(torch.randint(0, 16, (n, k), generator=g), scales, m)
     return PackedWeight("q8g", torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), scales, m, group)
 
 
@@ -212,7 +212,7 @@ def test_int16_codes_round_half_to_even_and_keep_nan(isa: str) -> None:
     assert scales[0, 0].item() == 1.0 and codes[0, :6].tolist() == [32767, 2, 4, -2, 0, 0]
     assert not codes[0, 32:].any() and scales[0, 1].item() == 0.0  # an all-zero block: s = 0, codes 0
     assert scales[1, 1].isnan() and halves[1, 2:].isnan().all() and not halves[1, :2].isnan().any()
-    w = random_weight("q4g32", 8, 64, 32, True, torch.Generator().manual_seed(0))
+    w = random_weight("q4g", 8, 64, 32, True, torch.Generator().manual_seed(0))
     w8 = random_weight("q8g", 8, 64, 32, False, torch.Generator().manual_seed(0))
     for weight in (w, w8):  # a NaN in the activations reaches the outputs, mins or not
         y = kern.gemm_f(x, weight)
@@ -301,7 +301,7 @@ def test_threads_do_not_change_results(isa: str) -> None:
     kern = kernels(isa)
     g = torch.Generator().manual_seed(3)
     x = random_x(9, 576, torch.float32, g)
-    weights = [random_weight("q4g32", 577, 576, 32, True, g), random_weight("q8g", 577, 576, 16, True, g),
+    weights = [random_weight("q4g", 577, 576, 32, True, g), random_weight("q8g", 577, 576, 16, True, g),
                random_weight("q8g", 577, 576, 64, False, g)]
     old = torch.get_num_threads()
     outs = []
@@ -358,7 +358,7 @@ def test_every_batch_size_splits_into_passes_the_same_way(isa: str, k: int) -> N
 
 
 def test_empty_inputs() -> None:
-    w = random_weight("q4g32", 8, 64, 32, True, torch.Generator().manual_seed(0))
+    w = random_weight("q4g", 8, 64, 32, True, torch.Generator().manual_seed(0))
     for impl in IMPLS:
         kern = kernels(impl)
         x = torch.empty(0, 64)
@@ -401,7 +401,7 @@ def test_rejects_what_it_cannot_read(impl: str) -> None:
 def test_c_bindings_reject_layouts_the_kernel_cannot_read(isa: str) -> None:
     kern = kernels(isa)
     g = torch.Generator().manual_seed(0)
-    w = random_weight("q4g32", 8, 64, 32, True, g)
+    w = random_weight("q4g", 8, 64, 32, True, g)
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="unit column stride"):
         kern.gemm_f(torch.randn(64, 2).T, w)
@@ -411,7 +411,7 @@ def test_c_bindings_reject_layouts_the_kernel_cannot_read(isa: str) -> None:
         kern.gemm_f(x.half(), w)
     with pytest.raises(ValueError, match="out_dtype"):
         kern.gemm_q8(kern.quantize_activations(x), w, None, torch.float16)
-    strided = PackedWeight("q4g32", torch.randint(0, 255, (8, 64), dtype=torch.uint8)[:, ::2], w.scales, w.mins, 32)
+    strided = PackedWeight("q4g", torch.randint(0, 255, (8, 64), dtype=torch.uint8)[:, ::2], w.scales, w.mins, 32)
     with pytest.raises(ValueError, match="contiguous"):
         kern.gemm_f(x, strided)
     with pytest.raises(ValueError, match="contiguous"):
@@ -520,7 +520,7 @@ ROW_GROUP_ISAS = [isa for isa in C_ISAS if kernels(isa).row_group_min_rows is no
 
 @pytest.fixture
 def row_groups_from():
-    """Moves the row count from which q4g32's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16), for
+    """Moves the row count from which q4g's gemm_f runs the 16-row groups (qgemm.c, gemm16_q4_nx16), for
     the test, on every build that has them; the default comes back afterwards."""
     saved = {isa: kernels(isa).row_group_min_rows for isa in ROW_GROUP_ISAS}
 
@@ -533,14 +533,14 @@ def row_groups_from():
 
 
 def test_row_groups_take_over_where_the_layer_used_to_dequantize() -> None:
-    """The 16-row groups start above DENSE_MIN_ROWS_BY_LAYOUT['q4g32'] rows, where PackedLinearMethod ran
+    """The 16-row groups start above DENSE_MIN_ROWS_BY_LAYOUT['q4g'] rows, where PackedLinearMethod ran
     dequantization + torch's GEMM: every row count the tiles served keeps their bits. Builds without them
     report None (the AVX2 and generic builds); the avx512_vnni build has them."""
     from loom.quant.methods import DENSE_MIN_ROWS_BY_LAYOUT
 
     for isa in C_ISAS:
         rows = kernels(isa).row_group_min_rows
-        assert rows == (DENSE_MIN_ROWS_BY_LAYOUT["q4g32"] + 1 if isa == "avx512_vnni" else None), isa
+        assert rows == (DENSE_MIN_ROWS_BY_LAYOUT["q4g"] + 1 if isa == "avx512_vnni" else None), isa
         if rows is None:
             assert kernels(isa).set_row_group_min_rows(1) == -1  # nothing to move
 
@@ -548,7 +548,7 @@ def test_row_groups_take_over_where_the_layer_used_to_dequantize() -> None:
 @pytest.mark.parametrize("isa", ROW_GROUP_ISAS)
 @pytest.mark.parametrize("mins", [True, False])
 def test_row_groups_match_float64(isa: str, mins: bool, row_groups_from) -> None:
-    """gemm_f of q4g32 through the 16-row groups, forced at every M: every x-row tail of a pass of 8 (M = 1-9,
+    """gemm_f of q4g through the 16-row groups, forced at every M: every x-row tail of a pass of 8 (M = 1-9,
     17), N in and past whole groups of 16 (a last group of 1, 15 or 1 row), odd block counts, bias, bfloat16
     and strided x, float32 and bfloat16 output; against float64 with the weight-only path's bound."""
     kern = kernels(isa)
@@ -557,7 +557,7 @@ def test_row_groups_match_float64(isa: str, mins: bool, row_groups_from) -> None
               (8, 31, 160), (9, 64, 576), (17, 40, 576), (130, 23, 96)]
     for i, (m, n, k) in enumerate(shapes):
         g = torch.Generator().manual_seed(1000 + i)
-        w = random_weight("q4g32", n, k, 32, mins, g)
+        w = random_weight("q4g", n, k, 32, mins, g)
         bias = torch.randn(n, generator=g) if i % 2 else None
         x = random_x(m, k, torch.bfloat16 if i % 3 == 1 else torch.float32, g, strided=i % 4 == 2)
         ref, s = reference_f(dequantize16(x), w, bias)
@@ -573,7 +573,7 @@ def test_row_groups_give_a_row_the_same_bits_in_any_batch(isa: str, row_groups_f
     row_groups_from(isa, 1)
     g = torch.Generator().manual_seed(6)
     x = random_x(19, 576, torch.float32, g)
-    w = random_weight("q4g32", 70, 576, 32, True, g)
+    w = random_weight("q4g", 70, 576, 32, True, g)
     full = kern.gemm_f(x, w)
     for i in range(19):
         assert torch.equal(kern.gemm_f(x[i : i + 1], w), full[i : i + 1]), i
@@ -586,21 +586,21 @@ def test_row_groups_give_a_row_the_same_bits_in_any_batch(isa: str, row_groups_f
         torch.set_num_threads(old)
 
 
-# ---- q4g32r16: q4g32 with every 16 rows interleaved (layout.py), read by the 16-row groups at every M ----------
+# ---- q4gr16: q4g with every 16 rows interleaved (layout.py), read by the 16-row groups at every M ----------
 
 def test_interleaving_rows_is_a_reordering_that_dequantizes_the_same() -> None:
-    """interleave_rows16 keeps every byte and the shapes; deinterleave_rows16 gives the q4g32 weight back bit for
+    """interleave_rows16 keeps every byte and the shapes; deinterleave_rows16 gives the q4g weight back bit for
     bit; layout.dequantize of either is the same matrix; row-major operations refuse the interleaved form;
     N % 16 != 0 is refused with the reason."""
     g = torch.Generator().manual_seed(11)
     for mins in (True, False):
-        w = random_weight("q4g32", 48, 96, 32, mins, g)
+        w = random_weight("q4g", 48, 96, 32, mins, g)
         r = interleave_rows16(w)
-        assert r.layout == "q4g32r16" and r.shape == w.shape and r.nbytes == w.nbytes
+        assert r.layout == "q4gr16" and r.shape == w.shape and r.nbytes == w.nbytes
         assert not torch.equal(r.qweight, w.qweight)  # rows really moved
         assert torch.equal(torch.sort(r.qweight.flatten()).values, torch.sort(w.qweight.flatten()).values)
         back = deinterleave_rows16(r)
-        assert back.layout == "q4g32" and torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+        assert back.layout == "q4g" and torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
         assert (back.mins is None) == (not mins) and (not mins or torch.equal(back.mins, w.mins))
         assert torch.equal(dequantize(r), dequantize(w)) and torch.equal(unpack_codes(r), unpack_codes(w))
         # word j of block b of row 16 g + r sits at [g][b][j][r]
@@ -609,12 +609,12 @@ def test_interleaving_rows_is_a_reordering_that_dequantizes_the_same() -> None:
         assert float(r.scales.view(3, 3, 16)[2, 1, 7]) == float(w.scales[32 + 7, 1])
     ids = torch.tensor([5, 47, 16, 5, 0])  # rows of the interleaved matrix come back in the row-major layout
     got = r.rows(ids)
-    assert got.layout == "q4g32" and torch.equal(got.qweight, w.rows(ids).qweight)
+    assert got.layout == "q4g" and torch.equal(got.qweight, w.rows(ids).qweight)
     assert torch.equal(dequantize(got), dequantize(w)[ids])
     with pytest.raises(ValueError, match="interleaved"):
         r.cols(0, 32)
     with pytest.raises(ValueError, match="multiple of 16"):
-        interleave_rows16(random_weight("q4g32", 40, 64, 32, True, g))
+        interleave_rows16(random_weight("q4g", 40, 64, 32, True, g))
     with pytest.raises(ValueError, match="groups of 16 or 32"):
         interleave_rows16(random_weight("q8g", 16, 128, 64, False, g))
     for group in (16, 32):  # q8g: 8 words per block of 32
@@ -630,21 +630,21 @@ def test_interleaving_rows_is_a_reordering_that_dequantizes_the_same() -> None:
 @pytest.mark.parametrize("isa", C_ISAS)
 @pytest.mark.parametrize("mins", [True, False])
 def test_interleaved_weights_match_float64_and_the_groups_bit_for_bit(isa: str, mins: bool, row_groups_from) -> None:
-    """gemm_f of a q4g32r16 weight in every build (the avx512_vnni build's 16-row groups; the others a lane at a
+    """gemm_f of a q4gr16 weight in every build (the avx512_vnni build's 16-row groups; the others a lane at a
     time with the same arithmetic): within the weight-only bound of float64 at every pass tail, bias, bfloat16 and
-    strided x, both output dtypes; and the same bits as the avx512_vnni build's groups over the q4g32 weight
+    strided x, both output dtypes; and the same bits as the avx512_vnni build's groups over the q4g weight
     (forced at every M), so every machine computes one result."""
     kern = kernels(isa)
     shapes = [(1, 16, 32), (2, 32, 64), (3, 48, 96), (4, 16, 544), (7, 64, 576), (8, 16, 160), (9, 64, 576),
               (17, 48, 1536), (130, 32, 96)]
     for i, (m, n, k) in enumerate(shapes):
         g = torch.Generator().manual_seed(2000 + i)
-        w = random_weight("q4g32", n, k, 32, mins, g)
+        w = random_weight("q4g", n, k, 32, mins, g)
         r = interleave_rows16(w)
         bias = torch.randn(n, generator=g) if i % 2 else None
         x = random_x(m, k, torch.bfloat16 if i % 3 == 1 else torch.float32, g, strided=i % 4 == 2)
         ref, s = reference_f(dequantize16(x), w, bias)
-        label = f"{isa} q4g32r16 mins={mins} M={m} N={n} K={k} bias={bias is not None} x={x.dtype}"
+        label = f"{isa} q4gr16 mins={mins} M={m} N={n} K={k} bias={bias is not None} x={x.dtype}"
         check_outputs(isa, lambda dt: kern.gemm_f(x, r, bias, dt), ref, s, k // 16 + k // 32 + 8, label)
         if ROW_GROUP_ISAS:
             row_groups_from(ROW_GROUP_ISAS[0], 1)
@@ -653,13 +653,13 @@ def test_interleaved_weights_match_float64_and_the_groups_bit_for_bit(isa: str, 
 
 @pytest.mark.parametrize("isa", C_ISAS)
 def test_interleaved_weights_give_a_row_the_same_bits_in_any_batch(isa: str) -> None:
-    """With q4g32r16 a row's output does not depend on how many rows its call has (1, a pass tail, past the
+    """With q4gr16 a row's output does not depend on how many rows its call has (1, a pass tail, past the
     tiles' 128-row limit), on which rows are beside it, nor on the thread count: what makes a prefix-cache hit,
     a batch and a speculative verify step agree with a lone fresh request bit for bit."""
     kern = kernels(isa)
     g = torch.Generator().manual_seed(12)
     x = random_x(140, 576, torch.float32, g)
-    r = interleave_rows16(random_weight("q4g32", 96, 576, 32, True, g))
+    r = interleave_rows16(random_weight("q4g", 96, 576, 32, True, g))
     full = kern.gemm_f(x, r)
     for i in (0, 1, 7, 8, 9, 63, 130, 139):
         assert torch.equal(kern.gemm_f(x[i : i + 1], r), full[i : i + 1]), i
@@ -678,8 +678,8 @@ def test_interleaved_weights_are_refused_where_they_cannot_be_read(isa: str) -> 
     """gemm_q8 reads row-major layouts only; the C binding checks N % 16 even if a caller rebuilt the fields."""
     kern = kernels(isa)
     g = torch.Generator().manual_seed(13)
-    r = interleave_rows16(random_weight("q4g32", 16, 64, 32, True, g))
-    with pytest.raises(ValueError, match="q4g32r16"):
+    r = interleave_rows16(random_weight("q4g", 16, 64, 32, True, g))
+    with pytest.raises(ValueError, match="q4gr16"):
         kern.gemm_q8(kern.quantize_activations(torch.randn(2, 64)), r)
     r.qweight = r.qweight[:8]
     with pytest.raises(ValueError):

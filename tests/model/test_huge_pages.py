@@ -51,7 +51,7 @@ class Tiny(nn.Module):
         codes = torch.randint(0, 255, (512, 256), dtype=torch.uint8)
         scales = torch.rand(512, 16).half()
         self.lin = nn.Module()
-        self.lin.packed = [PackedWeight("q4g32", codes, scales, scales.clone(), 32)]
+        self.lin.packed = [PackedWeight("q4g", codes, scales, scales.clone(), 32)]
 
 
 @linux_only

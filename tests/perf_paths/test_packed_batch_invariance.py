@@ -1,5 +1,5 @@
 """The bundled model at its default packed weights gives a request the same bits alone, in a batch and on a
-prefix-cache hit, where the q4g32 matmuls are interleaved (avx512_vnni: one summation order at every row count)
+prefix-cache hit, where the q4g matmuls are interleaved (avx512_vnni: one summation order at every row count)
 and decode attention splits keys by the request's own length (csrc/paged_decode.c). Before, the row count of a
 step chose the matmul path and the batch chose the key split, and int16 activation codes turned last-bit
 differences into different sampled tokens (benchmarks/NOTES.md, "Packed weights are not batch-invariant")."""
@@ -13,8 +13,8 @@ from loom import LLM, SamplingParams
 from loom.quant.methods import quant_kernels
 
 pytestmark = pytest.mark.skipif(
-    "q4g32r16" not in quant_kernels(torch.device("cpu")).interleaved_layouts,
-    reason="q4g32 runs the row-count-dependent tiles / dequantization here (no avx512_vnni build)")
+    "q4gr16" not in quant_kernels(torch.device("cpu")).interleaved_layouts,
+    reason="q4g runs the row-count-dependent tiles / dequantization here (no avx512_vnni build)")
 
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
         "want of a wife. However little known the feelings or views of such a man may be on his first entering a "

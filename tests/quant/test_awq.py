@@ -174,8 +174,8 @@ def test_checkpoint_round_trip_and_loom_layout(k: int) -> None:
     back = from_checkpoint(t, gs)
     assert torch.equal(back.codes, q.codes) and torch.equal(back.zeros, q.zeros)
     assert torch.equal(back.scales, q.scales) and torch.equal(back.g_idx, q.g_idx)
-    loom = to_loom(back)  # a g128 group = four q4g32 groups with its scale, min = -zero * scale (float16)
-    assert loom.packed is not None and loom.packed.layout == "q4g32" and loom.input_perm is None
+    loom = to_loom(back)  # a g128 group = four q4g groups with its scale, min = -zero * scale (float16)
+    assert loom.packed is not None and loom.packed.layout == "q4g" and loom.input_perm is None
     assert torch.equal(loom.packed.scales, q.scales.repeat_interleave(4, dim=0)[: k // 32].T)
     ref = q.dequantize()
     torch.testing.assert_close(dequantize(loom.packed), ref, rtol=0, atol=float(ref.abs().max()) * 2**-10)

@@ -1,5 +1,5 @@
 """`loom quantize --method awq`: folding exact before rounding, AutoAWQ gemm checkpoints written, loaded by loom's
-AWQ loader into q4g32, run end to end."""
+AWQ loader into q4g, run end to end."""
 
 from __future__ import annotations
 

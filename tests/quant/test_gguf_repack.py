@@ -23,8 +23,8 @@ K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 # and packed sub-block scales, where every bit pattern is valid.
 F16_OFFSETS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
                T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
-LAYOUT = {T.Q4_0: ("q4g32", 32, True), T.Q4_1: ("q4g32", 32, True), T.Q5_0: ("q8g", 32, False),
-          T.Q5_1: ("q8g", 32, True), T.Q8_0: ("q8g", 32, False), T.Q4_K: ("q4g32", 32, True),
+LAYOUT = {T.Q4_0: ("q4g", 32, True), T.Q4_1: ("q4g", 32, True), T.Q5_0: ("q8g", 32, False),
+          T.Q5_1: ("q8g", 32, True), T.Q8_0: ("q8g", 32, False), T.Q4_K: ("q4g", 32, True),
           T.Q5_K: ("q8g", 32, True), T.Q6_K: ("q8g", 16, False)}
 
 

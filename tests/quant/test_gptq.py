@@ -127,7 +127,7 @@ def test_checkpoint_round_trip_into_loom_layouts(fmt: str, bits: int, group_size
         assert torch.equal(getattr(back, name), getattr(q, name)), name
     loom = to_loom(back)
     assert loom.dense is None and loom.packed is not None
-    assert loom.packed.layout == ("q4g32" if bits == 4 else "q8g")
+    assert loom.packed.layout == ("q4g" if bits == 4 else "q8g")
     assert (loom.input_perm is not None) == (act_order and group_size != -1)
     reference = q.dequantize()
     ours = dequantize(loom.packed)

@@ -165,12 +165,12 @@ def test_bf16_weights_equal_the_float32_model_on_a_bf16_checkpoint(tiny_models, 
 
 
 def test_q4_layers_are_interleaved_where_the_kernels_have_row_groups(tiny_models) -> None:
-    """w4a16 on a CPU whose best qgemm build has the 16-row groups (avx512_vnni): every q4g32 part of whole groups
-    of 16 rows is kept as q4g32r16 (one summation order at every row count), the rest as q4g32; elsewhere all
-    q4g32."""
+    """w4a16 on a CPU whose best qgemm build has the 16-row groups (avx512_vnni): every q4g part of whole groups
+    of 16 rows is kept as q4gr16 (one summation order at every row count), the rest as q4g; elsewhere all
+    q4g."""
     from loom.quant.methods import quant_kernels
 
-    interleave = "q4g32r16" in quant_kernels(CPU).interleaved_layouts
+    interleave = "q4gr16" in quant_kernels(CPU).interleaved_layouts
     loaded = load_model(str(tiny_models["llama_gqa"].path), torch.float32, CPU, quantization="w4a16")
     layouts = {}
     for m in loaded.model.modules():
@@ -179,7 +179,7 @@ def test_q4_layers_are_interleaved_where_the_kernels_have_row_groups(tiny_models
                 layouts[p.layout, p.shape[0] % 16 == 0] = True
     assert layouts, "no 4-bit part"
     for layout, whole in layouts:
-        assert layout == ("q4g32r16" if interleave and whole else "q4g32"), (layout, whole)
+        assert layout == ("q4gr16" if interleave and whole else "q4g"), (layout, whole)
 
 
 def test_dense_float32_layers_of_quantized_models_run_loom_gemv_for_decode_rows() -> None:

@@ -63,6 +63,6 @@ def test_q8_asym_constant_and_zero_groups() -> None:
     assert torch.equal(dequantize(quantize_q8_asym(w, 32)), w)
 
 
-def test_q4g32_reproduces_a_q4_1_grid() -> None:
+def test_q4g_reproduces_a_q4_1_grid() -> None:
     w = _q4_1_grid(16, 4, seed=3)
     assert torch.equal(dequantize(quantize_q4g32(w)), w)

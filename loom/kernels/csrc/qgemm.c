@@ -1,5 +1,5 @@
 /*
- * Matrix products over loom's packed quantized weights (loom/quant/layout.py: q4g32 and q8g), for the CPU.
+ * Matrix products over loom's packed quantized weights (loom/quant/layout.py: q4g and q8g), for the CPU.
  * Bound by loom/kernels/quant.py; the torch reference of every function is loom/quant/torch_kernels.py.
  *
  * One source, compiled once per ISA by loom/kernels/registry.py:
@@ -19,14 +19,14 @@
  *      q = round-half-even(x / s) clamped to [-127, 127] (q = 0 where s == 0), xsum = float sum of the
  *      original x of the block. A true division, not a multiplication by 1/s, so the codes equal torch's
  *      torch.round(x / s) exactly. -127..127 only (never -128): the signed dot below relies on it.
- * 2. loom_gemm_{q4g32,q8g}_q8 (int8 activations):
+ * 2. loom_gemm_{q4g,q8g}_q8 (int8 activations):
  *      y[m,n] = sum_b (xs[m,b] * sc[n,g(b)]) * idot(m,n,b) + sum_g mins[n,g] * gs[m,g] (+ bias[n])
  *    with idot the exact integer dot of the block's codes (q8g group 16: the two 16-value halves separately,
  *    each with its own weight scale) and gs the activation sum of weight group g: xsum[m,g] for groups of
  *    32; the float sum of the group's xsum blocks (in order) for larger groups; for q8g group 16, whose
  *    groups are half a block, xs[m,b] * (sum of the half's codes), i.e. the sum of the dequantized
  *    activations (xsum has no half-block sums).
- * 3. loom_gemm_{q4g32,q8g}_f (weight-only, "W4A16 / W8A16"): x is quantized per block of 32 to int16 codes,
+ * 3. loom_gemm_{q4g,q8g}_f (weight-only, "W4A16 / W8A16"): x is quantized per block of 32 to int16 codes,
  *      s = max|x| / 32767 (NaN when the block holds a NaN), c = round-half-even(x / s) clamped to
  *      [-32767, 32767] (c = 0 where s == 0); then y = x^ W^T with x^ = s * c:
  *      y[m,n] = sum_b (s[m,b] * sc[n,g(b)]) * idot16(m,n,b) + sum_g mins[n,g] * gs[m,g] (+ bias[n]),
@@ -37,18 +37,18 @@
  *      four FMAs per 32 values; VPMADDWD on int16 codes takes half the instructions (2.2 -> 1.35 ns per block
  *      on one Zen 3 thread from L2), which is what lets the decode GEMV approach memory speed. The codes are
  *      computed once per call (loom_quantize_act16 exposes them).
- * 3b. loom_gemm_q4g32r16_f, loom_gemm_q8gr16_f: item 3's product over the 16-row interleaved layouts (q4g32r16,
+ * 3b. loom_gemm_q4gr16_f, loom_gemm_q8gr16_f: item 3's product over the 16-row interleaved layouts (q4gr16,
  *      q8gr16 with groups of 16 or 32; layout.py), in one order at every M: per output, block by block (and per
  *      16-value half for groups of 16), fma(float(idot16), scale * s, acc), then with mins fma(min, the block's
  *      (or half's) x sum, acc); bias added last. The avx512_vnni build runs it as 16-row groups (a weight row per
  *      lane, section "16 weight rows per vector"); the other builds compute the same steps a lane at a time, so
  *      every build gives the same bits.
- * 4. loom_dequant_{q4g32,q8g}: W [N, K] = float32(sc) * q + float32(min), bit for bit layout.dequantize
+ * 4. loom_dequant_{q4g,q8g}: W [N, K] = float32(sc) * q + float32(min), bit for bit layout.dequantize
  *    (the product of a float16 and a code of at most 8 bits is exact, so one FMA rounds like mul + add),
  *    float32 or bfloat16 (the float32 value rounded to nearest even, as torch's .to(bfloat16)).
  *
  * Why this shape: at M = 1 (decode) the products are memory-bound on the packed weights (0.625 byte per
- * weight for q4g32 with mins, 1.0625 for q8g), so each thread reads a contiguous range of weight rows once,
+ * weight for q4g with mins, 1.0625 for q8g), so each thread reads a contiguous range of weight rows once,
  * in memory order (qweight, scales, mins: sequential streams the hardware prefetcher follows), with the
  * activations in L1. The integer dot is llama.cpp's: q4 nibbles unpacked with one shift and one and (low
  * nibbles = values 0..15 of the block, high = 16..31, the layout's order), VPMADDUBSW (u8 x s8 -> s16
@@ -58,10 +58,10 @@
  * as unsigned). The scale products of a row are computed 8 per vector (one F16C conversion, one multiply)
  * before its blocks, and each block broadcasts its own from L1. SmolLM2's rows are short (K = 576: 18
  * blocks), so a row's fixed cost (scale set-up, mins, horizontal sum, call) was as large as its blocks':
- * at M = 1 a call therefore handles four weight rows ("tiles", below), which took a [576, 576] q4g32
+ * at M = 1 a call therefore handles four weight rows ("tiles", below), which took a [576, 576] q4g
  * product on one Zen 3 thread from 2.0 to 1.45 ns per block (L2-resident). The four rows are read one
  * after the other: interleaving their blocks (four streams a row apart) halved the cold-memory bandwidth
- * of the q8g LM head [49152, 576]. q4g32 then takes its blocks in pairs (q4_pair_dot: one 32-byte unpack,
+ * of the q8g LM head [49152, 576]. q4g then takes its blocks in pairs (q4_pair_dot: one 32-byte unpack,
  * one VPMADDWD and one FMA for two blocks, the int8 activations re-laid out once per call to match):
  * 1.25 ns per block, 16 GB/s of weights per thread from L2. Output rows are split in contiguous ranges
  * over `num_threads` OpenMP threads (torch's libgomp, loaded first, so the pool is shared).
@@ -73,17 +73,17 @@
 #include <math.h> /* NAN */
 
 #define MROWS 4 /* rows of x per pass over the weight rows */
-#define MROWS_Q4_16 6 /* the same for q4g32 with int16 codes (rows16_q4: six accumulators fit the registers) */
+#define MROWS_Q4_16 6 /* the same for q4g with int16 codes (rows16_q4: six accumulators fit the registers) */
 
-enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8_16 = 2 }; /* q4g32; q8g with groups >= 32; q8g with groups of 16 */
+enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8_16 = 2 }; /* q4g; q8g with groups >= 32; q8g with groups of 16 */
 
-/* The avx512_vnni build's 512-bit q4g32 weight-only tiles (rows16_q4: four blocks per vector) */
+/* The avx512_vnni build's 512-bit q4g weight-only tiles (rows16_q4: four blocks per vector) */
 #if LOOM_QSIMD && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
 #define LOOM_Q512 1
 #else
 #define LOOM_Q512 0
 #endif
-/* q4g32 blocks per unit of the int16 x-code layout the weight-only tiles read (q4_unit_codes16) */
+/* q4g blocks per unit of the int16 x-code layout the weight-only tiles read (q4_unit_codes16) */
 #define Q4_UNIT (LOOM_Q512 ? 4 : 2)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && LOOM_QSIMD
@@ -127,7 +127,7 @@ ALWAYS_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-/* The 32 codes of a q4g32 block (16 bytes: byte i = value i | value i+16 << 4) as bytes in value order. */
+/* The 32 codes of a q4g block (16 bytes: byte i = value i | value i+16 << 4) as bytes in value order. */
 ALWAYS_INLINE __m256i q4_unpack(const uint8_t *p) {
     const __m128i v = _mm_loadu_si128((const __m128i *)p);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
@@ -406,7 +406,7 @@ ALWAYS_INLINE int min_term(const uint16_t *mn, int64_t mn_step, const float *gs,
 }
 #endif
 
-/* Register tiles. One call of rows_q8 / rows_16 computes up to four (six: q4g32 int16) (weight row, x row)
+/* Register tiles. One call of rows_q8 / rows_16 computes up to four (six: q4g int16) (weight row, x row)
  * products, "slots":
  * at M == 1 the slots are NR = 4 consecutive weight rows against the one x row (the call's fixed costs,
  * scale set-up, mins and horizontal sums, shared by four rows), read one row after the other so that
@@ -499,7 +499,7 @@ ALWAYS_INLINE __m256 q8_dot(const int kind, wblock wb, const int8_t *xb, const f
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wb.u, xv)), dv, acc);
 }
 
-/* q4g32, two blocks at once. 32 packed bytes hold blocks b and b + 1 (16 bytes each); with one shift and
+/* q4g, two blocks at once. 32 packed bytes hold blocks b and b + 1 (16 bytes each); with one shift and
  * two ands they give LO = [values 0..15 of b | values 0..15 of b + 1] and HI = [16..31 of b | 16..31 of
  * b + 1]. The activations are re-laid out to match once per call (q4_pair_activations: XLO, XHI of the
  * pair side by side), so the pair needs two VPMADDUBSW, one VPADDW (<= 2 * 2 * 15 * 127 = 7620: no
@@ -556,7 +556,7 @@ static void q4_pair_activations(const int8_t *xq, int64_t M, int64_t K, int8_t *
 }
 #if LOOM_QSIMD
 
-/* int16 activation codes (section 3) of a weight block against the block's x codes. q4g32 takes blocks in
+/* int16 activation codes (section 3) of a weight block against the block's x codes. q4g takes blocks in
  * pairs: 32 packed bytes (blocks b, b + 1), each byte zero-extended to int16 in its 128-bit lane, give with
  * one and / one shift per half A = [b 0-7 | b+1 0-7], B = [b 16-23 | b+1 16-23], C = [b 8-15 | b+1 8-15],
  * D = [b 24-31 | b+1 24-31] (the order q4_unit_codes16 lays the x codes out in). A last unpaired block is a
@@ -681,7 +681,7 @@ ALWAYS_INLINE void finish16(const int cnt, const int by_row, const int mc, __m25
     }
 }
 
-/* q4g32 tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * d for the pairs of blocks
+/* q4g tiles of rows_16 with one accumulator per slot: acc += float(idot(pair)) * d for the pairs of blocks
  * in order, d = [f16(s_b) xs_b x4 | f16(s_b+1) xs_b+1 x4] (the same float32 products in both tiles), then the
  * mins' term, then hsum8_tree, the same sequence in by-row and by-x tiles. By-row tiles read one weight row
  * after the other (the order the DRAM stream wants) and form the products of 8 blocks with one multiply, each
@@ -750,7 +750,7 @@ ALWAYS_INLINE void rows16_q4_256(const int nr, const int mc, const uint8_t *w, i
 }
 
 #if LOOM_Q512
-/* The 512-bit q4g32 tile (avx512_vnni build): four blocks per vector. 64 packed bytes (blocks b .. b + 3, 16
+/* The 512-bit q4g tile (avx512_vnni build): four blocks per vector. 64 packed bytes (blocks b .. b + 3, 16
  * bytes each, one per 128-bit lane) give with two unpacks, two ands and two shifts A = [v0-7 of b | of b+1 |
  * of b+2 | of b+3], B = [v16-23 ...], C = [v8-15 ...], D = [v24-31 ...] as int16, the order q4_unit_codes16
  * lays the x codes out in; VPMADDWD and three VPDPWSSD give 16 int32, lanes 4j..4j+3 the dot of block b + j
@@ -905,7 +905,7 @@ ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uin
         }                                                                                                        \
         if (j_ < cc) Q8_STEP(I, j_, E);                                                                          \
     } while (0)
-/* q4g32: the pairs of blocks of the chunk for weight row I, alternately into E and O (xq: paired layout) */
+/* q4g: the pairs of blocks of the chunk for weight row I, alternately into E and O (xq: paired layout) */
 #define Q4_SLOT(I, E, O)                                                                                         \
     do {                                                                                                         \
         const uint8_t *w_ = w + (I) * row_bytes + 16 * c0;                                                       \
@@ -1035,7 +1035,7 @@ ALWAYS_INLINE void rows_q8(const int kind, const int nr, const int mc, const uin
 }
 
 /* dots[i] = sum_b d[b] idot16(b) + sum_g mn[g] gs[m, g] for the slots of a tile (as rows_q8): the int16 x
- * codes of section 3 (xc: row stride xstride; q4g32 in SIMD builds: the pair layout), d = the weight block
+ * codes of section 3 (xc: row stride xstride; q4g in SIMD builds: the pair layout), d = the weight block
  * scales times the x block scales xs (stride K/32), gs the group sums of the dequantized x (stride ng). */
 ALWAYS_INLINE void rows_16(const int kind, const int nr, const int mc, const uint8_t *w, int64_t row_bytes,
                            const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, const int16_t *xc,
@@ -1211,7 +1211,7 @@ typedef void (*rows_16_fn)(int64_t, int64_t, const uint8_t *, int64_t, const uin
 #define PAR_MIN_WORK 32768
 
 /* Software prefetch of weight rows [n0, n0 + rows) (codes, scales, mins) a few tiles ahead of use: 16 rows
- * ahead took 30 cold [3072, 576] q4g32 products on 2 Zen 3 threads from 13.6 to 15.5-21 GB/s (8 rows: about
+ * ahead took 30 cold [3072, 576] q4g products on 2 Zen 3 threads from 13.6 to 15.5-21 GB/s (8 rows: about
  * the same, none: the first figure; benchmarks/NOTES.md, "Second pass"). */
 #define PREFETCH_ROWS 16
 static inline void prefetch_rows(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, const uint16_t *mn,
@@ -1293,7 +1293,7 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
         q8_group_sums(xq, xs, xsum, M, K, G, scratch);
         gs = scratch;
     }
-    int8_t *xp = NULL; /* q4g32 (SIMD builds): the activations in the paired layout of q4_pair_dot */
+    int8_t *xp = NULL; /* q4g (SIMD builds): the activations in the paired layout of q4_pair_dot */
     if (kind == KIND_Q4 && LOOM_QSIMD) {
         xp = (int8_t *)loom_alloc64((size_t)(M * K));
         if (!xp) {
@@ -1316,13 +1316,13 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
 
 /* xq int8 [M, K], xs / xsum float32 [M, K/32] (loom_quantize_act); qweight uint8 [N, K/2]; scales / mins
  * float16 bits [N, K/32] (mins may be NULL); bias float32 [N] or NULL; y [M, N] float32 or bfloat16. */
-int loom_gemm_q4g32_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+int loom_gemm_q4g_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                        const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, const float *bias,
                        void *y, int64_t N, int y_bf16, int num_threads) {
     return gemm_q8(KIND_Q4, xq, xs, xsum, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
 }
 
-/* As loom_gemm_q4g32_q8 for q8g: qweight int8 [N, K], scales / mins [N, K/group] (group 16 or a multiple of
+/* As loom_gemm_q4g_q8 for q8g: qweight int8 [N, K], scales / mins [N, K/group] (group 16 or a multiple of
  * 32 dividing K). */
 int loom_gemm_q8g_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                      const int8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group,
@@ -1482,7 +1482,7 @@ static char *act16(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
     return buf;
 }
 
-/* q4g32 in SIMD builds: the codes of each unit of u = Q4_UNIT blocks (2 in the 256-bit tiles, 4 in the 512-bit
+/* q4g in SIMD builds: the codes of each unit of u = Q4_UNIT blocks (2 in the 256-bit tiles, 4 in the 512-bit
  * ones) of a row laid out as q4_codes16 / q4_codes16_quad read them: values 0-7 of each of the u blocks, then
  * 16-23, then 8-15, then 24-31 (u = 2: [b 0-7 | b+1 0-7 | b 16-23 | b+1 16-23 | b 8-15 | b+1 8-15 | b 24-31 |
  * b+1 24-31]), missing blocks of a last unit as zeros; rows of `stride` = 32 u ceil(K / 32 u) codes. */
@@ -1500,7 +1500,7 @@ static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stri
 }
 
 #if LOOM_Q512
-/* ---- q4g32 at many rows of x (prefill, large batches): 16 weight rows per vector ----------------------------
+/* ---- q4g at many rows of x (prefill, large batches): 16 weight rows per vector ----------------------------
  * The tiles above put the K of one weight row across a vector's lanes, so each 128 products cost a dot, a
  * conversion, a scale product and an FMA (their int16 rate is torch's float32 GEMM's, ~1 product per float
  * FMA). Here a lane is a weight row instead: a group of 16 rows is copied once per call into lanes (each
@@ -1513,7 +1513,7 @@ static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stri
  * same definition as section 3, summed in another order. */
 #define NX16_MR 8 /* x rows per pass: 8 int32 + 8 float accumulators, 4 weight vectors */
 #define NX16_AHEAD 8 /* blocks ahead whose words are prefetched (2 KB) */
-/* rows of x from which gemm_16 takes this path for q4g32: above loom/quant/methods.py's DENSE_MIN_ROWS_BY_LAYOUT
+/* rows of x from which gemm_16 takes this path for q4g: above loom/quant/methods.py's DENSE_MIN_ROWS_BY_LAYOUT
  * (128), where the layer used to dequantize and run torch's float32 GEMM, so that every row count at which the
  * tiles ran keeps their bits (a row's result does not depend on its batch up to 128 rows); tests move it with
  * loom_set_nx16_min_rows */
@@ -1533,7 +1533,7 @@ static void nx16_codes(int16_t *c, int64_t M, int64_t K, int num_threads) {
 }
 
 /* rows n0 .. n0 + nr - 1 (nr <= 16) of the weight into pk [nb][4][16] words, scales and mins (float16 bits) into
- * pd / pm [nb][16]: the q4g32r16 layout of one group (loom/quant/layout.py), lanes past nr zero */
+ * pd / pm [nb][16]: the q4gr16 layout of one group (loom/quant/layout.py), lanes past nr zero */
 static void nx16_pack(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, const uint16_t *mn, int64_t nb,
                       int64_t n0, int nr, uint32_t *pk, uint16_t *pd, uint16_t *pm) {
     if (nr < 16) {
@@ -1590,9 +1590,9 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const uint16_t *p
     for (int r = 0; r < mc; ++r) _mm512_storeu_ps(out + 16 * r, af[r]);
 }
 
-/* y [M, N] = the q4g32 weight-only product (section 3) by the 16-row groups above; x codes (reordered here, in
- * place), scales and half sums from loom_quantize_act16. The weight is q4g32 (each group laid out per call) or,
- * with `r16`, already in the q4g32r16 layout (N a multiple of 16). Returns -1 when malloc failed (y then
+/* y [M, N] = the q4g weight-only product (section 3) by the 16-row groups above; x codes (reordered here, in
+ * place), scales and half sums from loom_quantize_act16. The weight is q4g (each group laid out per call) or,
+ * with `r16`, already in the q4gr16 layout (N a multiple of 16). Returns -1 when malloc failed (y then
  * incomplete). */
 static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t M, int64_t K,
                           const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int r16, const float *bias,
@@ -1766,7 +1766,7 @@ static void gemm16_q8_r16(int16_t *xc, const float *xs, const float *h, int64_t 
 }
 #endif /* LOOM_Q512 */
 
-/* Sets the row count from which q4g32's weight-only product runs the 16-row groups (avx512_vnni builds);
+/* Sets the row count from which q4g's weight-only product runs the 16-row groups (avx512_vnni builds);
  * returns the previous value, or -1 in builds without them. */
 int64_t loom_set_nx16_min_rows(int64_t rows) {
 #if LOOM_Q512
@@ -1846,18 +1846,18 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     return 0;
 }
 
-/* x [M, K] float32 (x_bf16 = 0) or bfloat16 (1), row stride ldx elements; the rest as loom_gemm_q4g32_q8. */
-int loom_gemm_q4g32_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
+/* x [M, K] float32 (x_bf16 = 0) or bfloat16 (1), row stride ldx elements; the rest as loom_gemm_q4g_q8. */
+int loom_gemm_q4g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
                       const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
                       int num_threads) {
     return gemm_16(KIND_Q4, x, ldx, x_bf16, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
 }
 
-/* The same product as loom_gemm_q4g32_f with the weight in the q4g32r16 layout (loom/quant/layout.py: 16 rows
+/* The same product as loom_gemm_q4g_f with the weight in the q4gr16 layout (loom/quant/layout.py: 16 rows
  * interleaved word by word, N a multiple of 16), by the 16-row groups at every M: one summation order whatever
  * the batch, so a row's result does not depend on the rows beside it. Returns -2 when N % 16 != 0 (nothing
  * written), -1 when malloc failed. */
-int loom_gemm_q4g32r16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
+int loom_gemm_q4gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
                          const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N,
                          int y_bf16, int num_threads) {
     if (N % 16) return -2;
@@ -1918,7 +1918,7 @@ int loom_gemm_q8gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_
 #if LOOM_Q512
     gemm16_q8_r16(c16, xs, h, M, K, qweight, scales, mins, (int)g16, bias, y, N, y_bf16, num_threads);
 #else
-    /* a lane at a time, the groups' arithmetic step for step (see loom_gemm_q4g32r16_f) */
+    /* a lane at a time, the groups' arithmetic step for step (see loom_gemm_q4gr16_f) */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t g = 0; g < N / 16; ++g) {
         const int8_t *pk = qweight + 16 * g * K;
@@ -2026,8 +2026,8 @@ static void dequant(int q4, const uint8_t *w, const uint16_t *sc, const uint16_t
     }
 }
 
-/* W [N, K] of a q4g32 weight, float32 (out_bf16 = 0) or bfloat16 (1). */
-void loom_dequant_q4g32(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t K,
+/* W [N, K] of a q4g weight, float32 (out_bf16 = 0) or bfloat16 (1). */
+void loom_dequant_q4g(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t K,
                         void *out, int out_bf16, int num_threads) {
     dequant(1, qweight, scales, mins, 32, N, K, out, out_bf16, num_threads);
 }

@@ -22,7 +22,7 @@
 
 /* Kernel scratch: n bytes on a 64-byte boundary (free() releases it), or NULL. malloc's 16-byte alignment put
  * every 64-byte vector load of the int16 activation codes across two cache lines, which the load ports pay
- * twice: the 512-bit q4g32 tiles ran 1.25-1.75x slower for it (benchmarks/NOTES.md, "Aligned scratch"). */
+ * twice: the 512-bit q4g tiles ran 1.25-1.75x slower for it (benchmarks/NOTES.md, "Aligned scratch"). */
 static inline void *loom_alloc64(size_t n) { return aligned_alloc(64, ((n ? n : 1) + 63) & ~(size_t)63); }
 
 /* float16 bit pattern -> float32, exact (every float16, subnormals included, is a float32). */
