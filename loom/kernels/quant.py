@@ -63,8 +63,9 @@ def _check_weight(w: PackedWeight, k: int) -> int:
     n, cols = qw.shape
     if w.layout in Q4_LAYOUTS:
         wk = 2 * cols
-        if qw.dtype != torch.uint8 or g != 32 or (w.layout == "q4gr16" and n % 16):
-            raise ValueError(f"{w.layout} weight must have uint8 qweight and groups of 32 (and q4gr16 N % 16 == 0)")
+        if qw.dtype != torch.uint8 or g % 32 or not 0 < g <= wk or wk % g or (w.layout == "q4gr16" and n % 16):
+            raise ValueError(f"{w.layout} weight must have uint8 qweight and groups of a multiple of 32 dividing K "
+                             f"(and q4gr16 N % 16 == 0), got group_size {g}")
     else:
         wk = cols
         if w.layout == "q8gr16" and (g not in (16, 32) or n % 16):
@@ -117,15 +118,16 @@ class QuantKernels:
         impl.argtypes, impl.restype = [], ctypes.c_char_p
         self.impl = impl().decode()  # the code the build holds: "avx512_vnni", "avx2" or "scalar"
         self._quant = self._fn(lib.loom_quantize_act, [p, i64, i32, i64, i64, i32, p, p, p, i32], None)
-        self._q4_q8 = self._fn(lib.loom_gemm_q4g_q8, [p, p, p, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
+        self._q4_q8 = self._fn(lib.loom_gemm_q4g_q8, [p, p, p, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._q8_q8 = self._fn(lib.loom_gemm_q8g_q8, [p, p, p, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._quant16 = self._fn(lib.loom_quantize_act16, [p, i64, i32, i64, i64, p, p, p, i32], None)
-        self._q4_f = self._fn(lib.loom_gemm_q4g_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
-        self._q4r16_f = self._fn(lib.loom_gemm_q4gr16_f, [p, i64, i32, i64, i64, p, p, p, p, p, i64, i32, i32], i32)
+        self._q4_f = self._fn(lib.loom_gemm_q4g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
+        self._q4r16_f = self._fn(lib.loom_gemm_q4gr16_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32],
+                                 i32)
         self._q8r16_f = self._fn(lib.loom_gemm_q8gr16_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32],
                                  i32)
         self._q8_f = self._fn(lib.loom_gemm_q8g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
-        self._dq4 = self._fn(lib.loom_dequant_q4g, [p, p, p, i64, i64, p, i32, i32], None)
+        self._dq4 = self._fn(lib.loom_dequant_q4g, [p, p, p, i64, i64, i64, p, i32, i32], None)
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
         self._rotate = self._fn(lib.loom_rotate_rows, [p, i64, i64, i64, i64, p, i32], None)
         self._q8c = self._fn(lib.loom_gemm_q8c_q8t, [p, p, i64, i64, i64, p, p, p, p, i64, i32, i32], None)
@@ -231,12 +233,9 @@ class QuantKernels:
         mins = None if w.mins is None else w.mins.data_ptr()
         b = None if bias is None else bias.data_ptr()
         args = (y.data_ptr(), n, int(out_dtype == torch.bfloat16), torch.get_num_threads())
-        if w.layout == "q4g":
-            rc = self._q4_q8(xa.xq.data_ptr(), xa.xs.data_ptr(), xa.xsum.data_ptr(), m, k, w.qweight.data_ptr(),
-                             w.scales.data_ptr(), mins, b, *args)
-        else:
-            rc = self._q8_q8(xa.xq.data_ptr(), xa.xs.data_ptr(), xa.xsum.data_ptr(), m, k, w.qweight.data_ptr(),
-                             w.scales.data_ptr(), mins, w.group_size, b, *args)
+        fn = self._q4_q8 if w.layout == "q4g" else self._q8_q8
+        rc = fn(xa.xq.data_ptr(), xa.xs.data_ptr(), xa.xsum.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(),
+                mins, w.group_size, b, *args)
         if rc:
             raise MemoryError("qgemm: scratch allocation failed")
         return y
@@ -291,12 +290,9 @@ class QuantKernels:
         head = (x.data_ptr(), ldx, int(x.dtype == torch.bfloat16), m, k, w.qweight.data_ptr(), w.scales.data_ptr(),
                 mins)
         tail = (b, y.data_ptr(), n, int(out_dtype == torch.bfloat16), torch.get_num_threads())
-        if w.layout == "q4gr16":  # every build; fast in avx512_vnni ones (`interleaved_layouts`)
-            rc = self._q4r16_f(*head, *tail)
-        elif w.layout == "q8gr16":
-            rc = self._q8r16_f(*head, w.group_size, *tail)
-        else:
-            rc = self._q4_f(*head, *tail) if w.layout == "q4g" else self._q8_f(*head, w.group_size, *tail)
+        # q4gr16 / q8gr16: every build; fast in avx512_vnni ones (`interleaved_layouts`)
+        fn = {"q4gr16": self._q4r16_f, "q8gr16": self._q8r16_f, "q4g": self._q4_f, "q8g": self._q8_f}[w.layout]
+        rc = fn(*head, w.group_size, *tail)
         if rc:
             raise MemoryError("qgemm: scratch allocation failed")
         return y
@@ -319,9 +315,6 @@ class QuantKernels:
         if n and k:
             mins = None if w.mins is None else w.mins.data_ptr()
             bf16, threads = int(dtype == torch.bfloat16), torch.get_num_threads()
-            if w.layout == "q4g":
-                self._dq4(w.qweight.data_ptr(), w.scales.data_ptr(), mins, n, k, out.data_ptr(), bf16, threads)
-            else:
-                self._dq8(w.qweight.data_ptr(), w.scales.data_ptr(), mins, w.group_size, n, k, out.data_ptr(), bf16,
-                          threads)
+            fn = self._dq4 if w.layout == "q4g" else self._dq8
+            fn(w.qweight.data_ptr(), w.scales.data_ptr(), mins, w.group_size, n, k, out.data_ptr(), bf16, threads)
         return out

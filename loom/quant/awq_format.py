@@ -18,7 +18,7 @@ g_idx. config.json: `quantization_config` = {"quant_method": "awq", "version": "
 "zero_point": true, "modules_to_not_convert": null}.
 
 The decoded layer is a loom.quant.gptq.GPTQWeight, so it reaches loom's q4g layout through the same
-repacking as GPTQ (gptq_format.to_loom: a group of 128 is four q4g groups with its scale; min = -zero * scale
+repacking as GPTQ (gptq_format.to_loom: a group of 128 is a q4g group of 128 with its scale; min = -zero * scale
 in float16).
 """
 

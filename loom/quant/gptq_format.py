@@ -17,12 +17,15 @@ and W[n, k] = scales[g, n] * (code[k, n] - zero[g, n]) with g = g_idx[k]. config
 "damp_percent", "true_sequential", "static_groups", "checkpoint_format", ...}.
 
 Into loom's layouts (loom/quant/layout.py), `to_loom`:
-- 4-bit -> q4g: every block of 32 input columns lies in one GPTQ group (group sizes 32, 64, 128 and per
-  channel), so it takes that group's scale, and min = -zero * scale, rounded to float16. The codes and scales
-  are the file's own; the min is exact whenever zero * scale is a float16 (always for symmetric checkpoints,
-  zero = 8), else within 2^-11 relative of it (as loom's Q4_K repacking).
-- 8-bit -> q8g: codes - 128 as int8, min = (128 - zero) * scale (0 for symmetric ones, zero = 128), groups of
-  the file's group size when it divides K, else of 32.
+- 4-bit -> q4g with the file's groups (group sizes 32, 64, 128, per channel: one scale and min per group, so a
+  decode step reads 4 + 32 / group_size bits a weight, as the file stores them), and min = -zero * scale,
+  rounded to float16. The codes and scales are the file's own; the min is exact whenever zero * scale is a
+  float16 (always for symmetric checkpoints, zero = 8), else within 2^-11 relative of it (as loom's Q4_K
+  repacking).
+- 8-bit -> q8g: codes - 128 as int8, min = (128 - zero) * scale (0 for symmetric ones, zero = 128).
+- Either: loom's groups are the largest of K, 1024, 512, 256, 128, 64, 32 (dividing K) each of whose column
+  blocks lies in one GPTQ group: the file's group size where it is one of them, else a divisor (e.g. 32 for a
+  group size of 96).
 - desc_act with a g_idx that is not monotonic: the input columns are permuted into group order (a stable
   sort of g_idx) and each activation row is gathered by the same permutation at run time (W x = W[:, p] x[p],
   exact, as exllama does); `input_perm` is that permutation.
@@ -137,7 +140,7 @@ def to_loom(weight: GPTQWeight) -> LoomGPTQ:
     if k > 1 and bool((g_idx[1:] < g_idx[:-1]).any()):
         perm = torch.argsort(g_idx, stable=True)
     order = g_idx if perm is None else g_idx[perm]
-    block = _uniform_block(order, k, (k, 128, 64, 32) if weight.bits == 8 else (32,))
+    block = _uniform_block(order, k, (k, 1024, 512, 256, 128, 64, 32))
     if block is None:
         return LoomGPTQ(None, None, weight.dequantize())
     codes = weight.codes if perm is None else weight.codes[:, perm]

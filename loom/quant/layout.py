@@ -4,15 +4,18 @@ exist only for them.
 Two layouts, both row-major over the output rows n < N and grouped along the input k < K, and one arrangement
 of the first for loom's AVX-512 VNNI kernels:
 
-- `q4g`: 4-bit unsigned codes in groups of 32. `qweight` uint8 [N, K // 2]: each group is 16 bytes, and
-  byte i of a group holds element i in its low nibble and element i + 16 in its high nibble (the order of
-  GGUF's Q4_0 / Q4_1 blocks, so those repack as copies).
+- `q4g`: 4-bit unsigned codes in blocks of 32, one scale (and min) per group of `group_size` values (32, as
+  GGUF's Q4_0 / Q4_1 / Q4_K, or a larger multiple of 32 dividing K, as GPTQ's and AWQ's groups of 64 or 128: a
+  decode step then reads 4 + 32 / group_size bits a weight instead of 5). `qweight` uint8 [N, K // 2]: each block
+  is 16 bytes, and byte i of a block holds element i in its low nibble and element i + 16 in its high nibble (the
+  order of GGUF's Q4_0 / Q4_1 blocks, so those repack as copies). The kernels compute with a group's scale and
+  min in each of its blocks exactly what they compute with the weight expanded to groups of 32.
 - `q8g`: 8-bit signed codes in groups of `group_size` (16, or a multiple of 32 up to K). `qweight` int8 [N, K].
 - `q4gr16` (and `q8gr16`, the same for q8g with groups of 16 or 32: 8 words per block of 32): q4g's bytes
   with every 16 rows interleaved (N a multiple of 16), as the kernels' 16-row groups
   read them, one weight row per 32-bit lane (loom/kernels/csrc/qgemm.c, "16 weight rows per vector"): for rows
-  16 g .. 16 g + 15, group (block) b, word j < 4 (bytes 4j .. 4j+3 of the row's 16-byte group), the 16 rows'
-  words lie side by side; scales and mins likewise, [g][b][16 rows]. The tensors keep q4g's shapes ([N, K // 2],
+  16 g .. 16 g + 15, block b, word j < 4 (bytes 4j .. 4j+3 of the row's 16-byte block), the 16 rows'
+  words lie side by side; scales and mins likewise, [g][group][16 rows]. The tensors keep q4g's shapes ([N, K // 2],
   [N, K // 32]) and bytes; only their order differs (`interleave_rows16` / `deinterleave_rows16`). Made at load
   (PackedLinearMethod) where the kernels have the groups, so that every row count runs one summation order.
 
@@ -43,7 +46,7 @@ class PackedWeight:
     qweight: torch.Tensor  # q4g / q4gr16: uint8 [N, K // 2]; q8g / q8gr16: int8 [N, K]
     scales: torch.Tensor  # float16 [N, K // group_size]
     mins: torch.Tensor | None  # float16 [N, K // group_size], or None (symmetric codes)
-    group_size: int  # values per scale: 32 for q4g; 16 or a multiple of 32 for q8g
+    group_size: int  # values per scale: a multiple of 32 for q4g; 16 or a multiple of 32 for q8g
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -56,8 +59,10 @@ class PackedWeight:
             raise ValueError(f"q8gr16 needs groups of 16 or 32 and a multiple of 16 rows, got {self.group_size}, N={n}")
         if self.qweight.dtype != want_dtype or self.qweight.dim() != 2:
             raise ValueError(f"{self.layout} qweight must be {want_dtype} [N, K{' // 2' if k != self.qweight.shape[1] else ''}]")
-        if q4 and self.group_size != 32:
-            raise ValueError(f"{self.layout} has groups of 32")
+        if not isinstance(self.group_size, int) or self.group_size <= 0:
+            raise ValueError(f"group_size must be a positive int, got {self.group_size!r}")
+        if q4 and self.group_size % 32:
+            raise ValueError(f"{self.layout} has groups of a multiple of 32, got {self.group_size}")
         if self.layout == "q4gr16" and n % 16:
             raise ValueError(f"q4gr16 needs a multiple of 16 rows, got N={n}")
         if self.group_size != 16 and (self.group_size % 32 or self.group_size > k) or k % self.group_size:
@@ -71,6 +76,15 @@ class PackedWeight:
         """(N, K) of the matrix it holds."""
         n, cols = self.qweight.shape
         return n, cols * 2 if self.layout in Q4_LAYOUTS else cols
+
+    @property
+    def label(self) -> str:
+        """The layout and its groups for logs: "q8gr16/32", "q8g/channel", "q4gr16" (q4g's groups of 32 unsaid),
+        "q4g/128"."""
+        g = self.group_size
+        if self.layout in Q4_LAYOUTS and g == 32:
+            return self.layout
+        return f"{self.layout}/{'channel' if g == self.shape[1] else g}"
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +125,7 @@ class PackedWeight:
             ValueError: start or stop not on a group boundary (a group's codes share one scale).
         """
         _row_major(self)
-        g = 32 if self.layout == "q4g" else self.group_size
+        g = self.group_size
         if start % g or stop % g or not 0 <= start < stop <= self.shape[1]:
             raise ValueError(f"columns [{start}, {stop}) of a {self.layout} matrix with groups of {g} and "
                              f"K={self.shape[1]}: a split must fall on group boundaries")
@@ -128,7 +142,7 @@ def _row_major(w: PackedWeight) -> None:
 
 
 def interleavable(w: PackedWeight) -> bool:
-    """Whether interleave_rows16 takes `w`: q4g, or q8g with groups of 16 or 32, N a multiple of 16."""
+    """Whether interleave_rows16 takes `w`: q4g (any groups), or q8g with groups of 16 or 32, N a multiple of 16."""
     return w.shape[0] % 16 == 0 and (w.layout == "q4g" or (w.layout == "q8g" and w.group_size in (16, 32)))
 
 
@@ -204,8 +218,12 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torc
 
 
 def pack_q4g(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> PackedWeight:
-    """codes [N, K] integers 0..15, scales / mins float16 [N, K // 32] -> q4g PackedWeight."""
+    """codes [N, K] integers 0..15, scales / mins float16 [N, K // group_size] -> q4g PackedWeight with groups of
+    group_size = K // scales.shape[1] (ValueError unless a multiple of 32 dividing K)."""
     n, k = codes.shape
+    groups = scales.shape[1]
+    if not groups or k % groups:
+        raise ValueError(f"{groups} scale columns do not divide K={k} into groups")
     c = codes.to(torch.uint8).view(n, k // 32, 2, 16)
     qweight = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return PackedWeight("q4g", qweight, scales.contiguous(), None if mins is None else mins.contiguous(), 32)
+    return PackedWeight("q4g", qweight, scales.contiguous(), None if mins is None else mins.contiguous(), k // groups)

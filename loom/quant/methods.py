@@ -260,8 +260,7 @@ class PackedLinearMethod:
     def weight_format(self, layer: Linear) -> tuple[str, int]:
         if layer.dense_weight is not None:
             return f"{layer.dense_weight.dtype}".removeprefix("torch."), layer.dense_weight.nbytes
-        layouts = "+".join(sorted({f"{p.layout}" + (("/channel" if p.group_size == p.shape[1] else f"/{p.group_size}")
-                                                     if p.layout in ("q8g", "q8gr16") else "") for p in layer.packed}))
+        layouts = "+".join(sorted({p.label for p in layer.packed}))
         source = ", ".join(filter(None, [self.source_label,
                                          f"Hadamard {layer.rotation_block}" if layer.rotation_block else ""]))
         label = f"{self.scheme.name} {layouts}" + (f" ({source})" if source else "")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.kernels.quant import QuantizedActivations, check_activations
-from loom.quant.layout import PackedWeight, dequantize, unpack_codes
+from loom.quant.layout import Q4_LAYOUTS, PackedWeight, dequantize, unpack_codes
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float16 too: CUDA models may run in it
 
@@ -109,7 +109,9 @@ class TorchQuantKernels:
         g = w.group_size
         wd = (unpack_codes(w).float().view(n, k // g, g) * w.scales.float().unsqueeze(-1)).view(n, k)
         y = xd @ wd.T
-        if w.mins is not None:
+        if w.mins is not None and w.layout in Q4_LAYOUTS:  # per block: each of a group's blocks with its min
+            y = y + xa.xsum @ w.mins.float().repeat_interleave(g // 32, dim=1).T
+        elif w.mins is not None:
             y = y + group_sums(xa, g) @ w.mins.float().T
         if bias is not None:
             y = y + bias

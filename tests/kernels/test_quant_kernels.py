@@ -31,7 +31,8 @@ EPS = 2.0 ** -23
 TORCH = TorchQuantKernels()
 C_ISAS = [isa for isa in registry.kernel_isas("qgemm") if registry.get_kernel("qgemm", isa=isa) is not None]
 IMPLS = [*C_ISAS, "torch"]
-LAYOUTS = [("q4g", 32), ("q8g", 16), ("q8g", 32), ("q8g", 64), ("q8g", "K")]
+# q4g groups of several blocks (GPTQ / AWQ's 64 and 128, per channel; 96: a group of three blocks)
+LAYOUTS = [("q4g", 32), ("q4g", 64), ("q4g", 96), ("q4g", "K"), ("q8g", 16), ("q8g", 32), ("q8g", 64), ("q8g", "K")]
 MS = [1, 2, 3, 4, 5, 8, 9, 17, 64]
 NS = [1, 7, 33, 577]
 KS = [32, 64, 96, 576]
@@ -77,6 +78,12 @@ def cases(layout: str, group: int | str, mins: bool) -> list[tuple]:
 
 def group_of(group: int | str, k: int) -> int:
     return k if group == "K" else group
+
+
+def min_terms(layout: str, k: int, group: int) -> int:
+    """Terms of the mins' sum: one per group, but one per block of 32 for q4g (a group's min meets each of its
+    blocks' x sums: the product of the weight expanded to groups of 32)."""
+    return k // 32 if layout == "q4g" else k // group
 
 
 def per_half(t: torch.Tensor, group: int) -> torch.Tensor:
@@ -153,7 +160,7 @@ def test_gemm_q8_matches_float64(impl: str, layout: str, group, mins: bool) -> N
         x = random_x(m, k, xdtype, g)
         xa = kern.quantize_activations(x, per_token=per_token)
         ref, s = reference_q8(xa, w, bias)
-        terms = (k // 32 if impl != "torch" else k) + k // gs + 8
+        terms = (k // 32 if impl != "torch" else k) + min_terms(layout, k, gs) + 8
         label = f"{impl} {layout}/{gs} mins={mins} M={m} N={n} K={k} bias={with_bias} x={xdtype}"
         check_outputs(impl, lambda dt: kern.gemm_q8(xa, w, bias, dt), ref, s, terms, label)
 
@@ -175,7 +182,7 @@ def test_gemm_f_matches_float64(impl: str, layout: str, group, mins: bool) -> No
             terms = k + k // gs + 8
         else:  # the C kernels multiply the int16 codes of x (qgemm.c, item 3)
             ref, s = reference_f(dequantize16(x), w, bias)
-            terms = k // 16 + k // gs + 8
+            terms = k // 16 + min_terms(layout, k, gs) + 8
         check_outputs(impl, lambda dt: kern.gemm_f(x, w, bias, dt), ref, s, terms, label)
 
 
@@ -708,3 +715,43 @@ def test_interleaved_q8_weights_match_float64_and_every_build(isa: str, group: i
         y = kern.gemm_f(x, r, bias)
         assert torch.equal(y, best.gemm_f(x, r, bias)), label
         assert torch.equal(torch.cat([kern.gemm_f(x[j : j + 1], r, bias) for j in range(m)]), y), label
+
+
+@pytest.mark.parametrize("isa", C_ISAS)
+@pytest.mark.parametrize("group", [64, 128, "K"])
+def test_q4_groups_of_several_blocks_equal_the_weight_expanded_to_groups_of_32(isa: str, group, row_groups_from
+                                                                              ) -> None:
+    """A q4g (or q4gr16) weight with groups of 64, 128 or a whole row (GPTQ / AWQ's run-time layout: one float16
+    scale and min per group read) gives bit for bit what the same weight with each group's scale and min repeated
+    for its blocks of 32 gives, through every path of the build: gemm_f at one row (the by-row tiles), a pass
+    tail and many rows (by-x tiles; the 16-row groups where the build has them, forced at every M too), gemm_q8,
+    the interleaved layout, and dequantization; float32 and bfloat16 x, with and without mins and bias."""
+    kern = kernels(isa)
+    default = kern.row_group_min_rows
+    shapes = [(1, 64, 128), (1, 33, 512), (3, 48, 256), (7, 16, 1536), (9, 80, 640), (40, 32, 384)]
+    for i, (m, n, k) in enumerate(shapes):
+        gs = group_of(group, k)
+        if k % gs:
+            continue
+        g = torch.Generator().manual_seed(4000 + i)
+        for mins in (True, False):
+            w = random_weight("q4g", n, k, gs, mins, g)
+            rep = gs // 32
+            wide = PackedWeight("q4g", w.qweight, w.scales.repeat_interleave(rep, 1).contiguous(),
+                                None if w.mins is None else w.mins.repeat_interleave(rep, 1).contiguous(), 32)
+            assert w.nbytes < wide.nbytes
+            bias = torch.randn(n, generator=g) if i % 2 else None
+            x = random_x(m, k, torch.bfloat16 if i % 3 == 1 else torch.float32, g)
+            label = f"{isa} q4g/{gs} mins={mins} M={m} N={n} K={k}"
+            assert torch.equal(kern.gemm_f(x, w, bias), kern.gemm_f(x, wide, bias)), label
+            xa = kern.quantize_activations(x)
+            assert torch.equal(kern.gemm_q8(xa, w, bias), kern.gemm_q8(xa, wide, bias)), label
+            assert torch.equal(kern.dequantize(w), kern.dequantize(wide)), label
+            assert torch.equal(kern.dequantize(w), dequantize(w)), label
+            if n % 16 == 0:
+                r, rw = interleave_rows16(w), interleave_rows16(wide)
+                assert torch.equal(kern.gemm_f(x, r, bias), kern.gemm_f(x, rw, bias)), label
+            if isa in ROW_GROUP_ISAS:
+                row_groups_from(isa, 1)
+                assert torch.equal(kern.gemm_f(x, w, bias), kern.gemm_f(x, wide, bias)), label + " row groups"
+                row_groups_from(isa, default)

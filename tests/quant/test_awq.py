@@ -174,9 +174,11 @@ def test_checkpoint_round_trip_and_loom_layout(k: int) -> None:
     back = from_checkpoint(t, gs)
     assert torch.equal(back.codes, q.codes) and torch.equal(back.zeros, q.zeros)
     assert torch.equal(back.scales, q.scales) and torch.equal(back.g_idx, q.g_idx)
-    loom = to_loom(back)  # a g128 group = four q4g groups with its scale, min = -zero * scale (float16)
+    loom = to_loom(back)  # a g128 group = a q4g group of 128 with its scale, min = -zero * scale (float16)
     assert loom.packed is not None and loom.packed.layout == "q4g" and loom.input_perm is None
-    assert torch.equal(loom.packed.scales, q.scales.repeat_interleave(4, dim=0)[: k // 32].T)
+    b = loom.packed.group_size  # 128 where it divides K, else blocks of the largest power of 2 that does
+    assert b == max(d for d in (32, 64, 128) if k % d == 0)
+    assert torch.equal(loom.packed.scales, q.scales.repeat_interleave(gs // b, dim=0)[: k // b].T)
     ref = q.dequantize()
     torch.testing.assert_close(dequantize(loom.packed), ref, rtol=0, atol=float(ref.abs().max()) * 2**-10)
 

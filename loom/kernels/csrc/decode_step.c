@@ -32,11 +32,11 @@
 
 /* kernels of the other sources compiled into this library (qgemm.c, gemv_w16.c, fused_ops.c, paged_decode.c) */
 int loom_gemm_q4g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
-                      const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
-                      int num_threads);
+                    const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
+                    int y_bf16, int num_threads);
 int loom_gemm_q4gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
-                         const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N,
-                         int y_bf16, int num_threads);
+                       const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y,
+                       int64_t N, int y_bf16, int num_threads);
 int loom_gemm_q8gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *qweight,
                        const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y,
                        int64_t N, int y_bf16, int num_threads);
@@ -65,7 +65,8 @@ int loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, c
                       int64_t D, int64_t block_size, float scale, int64_t window, int num_threads, int is_bf16,
                       int kv_type);
 
-/* A weight [N, K] in one of the layouts the step reads (`kind`): 0 q4g (4: q4gr16, its 16-row interleave) and 1 q8g (5: q8gr16) with `group`
+/* A weight [N, K] in one of the layouts the step reads (`kind`): 0 q4g (4: q4gr16, its 16-row interleave) and 1 q8g
+ * (5: q8gr16) with `group`
  * (loom/quant/layout.py: codes, float16 scales and minimums), 2 bfloat16 values row-major (a bf16 checkpoint
  * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL), 3 q8g under int8
  * activations (W8A8, float32 models only), quantized per token or, where `act_scale` > 0, with that static
@@ -186,16 +187,16 @@ static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M,
         return loom_gemv_w16((const float *)x, ldx, (const uint16_t *)w->qweight, w->bias, (float *)y, M, w->n, w->k,
                              threads);
     if (w->kind == 4) /* fast in avx512_vnni builds, the same bits a lane at a time in others */
-        return loom_gemm_q4gr16_f(x, ldx, bf16, M, w->k, (const uint8_t *)w->qweight, w->scales, w->mins, w->bias,
-                                    y, w->n, bf16, threads) ? -1 : 0;
+        return loom_gemm_q4gr16_f(x, ldx, bf16, M, w->k, (const uint8_t *)w->qweight, w->scales, w->mins, w->group,
+                                  w->bias, y, w->n, bf16, threads) ? -1 : 0;
     if (w->kind == 5)
         return loom_gemm_q8gr16_f(x, ldx, bf16, M, w->k, (const int8_t *)w->qweight, w->scales, w->mins, w->group,
                                   w->bias, y, w->n, bf16, threads) ? -1 : 0;
     if (w->kind == 1)
         return loom_gemm_q8g_f(x, ldx, bf16, M, w->k, (const int8_t *)w->qweight, w->scales, w->mins, w->group,
                                w->bias, y, w->n, bf16, threads);
-    return loom_gemm_q4g_f(x, ldx, bf16, M, w->k, (const uint8_t *)w->qweight, w->scales, w->mins, w->bias, y,
-                             w->n, bf16, threads);
+    return loom_gemm_q4g_f(x, ldx, bf16, M, w->k, (const uint8_t *)w->qweight, w->scales, w->mins, w->group,
+                           w->bias, y, w->n, bf16, threads);
 }
 
 /* W8A8 (kind 3): x float32 [M, K] rotated (rot > 0), then quantized to int8 once for all parts, per token or with

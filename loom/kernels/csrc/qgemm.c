@@ -1280,14 +1280,30 @@ static int64_t weight_chunks(int64_t N, int64_t row_bytes, int num_threads) {
         }                                                                                                        \
     }
 
+/* q4g with groups of bpg > 1 blocks: the scales (and mins, where mn) of nr rows at sc / mn (ng groups a row) each
+ * repeated for the bpg blocks of its group into esc / emn (nb = ng bpg a row), the one-scale-per-block form the
+ * q4 tiles read: they then compute exactly what they compute for the same weight expanded to groups of 32. */
+static inline void q4_block_scales(const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, int64_t nr,
+                                   uint16_t *esc, uint16_t *emn) {
+    for (int64_t i = 0; i < nr * ng; ++i)
+        for (int64_t j = 0; j < bpg; ++j) {
+            esc[i * bpg + j] = sc[i];
+            if (mn) emn[i * bpg + j] = mn[i];
+        }
+}
+
 static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int64_t G, const float *bias, void *y,
                    int64_t N, int y_bf16, int num_threads) {
     const int64_t nb = K / 32, ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
     const int64_t bpg = G >= 32 ? G / 32 : 1;
+    /* q4g with groups of several blocks: each tile's scales and mins expanded per block (q4_block_scales), the
+     * mins' term per block against xsum */
+    const int q4x = kind == KIND_Q4 && G > 32;
+    const int64_t tng = q4x ? nb : ng, tbpg = q4x ? 1 : bpg;
     const float *gs = xsum;
     float *scratch = NULL;
-    if (mn && G != 32) {
+    if (mn && G != 32 && !q4x) {
         scratch = (float *)loom_alloc64((size_t)(M * ng) * sizeof(float));
         if (!scratch) return -1;
         q8_group_sums(xq, xs, xsum, M, K, G, scratch);
@@ -1305,8 +1321,16 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
     }
     const rows_q8_fn rows = kind == KIND_Q4 ? rows_q8_q4 : (kind == KIND_Q8 ? rows_q8_q8 : rows_q8_q8_16);
 #define Q8_TILE(NR_, MC_, N_, M0_)                                                                               \
-    rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg,          \
-         xq + (M0_) * K, K, xs + (M0_) * nb, NULL, gs + (M0_) * ng, K, dots)
+    do {                                                                                                         \
+        const uint16_t *tsc = sc + (N_) * ng, *tmn = mn ? mn + (N_) * ng : NULL;                                 \
+        uint16_t esc[q4x ? (NR_) * nb : 1], emn[q4x && mn ? (NR_) * nb : 1];                                     \
+        if (q4x) {                                                                                               \
+            q4_block_scales(tsc, tmn, ng, bpg, (NR_), esc, emn);                                                 \
+            tsc = esc, tmn = mn ? emn : NULL;                                                                    \
+        }                                                                                                        \
+        rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, tsc, tmn, tng, tbpg, xq + (M0_) * K, K, xs + (M0_) * nb, \
+             NULL, gs + (M0_) * tng, K, dots);                                                                   \
+    } while (0)
     FOR_EACH_TILE(Q8_TILE, MROWS, row_bytes + 2 * ng * (mn ? 2 : 1))
 #undef Q8_TILE
     free(xp);
@@ -1315,11 +1339,13 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
 }
 
 /* xq int8 [M, K], xs / xsum float32 [M, K/32] (loom_quantize_act); qweight uint8 [N, K/2]; scales / mins
- * float16 bits [N, K/32] (mins may be NULL); bias float32 [N] or NULL; y [M, N] float32 or bfloat16. */
+ * float16 bits [N, K/group] (mins may be NULL), group a multiple of 32 dividing K (groups of several blocks give
+ * exactly the product of the weight expanded to groups of 32: the mins' term per block); bias float32 [N] or NULL;
+ * y [M, N] float32 or bfloat16. */
 int loom_gemm_q4g_q8(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
-                       const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, const float *bias,
-                       void *y, int64_t N, int y_bf16, int num_threads) {
-    return gemm_q8(KIND_Q4, xq, xs, xsum, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
+                     const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group,
+                     const float *bias, void *y, int64_t N, int y_bf16, int num_threads) {
+    return gemm_q8(KIND_Q4, xq, xs, xsum, M, K, qweight, scales, mins, group, bias, y, N, y_bf16, num_threads);
 }
 
 /* As loom_gemm_q4g_q8 for q8g: qweight int8 [N, K], scales / mins [N, K/group] (group 16 or a multiple of
@@ -1535,7 +1561,7 @@ static void nx16_codes(int16_t *c, int64_t M, int64_t K, int num_threads) {
 /* rows n0 .. n0 + nr - 1 (nr <= 16) of the weight into pk [nb][4][16] words, scales and mins (float16 bits) into
  * pd / pm [nb][16]: the q4gr16 layout of one group (loom/quant/layout.py), lanes past nr zero */
 static void nx16_pack(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, const uint16_t *mn, int64_t nb,
-                      int64_t n0, int nr, uint32_t *pk, uint16_t *pd, uint16_t *pm) {
+                      int64_t bpg, int64_t n0, int nr, uint32_t *pk, uint16_t *pd, uint16_t *pm) {
     if (nr < 16) {
         memset(pk, 0, (size_t)nb * 64 * sizeof(uint32_t));
         memset(pd, 0, (size_t)nb * 16 * sizeof(uint16_t));
@@ -1543,24 +1569,27 @@ static void nx16_pack(const uint8_t *w, int64_t row_bytes, const uint16_t *sc, c
     }
     for (int r = 0; r < nr; ++r) {
         const uint8_t *wr = w + (n0 + r) * row_bytes;
-        const uint16_t *sr = sc + (n0 + r) * nb, *mr = mn ? mn + (n0 + r) * nb : NULL;
+        const int64_t ng = nb / bpg;
+        const uint16_t *sr = sc + (n0 + r) * ng, *mr = mn ? mn + (n0 + r) * ng : NULL;
         for (int64_t b = 0; b < nb; ++b) {
             uint32_t v[4];
             memcpy(v, wr + 16 * b, 16);
             for (int j = 0; j < 4; ++j) pk[(b * 4 + j) * 16 + r] = v[j];
-            pd[b * 16 + r] = sr[b];
-            if (mr) pm[b * 16 + r] = mr[b];
+            pd[b * 16 + r] = sr[b / bpg]; /* a group's scale and min repeated for each of its blocks */
+            if (mr) pm[b * 16 + r] = mr[b / bpg];
         }
     }
 }
 
 /* mc (compile-time) rows of x codes xc (stride K, pair order), their block scales xs and block sums gs (stride
- * nb; gs NULL without mins) against the packed group: the 16 outputs of each row into out (stride 16) */
+ * nb; gs NULL without mins) against the packed group, whose scales and mins pd / pm are [nb / bpg][16] (each
+ * used for bpg blocks in turn): the 16 outputs of each row into out (stride 16) */
 ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const uint16_t *pd, const uint16_t *pm, int64_t nb,
-                             const int16_t *xc, int64_t K, const float *xs, const float *gs, float *out) {
+                             int64_t bpg, const int16_t *xc, int64_t K, const float *xs, const float *gs, float *out) {
     const __m512i m4 = _mm512_set1_epi32(0x000F000F);
     __m512 af[NX16_MR];
     for (int r = 0; r < mc; ++r) af[r] = _mm512_setzero_ps();
+    int64_t left = bpg; /* blocks left in the group of pd / pm */
     for (int64_t b = 0; b < nb; ++b) {
         __m512i ai[NX16_MR];
         for (int r = 0; r < mc; ++r) ai[r] = _mm512_setzero_si512();
@@ -1579,12 +1608,17 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const uint16_t *p
                 ai[r] = _mm512_dpwssd_epi32(ai[r], D, _mm512_set1_epi32(xp[3]));
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pd + b * 16)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pd));
         for (int r = 0; r < mc; ++r)
             af[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * nb + b])), af[r]);
         if (gs) {
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pm + b * 16)));
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pm));
             for (int r = 0; r < mc; ++r) af[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(gs[r * nb + b]), af[r]);
+        }
+        if (--left == 0) { /* the next group's scales and mins */
+            left = bpg;
+            pd += 16;
+            if (pm) pm += 16;
         }
     }
     for (int r = 0; r < mc; ++r) _mm512_storeu_ps(out + 16 * r, af[r]);
@@ -1595,9 +1629,9 @@ ALWAYS_INLINE void nx16_rows(const int mc, const uint32_t *pk, const uint16_t *p
  * with `r16`, already in the q4gr16 layout (N a multiple of 16). Returns -1 when malloc failed (y then
  * incomplete). */
 static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t M, int64_t K,
-                          const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int r16, const float *bias,
-                          void *y, int64_t N, int y_bf16, int num_threads) {
-    const int64_t nb = K / 32, row_bytes = K / 2, groups = (N + 15) / 16;
+                          const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int64_t bpg, int r16,
+                          const float *bias, void *y, int64_t N, int y_bf16, int num_threads) {
+    const int64_t nb = K / 32, ng = nb / bpg, row_bytes = K / 2, groups = (N + 15) / 16;
     float *gs = mn ? (float *)loom_alloc64((size_t)(M * nb) * sizeof(float)) : NULL;
     if (mn && !gs) return -1;
     nx16_codes(xc, M, K, num_threads);
@@ -1620,14 +1654,15 @@ static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t 
             const uint16_t *pd, *pm;
             if (r16) {
                 pk = (const uint32_t *)(w + n0 * row_bytes);
-                pd = sc + n0 * nb;
-                pm = mn ? mn + n0 * nb : NULL;
+                pd = sc + n0 * ng;
+                pm = mn ? mn + n0 * ng : NULL;
             } else {
                 uint32_t *k = (uint32_t *)buf;
                 uint16_t *d = (uint16_t *)(k + nb * 64), *m = d + nb * 16;
-                nx16_pack(w, row_bytes, sc, mn, nb, n0, nr, k, d, m);
+                nx16_pack(w, row_bytes, sc, mn, nb, bpg, n0, nr, k, d, m);
                 pk = k, pd = d, pm = m;
             }
+            const int64_t pbpg = r16 ? bpg : 1; /* the packed copy holds a scale per block */
             float out[16 * NX16_MR];
             for (int64_t m0 = 0; m0 < M; m0 += NX16_MR) {
                 const int mc = M - m0 < NX16_MR ? (int)(M - m0) : NX16_MR;
@@ -1635,7 +1670,7 @@ static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t 
                 const float *xsr = xs + m0 * nb, *gsr = gs ? gs + m0 * nb : NULL;
                 switch (mc) {
 #define NX16_CASE(MC) \
-    case MC: nx16_rows(MC, pk, pd, pm, nb, xr, K, xsr, gsr, out); break;
+    case MC: nx16_rows(MC, pk, pd, pm, nb, pbpg, xr, K, xsr, gsr, out); break;
                     NX16_CASE(1) NX16_CASE(2) NX16_CASE(3) NX16_CASE(4) NX16_CASE(5) NX16_CASE(6) NX16_CASE(7)
                     NX16_CASE(8)
 #undef NX16_CASE
@@ -1653,13 +1688,13 @@ static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t 
 
 /* int16 codes, block scales and half sums of x [M, K] (loom_quantize_act16), then the 16-row groups */
 static int gemm16_q4_groups(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
-                            const uint16_t *sc, const uint16_t *mn, int r16, const float *bias, void *y, int64_t N,
-                            int y_bf16, int num_threads) {
+                            const uint16_t *sc, const uint16_t *mn, int64_t bpg, int r16, const float *bias, void *y,
+                            int64_t N, int y_bf16, int num_threads) {
     int16_t *c16;
     float *xs16, *h16;
     char *s16 = act16(x, ldx, x_bf16, M, K, num_threads, &c16, &xs16, &h16);
     if (!s16) return -1;
-    const int rc = gemm16_q4_nx16(c16, xs16, h16, M, K, w, sc, mn, r16, bias, y, N, y_bf16, num_threads);
+    const int rc = gemm16_q4_nx16(c16, xs16, h16, M, K, w, sc, mn, bpg, r16, bias, y, N, y_bf16, num_threads);
     free(s16);
     return rc;
 }
@@ -1784,9 +1819,13 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
                    int y_bf16, int num_threads) {
     const int64_t nb = K / 32, ng = K / G, row_bytes = kind == KIND_Q4 ? K / 2 : K;
     const int64_t bpg = G >= 32 ? G / 32 : 1;
+    /* q4g with groups of several blocks: each tile's scales and mins expanded per block (q4_block_scales), the
+     * mins' term per block (tG: the group the tiles see) */
+    const int q4x = kind == KIND_Q4 && G > 32;
+    const int64_t tG = q4x ? 32 : G, tng = K / tG, tbpg = q4x ? 1 : bpg;
 #if LOOM_Q512
     if (kind == KIND_Q4 && M >= loom_nx16_min_rows)
-        return gemm16_q4_groups(x, ldx, x_bf16, M, K, w, sc, mn, 0, bias, y, N, y_bf16, num_threads);
+        return gemm16_q4_groups(x, ldx, x_bf16, M, K, w, sc, mn, bpg, 0, bias, y, N, y_bf16, num_threads);
 #endif
     const int paired = kind == KIND_Q4 && LOOM_QSIMD;
     const int64_t np = (nb + Q4_UNIT - 1) / Q4_UNIT, vw = 4 * Q4_UNIT; /* q4 units per row, floats per unit vector */
@@ -1795,7 +1834,7 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
      * then floats: paired, the unit scale vectors xv [M, np, vw] (rows16_q4), then xs [M, nb], h [M, 2 nb],
      * gs [M, ng] (the offsets of the codes and of xv are multiples of 64 bytes: K % 32 == 0) */
     const size_t ncodes = (size_t)(M * K) + (paired ? (size_t)(M * xstride) : 0);
-    const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * ng) : 0) + (paired ? (size_t)(M * np * vw) : 0);
+    const size_t nfloat = (size_t)(M * 3 * nb) + (mn ? (size_t)(M * tng) : 0) + (paired ? (size_t)(M * np * vw) : 0);
     char *scratch = (char *)loom_alloc64(ncodes * sizeof(int16_t) + nfloat * sizeof(float));
     if (!scratch) return -1;
     int16_t *codes = (int16_t *)scratch, *xc = codes;
@@ -1815,11 +1854,11 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     }
     if (mn) /* group sums of the dequantized x: its halves summed in order */
         for (int64_t m = 0; m < M; ++m)
-            for (int64_t g = 0; g < ng; ++g) {
-                const int64_t per = G / 16;
+            for (int64_t g = 0; g < tng; ++g) {
+                const int64_t per = tG / 16;
                 float t = h[m * 2 * nb + g * per];
                 for (int64_t i = 1; i < per; ++i) t += h[m * 2 * nb + g * per + i];
-                gs[m * ng + g] = t;
+                gs[m * tng + g] = t;
             }
     const rows_16_fn rows = kind == KIND_Q4 ? rows_16_q4 : (kind == KIND_Q8 ? rows_16_q8 : rows_16_q8_16);
     /* inlined tiles instead of the call through `rows`: the q4 by-row tile at M == 1, and the q8g by-x tile in
@@ -1828,17 +1867,20 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const int q4_inline = kind == KIND_Q4 && LOOM_QSIMD;
 #define TILE16(NR_, MC_, N_, M0_)                                                                                \
     do {                                                                                                         \
+        const uint16_t *tsc = sc + (N_) * ng, *tmn = mn ? mn + (N_) * ng : NULL;                                 \
+        uint16_t esc[q4x ? (NR_) * nb : 1], emn[q4x && mn ? (NR_) * nb : 1];                                     \
+        if (q4x) {                                                                                               \
+            q4_block_scales(tsc, tmn, ng, bpg, (NR_), esc, emn);                                                 \
+            tsc = esc, tmn = mn ? emn : NULL;                                                                    \
+        }                                                                                                        \
         if (q4_inline && (NR_) == NR && (MC_) == 1)                                                              \
-            rows16_q4(NR, 1, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng,    \
-                      xc, xstride, xs, xv, gs, K, dots);                                                         \
+            rows16_q4(NR, 1, w + (N_) * row_bytes, row_bytes, tsc, tmn, tng, xc, xstride, xs, xv, gs, K, dots);  \
         else if (kind == KIND_Q8 && (NR_) == 1 && (MC_) == MROWS)                                                \
-            rows_16(KIND_Q8, 1, MROWS, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng,                          \
-                    mn ? mn + (N_) * ng : NULL, ng, bpg, xc + (M0_) * xstride, xstride, xs + (M0_) * nb, NULL,   \
-                    mn ? gs + (M0_) * ng : NULL, K, dots);                                                       \
+            rows_16(KIND_Q8, 1, MROWS, w + (N_) * row_bytes, row_bytes, tsc, tmn, tng, tbpg,                     \
+                    xc + (M0_) * xstride, xstride, xs + (M0_) * nb, NULL, mn ? gs + (M0_) * tng : NULL, K, dots); \
         else                                                                                                     \
-            rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, sc + (N_) * ng, mn ? mn + (N_) * ng : NULL, ng, bpg, \
-                 xc + (M0_) * xstride, xstride, xs + (M0_) * nb, xv ? xv + (M0_) * np * vw : NULL,                 \
-                 mn ? gs + (M0_) * ng : NULL, K, dots);                                                          \
+            rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, tsc, tmn, tng, tbpg, xc + (M0_) * xstride, xstride,  \
+                 xs + (M0_) * nb, xv ? xv + (M0_) * np * vw : NULL, mn ? gs + (M0_) * tng : NULL, K, dots);       \
     } while (0)
     FOR_EACH_TILE(TILE16, kind == KIND_Q4 && LOOM_QSIMD ? MROWS_Q4_16 : MROWS, row_bytes + 2 * ng * (mn ? 2 : 1))
 #undef TILE16
@@ -1848,9 +1890,9 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
 
 /* x [M, K] float32 (x_bf16 = 0) or bfloat16 (1), row stride ldx elements; the rest as loom_gemm_q4g_q8. */
 int loom_gemm_q4g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
-                      const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N, int y_bf16,
-                      int num_threads) {
-    return gemm_16(KIND_Q4, x, ldx, x_bf16, M, K, qweight, scales, mins, 32, bias, y, N, y_bf16, num_threads);
+                    const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
+                    int y_bf16, int num_threads) {
+    return gemm_16(KIND_Q4, x, ldx, x_bf16, M, K, qweight, scales, mins, group, bias, y, N, y_bf16, num_threads);
 }
 
 /* The same product as loom_gemm_q4g_f with the weight in the q4gr16 layout (loom/quant/layout.py: 16 rows
@@ -1858,12 +1900,14 @@ int loom_gemm_q4g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
  * the batch, so a row's result does not depend on the rows beside it. Returns -2 when N % 16 != 0 (nothing
  * written), -1 when malloc failed. */
 int loom_gemm_q4gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *qweight,
-                         const uint16_t *scales, const uint16_t *mins, const float *bias, void *y, int64_t N,
-                         int y_bf16, int num_threads) {
+                       const uint16_t *scales, const uint16_t *mins, int64_t group, const float *bias, void *y, int64_t N,
+                       int y_bf16, int num_threads) {
     if (N % 16) return -2;
+    const int64_t bpg = group / 32; /* blocks per group */
 #if LOOM_Q512
-    return gemm16_q4_groups(x, ldx, x_bf16, M, K, qweight, scales, mins, 1, bias, y, N, y_bf16, num_threads);
+    return gemm16_q4_groups(x, ldx, x_bf16, M, K, qweight, scales, mins, bpg, 1, bias, y, N, y_bf16, num_threads);
 #else
+    const int64_t ng = K / group;
     /* Other builds read the layout too (slowly: one lane at a time), with the groups' arithmetic step for step, so
      * that the result is the same bits: exact int32 dots per block, then per block fmaf(dot, d * s, acc) and
      * fmaf(min, the block's x sum, acc), in block order (fmaf: one rounding, as VFMADD). */
@@ -1875,12 +1919,13 @@ int loom_gemm_q4gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K * M >= PAR_MIN_WORK)
     for (int64_t g = 0; g < N / 16; ++g) {
         const uint32_t *pk = (const uint32_t *)(qweight + 16 * g * row_bytes);
-        const uint16_t *pd = scales + 16 * g * nb, *pm = mins ? mins + 16 * g * nb : NULL;
+        const uint16_t *pd = scales + 16 * g * ng, *pm = mins ? mins + 16 * g * ng : NULL;
         for (int64_t m = 0; m < M; ++m) {
             float acc[16] = {0};
             for (int64_t b = 0; b < nb; ++b) {
                 const int16_t *cx = c16 + m * K + 32 * b;
                 const float sx = xs[m * nb + b], gx = h[2 * (m * nb + b)] + h[2 * (m * nb + b) + 1];
+                const int64_t gb = b / bpg; /* the block's group */
                 for (int r = 0; r < 16; ++r) {
                     int32_t dot = 0;
                     for (int j = 0; j < 4; ++j) {
@@ -1890,8 +1935,8 @@ int loom_gemm_q4gr16_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_
                             dot += (byte & 15) * cx[i] + (byte >> 4) * cx[i + 16];
                         }
                     }
-                    acc[r] = fmaf((float)dot, loom_f16_to_f32(pd[b * 16 + r]) * sx, acc[r]);
-                    if (pm) acc[r] = fmaf(loom_f16_to_f32(pm[b * 16 + r]), gx, acc[r]);
+                    acc[r] = fmaf((float)dot, loom_f16_to_f32(pd[gb * 16 + r]) * sx, acc[r]);
+                    if (pm) acc[r] = fmaf(loom_f16_to_f32(pm[gb * 16 + r]), gx, acc[r]);
                 }
             }
             for (int r = 0; r < 16; ++r)
@@ -2026,10 +2071,10 @@ static void dequant(int q4, const uint8_t *w, const uint16_t *sc, const uint16_t
     }
 }
 
-/* W [N, K] of a q4g weight, float32 (out_bf16 = 0) or bfloat16 (1). */
-void loom_dequant_q4g(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t N, int64_t K,
-                        void *out, int out_bf16, int num_threads) {
-    dequant(1, qweight, scales, mins, 32, N, K, out, out_bf16, num_threads);
+/* W [N, K] of a q4g weight with groups of `group` (a multiple of 32), float32 (out_bf16 = 0) or bfloat16 (1). */
+void loom_dequant_q4g(const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group, int64_t N,
+                      int64_t K, void *out, int out_bf16, int num_threads) {
+    dequant(1, qweight, scales, mins, group, N, K, out, out_bf16, num_threads);
 }
 
 /* W [N, K] of a q8g weight with groups of `group`. */

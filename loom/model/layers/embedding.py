@@ -85,9 +85,7 @@ class VocabEmbedding(nn.Module):
     def weight_format(self) -> tuple[str, int]:
         """(format, bytes held) for the start-up report (a lookup reads only its rows)."""
         if self.packed is not None:
-            grouped = self.packed.layout in ("q8g", "q8gr16")
-            layout = self.packed.layout + (f"/{self.packed.group_size}" if grouped else "")
-            return f"packed {layout}", self.packed.nbytes
+            return f"packed {self.packed.label}", self.packed.nbytes
         return str(self.weight.dtype).removeprefix("torch."), self.weight.nbytes
 
 
