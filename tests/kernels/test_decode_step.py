@@ -346,3 +346,35 @@ def test_decode_step_runs_w8a8(isa: str) -> None:
     # another ISA sums the float32 scaling in another order; a last-bit difference can move an int8 activation
     # code by one step (1/127 of its row's max) in a later layer: ~1.5% relative after 30 layers
     _assert_paths_agree(isa, per_layer, per_layer_caches, one_call, caches, 5e-2)
+
+
+@pytest.mark.parametrize("isa", kernel_isas("decode_step"))
+def test_decode_step_runs_gptq_groups_of_several_blocks(tmp_path, isa: str) -> None:
+    """A GPTQ checkpoint with 4-bit groups of 64 (asymmetric: mins) keeps its groups at run time (one scale and min
+    per 64 weights read, not the 32-groups it used to be expanded to), and the one-call step, which passes each
+    weight's group to the kernels, equals the per-layer path bit for bit on the best ISA."""
+    from transformers import LlamaConfig
+
+    from loom.kernels.decode_step import ModelDecodeStep
+    from loom.quant.gptq_checkpoint import GPTQSettings, write_gptq_checkpoint
+    from tests.model.model_harness import save_tiny_model
+    from tests.quant.checkpoint_harness import windows
+
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_tiny_model(config, tmp_path / "hf", seed=6)
+    write_gptq_checkpoint(str(tmp_path / "hf"), str(tmp_path / "q"), GPTQSettings("rtn", 4, 64, False, False),
+                          windows(96), calibration="random ids")
+    loaded = load_model(str(tmp_path / "q"), torch.float32, CPU)
+    model, inner = loaded.model, loaded.model.model
+    if get_kernel("decode_step") is None:
+        pytest.skip("the decode step does not build here (no compiler)")
+    for layer in inner.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert all(p.layout in ("q4g", "q4gr16") and p.group_size == 64 and p.mins is not None
+                       for p in lin.packed)
+    assert inner.decode_step is not None
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    per_layer, per_layer_caches, one_call, caches = _both_paths(model, loaded.arch, step,
+                                                                [[1, 2, 3, 4, 5], [9] * 20, [7] * 17])
+    _assert_paths_agree(isa, per_layer, per_layer_caches, one_call, caches, 1e-4)
