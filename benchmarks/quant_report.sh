@@ -49,11 +49,12 @@ args_of() {  # the loom quantize arguments of each row
     # the same with the LM head (SmolLM2's tied embedding matrix) at 8 bits, as Q4_K_M stores it: the bytes of Q4_K_M
     mixed553-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.53 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
-    # ... and at Q4_K_M's total weight bytes (its token_embd is Q8_0, as loom's 8-bit head)
+    # ... and at Q4_K_M's total weight bytes (its token_embd is Q8_0, as loom's 8-bit head): 103.58 MB read against
+    # Q4_K_M's 103.67 since loom runs GPTQ's 4-bit groups as they are (q4g/128; /64 where K = 576), 104.7 before
     mixed525-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.25 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
-    # ... and at them: loom runs 4-bit g128 layers in its q4g layout (5.0 bits read), so 5.25 file bits read
-    # 104.7 MB against Q4_K_M's 103.7; 5.1 bits read 103.73 against 103.67 (closer in perplexity and top-1, not KL)
+    # ... and below them: 5.1 bits read 101.3 MB (103.73 when loom expanded 4-bit groups to 32; closer than Q4_K_M
+    # in perplexity and top-1, not KL)
     mixed510-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.1 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
     # ... with the sensitivity measured on 4 calibration windows instead of 1 (measured: KL 0.0479 against 0.0481,
@@ -61,7 +62,7 @@ args_of() {  # the loom quantize arguments of each row
     mixed510s4-gptq-prose-head8) echo --method gptq --bits 4 --group-size 128 --asym --target-bits 5.1 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 --sensitivity-windows 4 ;;
     # Two attempts to beat Q4_K_M's KL at its bytes, both worse (BENCHMARKS, "the awq4 rows at today's defaults");
-    # not in the default ROWS. A base of 4-bit groups of 32 (loom reads g128 and g32 as the same q4g bytes):
+    # not in the default ROWS. A base of 4-bit groups of 32 (when loom read g128 and g32 as the same bytes):
     mixed520g32-gptq-prose-head8) echo --method gptq --bits 4 --group-size 32 --asym --target-bits 5.2 \
       --calibration-windows 32 --calibration-file "$PROSE" --lm-head-bits 8 ;;
     # the LM head at 4 bits (17.7 MB read against 8 bits' 29.2), its 11.5 MB spent on 8-bit layers instead:
