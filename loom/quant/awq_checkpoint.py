@@ -29,6 +29,7 @@ class AWQResult:
     seconds: float  # wall time of the whole run (loading, calibration, search, writing)
     quantization_config: dict[str, Any]  # what config.json's quantization_config says
     report: AWQReport
+    bits_per_weight: float | None = None  # stored bits per linear weight (mixed precision; None: AWQ's own format)
 
 
 def _folded_tensors(model: torch.nn.Module, arch: Any, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -119,3 +120,86 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     logger.info("wrote %s in %.1f s (scaling %s: the duo formula won %d of %d groups)", out, seconds, settings.scaling,
                 sum(report.duo.values()), len(report.duo))
     return AWQResult(out, settings, calibration, tokens, seconds, qc, report)
+
+
+def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSettings, mixed: Any,
+                               windows: list[list[int]], *, calibration: str = "") -> AWQResult:
+    """AWQ with mixed precision (`loom quantize --method awq --target-bits B`): AWQ's scales searched and folded
+    (norms, v / up rows) as write_awq_checkpoint does, then each decoder linear layer's format chosen on the scaled
+    model under the budget (loom/quant/mixed.py: ZeroQ sensitivity, greedy allocation, as for rtn / gptq): layers
+    left in the base format keep AWQ's own 4-bit weights (its clipping included), upgraded ones are the scaled
+    weights by round to nearest in their format (4-bit groups of 32, 8 bits), or 16 bits. AutoAWQ's format has one
+    bit width, so the output is a GPTQ-format checkpoint (`quant_method` "gptq", `meta.method` "awq", GPTQModel's
+    `dynamic` per layer; loom/quant/gptq_format.py) with AWQ's folded norms; `checkpoint_format` "gptq" (v1, what
+    AutoGPTQ and transformers read) unless some AWQ group's zero point is 0, which only v2 stores.
+
+    Args:
+        mixed: a loom.quant.gptq_checkpoint.GPTQSettings with method "rtn", 4 bits and the AWQ group size, asymmetric,
+            its target_bits, lm_head_bits and sensitivity_windows.
+
+    Raises:
+        ValueError: as write_awq_checkpoint, or a budget below the base format's bits.
+    """
+    from loom.model.loader import load_model
+    from loom.model.loader.model_loader import resolve_model_path
+    from loom.quant.gptq_checkpoint import (checkpoint_tensors, lm_head_tensors, mixed_precision_plan,
+                                            quantize_model_weights)
+    from loom.quant.mixed import units_of
+    from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
+
+    settings.check()
+    mixed.check()
+    if mixed.method != "rtn" or mixed.bits != 4 or mixed.group_size != settings.group_size or mixed.sym \
+            or mixed.target_bits is None:
+        raise ValueError("awq mixed precision takes rtn settings of 4 asymmetric bits in AWQ's groups, with target_bits")
+    if not windows:
+        raise ValueError("awq needs at least one calibration window")
+    out = _check_output(output)
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    arch = loaded.arch
+    if arch.architecture not in MODEL_TYPES:
+        raise ValueError(f"awq cannot write a config for {arch.architecture}")
+    if mixed.lm_head_bits is not None and arch.vocab_size % (32 // mixed.lm_head_bits):
+        raise ValueError(f"lm_head_bits: a vocabulary of {arch.vocab_size} tokens does not pack "
+                         f"{32 // mixed.lm_head_bits} to an int32 (GPTQ's qzeros pack the output channels); keep "
+                         "the head dense")
+    tokens = sum(len(w) for w in windows)
+    scaled: dict[str, torch.Tensor] = {}
+    awq_weights, report = quantize_model_awq(loaded.model, arch, settings, windows, scaled)
+    for name, w in scaled.items():  # back to the scaled float weights: the model the allocation measures
+        loaded.model.get_submodule(name).weight.data.copy_(w)
+    plan, dynamic, bits = mixed_precision_plan(loaded.model, arch, mixed, windows)
+    base = mixed.base_format()
+    upgraded = {name: fmt for name, fmt in plan.items() if fmt != base}
+    quantized = quantize_model_weights(loaded.model, arch, mixed, windows, upgraded | {
+        name: None for name in plan if name not in upgraded})  # RTN of the upgraded layers only
+    quantized |= {name: awq_weights[name] for name, fmt in plan.items() if fmt == base}
+    source, config = source_checkpoint(path, arch, set(loaded.eos_token_ids))
+    source = source | _folded_tensors(loaded.model, arch, source)
+    half = set()
+    for u in units_of(loaded.model):  # 16-bit layers: their scaled weights, not the source's
+        if plan[u.name] is None:
+            lin = loaded.model.get_submodule(u.name)
+            for proj, rows in zip(u.projections, scaled[u.name].split(lin.output_sizes), strict=True):
+                source[f"{proj}.weight"] = rows.contiguous()
+                half.add(f"{proj}.weight")
+    # AWQ's grid may put a group's zero at 0, which GPTQ's v1 format (zero - 1) cannot store: then the whole file
+    # is v2 (the zero itself; GPTQModel and loom read it)
+    fmt = "gptq_v2" if any(int(q.zeros.min()) == 0 for q in quantized.values() if q.zeros.numel()) else "gptq"
+    qc = mixed.quantization_config(calibration, tokens, dynamic)
+    qc["format"] = qc["checkpoint_format"] = fmt
+    qc["meta"] |= {"method": "awq", "clip": settings.clip, "scaling": settings.scaling, "loss": settings.loss,
+                   "clipped": list(report.clipped), "search_windows": min(settings.search_windows, len(windows))}
+    config["quantization_config"] = qc
+    tensors = checkpoint_tensors(source, quantized, loaded.model, frozenset(half), fmt)
+    if mixed.lm_head_bits is not None:
+        tensors.update(lm_head_tensors(source, mixed, fmt))
+        tensors.pop("lm_head.weight", None)
+        config["tie_word_embeddings"] = False
+    write_checkpoint(out, tensors, config, loaded.tokenizer)
+    seconds = time.perf_counter() - start
+    logger.info("wrote %s in %.1f s (awq + mixed precision: %.3f stored bits per linear weight, %d of %d layer "
+                "groups in AWQ's 4 bits)", out, seconds, bits, sum(f == base for f in plan.values()), len(plan))
+    return AWQResult(out, settings, calibration, tokens, seconds, qc, report, bits)

@@ -315,12 +315,18 @@ def select_clip(model: torch.nn.Module, arch: Any, layers: list[tuple[torch.nn.M
     return best, {names[c]: v for c, v in scores.items()}
 
 
+_NAMES = (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
+          ("down", "mlp.down_proj"))  # AWQ's linear types -> loom's layer names under model.layers.i
+
+
 def quantize_model_awq(model: torch.nn.Module, arch: Any, settings: AWQSettings, windows: list[list[int]],
+                       float_weights: dict[str, torch.Tensor] | None = None,
                        ) -> tuple[dict[str, GPTQWeight], AWQReport]:
     """AWQ over every decoder layer of a dense float32 loom model (quantization "none"), in place: the scales
     folded (norm weights and v / up rows change), weights clipped (settings.clip; "auto" scores the model on
     windows[settings.search_windows:], or on every window when none is left), and each linear's weight replaced
-    by its dequantized 4-bit values.
+    by its dequantized 4-bit values. With `float_weights` (a dict), each linear's scaled float32 weight before
+    clipping and rounding is stored in it under the layer's name (what mixed precision quantizes otherwise).
 
     Returns:
         (loom layer name ("model.layers.0.self_attn.qkv_proj", ...) -> its GPTQWeight (stacked rows, AWQ grid),
@@ -353,8 +359,7 @@ def quantize_model_awq(model: torch.nn.Module, arch: Any, settings: AWQSettings,
     out: dict[str, GPTQWeight] = {}
 
     def keep(i: int, qs: dict[str, GPTQWeight]) -> None:
-        for key, lin_name in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"),
-                              ("gate_up", "mlp.gate_up_proj"), ("down", "mlp.down_proj")):
+        for key, lin_name in _NAMES:
             out[f"model.layers.{i}.{lin_name}"] = qs[key]
 
     for i, layer in enumerate(tqdm(model.model.layers, desc="awq", unit="layer")):
@@ -364,6 +369,9 @@ def quantize_model_awq(model: torch.nn.Module, arch: Any, settings: AWQSettings,
         del feats
         bounds = search_layer_clip(layer, arch, xs, settings.group_size) if settings.clip != "off" else {}
         weights = {key: lin.weight.data for key, lin in _linears(layer).items()}
+        if float_weights is not None:
+            for key, lin_name in _NAMES:
+                float_weights[f"model.layers.{i}.{lin_name}"] = weights[key].clone()
         if settings.clip == "auto":
             pending.append((layer, {k: w.clone() for k, w in weights.items()}, bounds))
         else:

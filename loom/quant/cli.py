@@ -72,6 +72,16 @@ def _quantize(ns: argparse.Namespace) -> int:
                   "bundled model: +25% perplexity at alpha 0.5, +7.9% at 0.8, +1.2% dynamic; docs/quantization.md); "
                   "measure it with loom bench quality --model OUT --reference-model SOURCE --quantization w8a8")
         return 0
+    if result.method == "awq" and result.quantization_config.get("quant_method") == "gptq":  # awq + target_bits
+        qc = result.quantization_config
+        meta = qc.get("meta", {})
+        print(f"wrote {result.output} (awq scales, then mixed precision: {result.bits_per_weight:.3f} stored bits per "
+              f"linear weight at target {meta.get('target_bits')}, 4-bit group size {qc['group_size']} base, "
+              f"{'+'.join(meta.get('clipped') or ()) or 'none'} clipped"
+              f"{f', LM head {ns.lm_head_bits}-bit' if qc.get('lm_head') else ''}, {result.calibration_tokens} "
+              f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; a GPTQ-format checkpoint "
+              f"({qc['checkpoint_format']}), run by loom's packed kernels: loom generate --model {result.output} ...")
+        return 0
     if result.method == "awq":
         qc = result.quantization_config
         meta = qc.get("meta", {})
@@ -224,13 +234,13 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--damp-percent", type=_fraction, default=None,
                    help="gptq: dampening, a fraction of the Hessian's mean diagonal (default: 0.01)")
     g.add_argument("--lm-head-bits", type=int, choices=(4, 8), default=None,
-                   help="rtn, gptq: quantize the LM head too (a tied embedding's matrix; the embedding stays float) "
+                   help="rtn, gptq (awq with --target-bits): quantize the LM head too (a tied embedding's matrix; the embedding stays float) "
                    "by RTN at 4 or 8 bits, GPTQModel's lm_head: true; 8 costs ~no quality and cuts a small model's "
                    "bytes per token by half (default: the head kept dense, as AutoGPTQ writes it)")
     g.add_argument("--prune-score", choices=("wanda", "magnitude"), default=None,
                    help="sparse24: importance of each weight, |W| * ||X|| (Wanda, Sun et al. 2023) or |W| "
                    "(default: wanda)")
-    m = p.add_argument_group("mixed precision (rtn / gptq)")
+    m = p.add_argument_group("mixed precision (rtn / gptq / awq: awq then writes a GPTQ-format file)")
     m.add_argument("--target-bits", type=_target_bits, default=None,
                    help="stored bits per weight of the decoder's linear layers (e.g. 4.5): the layers whose "
                    "quantization raises the output KL most on the calibration tokens move to 4-bit groups of 32, "

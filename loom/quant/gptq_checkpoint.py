@@ -309,10 +309,10 @@ def split_rows(weight: GPTQWeight, sizes: list[int]) -> list[GPTQWeight]:
 
 
 def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPTQWeight], model: torch.nn.Module,
-                       half: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """The output's tensors: each quantized projection's GPTQ tensors in place of its weight; the rest of the
-    source (embeddings, norms, LM head, biases) in float32, but the tensors named in `half` (the weights of
-    linear layers mixed precision keeps in 16 bits) in float16."""
+                       half: frozenset[str] = frozenset(), checkpoint_format: str = "gptq") -> dict[str, torch.Tensor]:
+    """The output's tensors: each quantized projection's GPTQ tensors (in `checkpoint_format`) in place of its
+    weight; the rest of the source (embeddings, norms, LM head, biases) in float32, but the tensors named in `half`
+    (the weights of linear layers mixed precision keeps in 16 bits) in float16."""
     from loom.quant.gptq_format import to_checkpoint
 
     tensors = {}
@@ -321,7 +321,7 @@ def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPT
         lin = model.get_submodule(name)
         head, _, last = name.rpartition(".")
         for proj, part in zip(PROJECTIONS[last], split_rows(weight, lin.output_sizes), strict=True):
-            for key, t in to_checkpoint(part, "gptq").items():
+            for key, t in to_checkpoint(part, checkpoint_format).items():
                 tensors[f"{head}.{proj}.{key}"] = t
             replaced.add(f"{head}.{proj}.weight")
     missing = replaced - set(source)
@@ -333,7 +333,8 @@ def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPT
     return tensors
 
 
-def lm_head_tensors(source: dict[str, torch.Tensor], settings: GPTQSettings) -> dict[str, torch.Tensor]:
+def lm_head_tensors(source: dict[str, torch.Tensor], settings: GPTQSettings, checkpoint_format: str = "gptq",
+                    ) -> dict[str, torch.Tensor]:
     """The LM head (its own weight, or the tied embedding's) by RTN at settings.lm_head_bits, as GPTQ tensors under
     "lm_head." (group size and grid as the settings'; g_idx the plain group order).
 
@@ -346,7 +347,7 @@ def lm_head_tensors(source: dict[str, torch.Tensor], settings: GPTQSettings) -> 
     if weight is None:
         raise ValueError("the source checkpoint has no lm_head.weight or model.embed_tokens.weight to quantize")
     q = rtn_quantize(weight.float(), settings.lm_head_bits, settings.group_size, settings.sym)
-    return {f"lm_head.{key}": t for key, t in to_checkpoint(q, "gptq").items()}
+    return {f"lm_head.{key}": t for key, t in to_checkpoint(q, checkpoint_format).items()}
 
 
 @dataclass(slots=True)

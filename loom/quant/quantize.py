@@ -51,8 +51,8 @@ METHOD_OPTIONS = {
     "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
     "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq",), "awq_clip": ("awq",),
     "awq_scaling": ("awq",), "awq_loss": ("awq",),
-    "target_bits": ("rtn", "gptq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq"),
-    "prune_score": ("sparse24",), "lm_head_bits": ("rtn", "gptq"),
+    "target_bits": ("rtn", "gptq", "awq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq", "awq"),
+    "prune_score": ("sparse24",), "lm_head_bits": ("rtn", "gptq", "awq"),
 }
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 # the architectures loom quantize writes (its writers and AWQ / SmoothQuant's folds assume pre-norm layers with
@@ -265,14 +265,14 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         awq_scaling: the scale formulas awq searches (awq.search_scales): "activation" (the paper's), "duo"
             (AutoAWQ's later default, with the weights' magnitude) or "both" (default: measured best on both
             models, benchmarks/BENCHMARKS.md).
-        target_bits: rtn / gptq mixed precision: stored bits per weight of the decoder's linear layers, spent
-            on the layers whose output KL suffers most (loom/quant/mixed.py); None = every layer in the base
-            format.
+        target_bits: rtn / gptq / awq mixed precision: stored bits per weight of the decoder's linear layers,
+            spent on the layers whose output KL suffers most (loom/quant/mixed.py); None = every layer in the
+            base format. awq with target_bits writes a GPTQ-format file (awq_checkpoint.write_awq_mixed_checkpoint).
         dynamic: rtn / gptq per-module overrides in GPTQModel's form ({"+:regex": {"bits": 8, "group_size":
             32}, "-:regex": {}} keeps a module in 16 bits); they win over target_bits' choices.
         sensitivity_windows: calibration windows the mixed-precision sensitivity is measured on.
         prune_score: sparse24's importance score, "wanda" (calibrated) or "magnitude".
-        lm_head_bits: rtn / gptq: the LM head (a tied embedding's matrix too) by RTN at 4 or 8 bits, written as
+        lm_head_bits: rtn / gptq (awq with target_bits): the LM head (a tied embedding's matrix too) by RTN at 4 or 8 bits, written as
             GPTQModel's `lm_head: true` (the embedding stays float, untied); None = the head kept dense, as
             AutoGPTQ writes it (113 MB of float32 read per token on SmolLM2, against 66 MB of 4-bit layers).
         activation_scales: w8a8's activations, "dynamic" (int8 per token at run time) or "static" (one calibrated
@@ -363,8 +363,17 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         return QuantizeResult(fp8.output, "fp8", "", 0, None, fp8.seconds, fp8.quantization_config,
                               fp8.bits_per_weight)
     if method == "awq":
+        if lm_head_bits is not None and target_bits is None:
+            raise ValueError("lm_head_bits applies to awq with target_bits (a GPTQ-format file); AutoAWQ's format "
+                             "keeps the head dense")
+        mixed = None
+        if target_bits is not None:
+            from loom.quant.gptq_checkpoint import GPTQSettings
+
+            mixed = GPTQSettings("rtn", bits, group_size, False, False, target_bits=target_bits,
+                                 lm_head_bits=lm_head_bits, sensitivity_windows=sensitivity_windows)
         return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip,
-                             awq_scaling, awq_loss)
+                             awq_scaling, awq_loss, mixed)
     if method in ("rtn", "gptq"):
         from loom.quant.gptq_checkpoint import GPTQSettings
 
@@ -431,18 +440,22 @@ def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibra
 
 
 def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
-                  bits: int, group_size: int, clip: str, scaling: str, loss: str) -> QuantizeResult:
-    """awq through awq_checkpoint.write_awq_checkpoint."""
-    from loom.quant.awq_checkpoint import write_awq_checkpoint
+                  bits: int, group_size: int, clip: str, scaling: str, loss: str, mixed: Any = None) -> QuantizeResult:
+    """awq through awq_checkpoint.write_awq_checkpoint, or with `mixed` (GPTQSettings with target_bits) through
+    write_awq_mixed_checkpoint."""
+    from loom.quant.awq_checkpoint import write_awq_checkpoint, write_awq_mixed_checkpoint
 
     if bits != 4:
         raise ValueError(f"bits must be 4 for awq (the AWQ gemm format), got {bits}")
     settings = AWQSettings(group_size=group_size, clip=clip, scaling=scaling, loss=loss)
     settings.check()
     windows, source = calibration_for(model, output, calibration_file, num_windows, window_len)
-    result = write_awq_checkpoint(model, output, settings, windows, calibration=source)
+    if mixed is not None:
+        result = write_awq_mixed_checkpoint(model, output, settings, mixed, windows, calibration=source)
+    else:
+        result = write_awq_checkpoint(model, output, settings, windows, calibration=source)
     return QuantizeResult(result.output, "awq", result.calibration, result.calibration_tokens, None,
-                          result.seconds, result.quantization_config)
+                          result.seconds, result.quantization_config, result.bits_per_weight or 0.0)
 
 
 def smoothquant_checkpoint(model: str | None, output: str, windows: list[list[int]], *, alpha: float | str = 0.5,

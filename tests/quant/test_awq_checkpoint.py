@@ -157,6 +157,8 @@ def test_refusals(tiny_models, tmp_path) -> None:
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", awq_clip="sometimes")
     with pytest.raises(ValueError, match="awq_loss must be one of mse, normalized, got 'l1'"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", awq_loss="l1")
+    with pytest.raises(ValueError, match="lm_head_bits applies to awq with target_bits"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", lm_head_bits=8)
     assert not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="group_size"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", group_size=-1)
@@ -285,3 +287,65 @@ def test_auto_clip_with_no_window_left_scores_the_searched_ones_and_says_so(tiny
                                        _windows(tiny.hf.config.vocab_size, 1, 32))
     assert report.clip_windows == 1 and not report.clip_held_out and report.clip_scores
     assert "not held-out ones" in caplog.text and "held-out calibration" not in caplog.text
+
+
+def test_awq_with_target_bits_writes_a_mixed_gptq_checkpoint(tmp_path) -> None:
+    """`--method awq --target-bits`: AWQ's scales folded, then the mixed-precision allocation on the scaled model.
+    The file is GPTQ-format with per-layer `dynamic` overrides; the layers left in the base format hold exactly
+    AWQ's own 4-bit weights (codes, scales, zeros of quantize_model_awq on the same windows), the upgraded ones the
+    scaled weights by RTN in their format, the norms AWQ's folded ones; it loads packed, and at a larger budget it is
+    closer to the source than AWQ alone."""
+    from transformers import LlamaConfig
+
+    from loom.quant.awq_checkpoint import write_awq_mixed_checkpoint
+    from loom.quant.gptq import rtn_quantize
+    from loom.quant.gptq_checkpoint import GPTQSettings
+    from loom.quant.gptq_format import from_checkpoint as gptq_from_checkpoint
+    from tests.model.model_harness import save_tiny_model
+
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_tiny_model(config, tmp_path / "hf", seed=3)
+    windows = _windows(128, 6, 48)
+    awq = AWQSettings(group_size=64)
+    mixed = GPTQSettings("rtn", 4, 64, False, False, target_bits=4.9, lm_head_bits=8)
+    r = write_awq_mixed_checkpoint(str(tmp_path / "hf"), str(tmp_path / "q"), awq, mixed, windows)
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "gptq" and qc["meta"]["method"] == "awq" and qc["lm_head"] is True
+    layer_rules = [k for k in qc["dynamic"] if k != "+:lm_head"]
+    assert layer_rules and r.bits_per_weight <= 4.9 + 1e-6
+
+    # the same AWQ run in memory: its 4-bit weights, its scaled floats, its folded norms
+    reference = load_model(str(tmp_path / "hf"), torch.float32, CPU, quantization="none")
+    scaled: dict[str, torch.Tensor] = {}
+    awq_weights, _ = quantize_model_awq(reference.model, reference.arch, awq, windows, scaled)
+    fmt = qc["checkpoint_format"]
+    loaded = load_model(str(tmp_path / "q"), torch.float32, CPU)
+    base = upgraded = 0
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), framework="pt") as f:
+        for i in range(2):
+            p = f"model.layers.{i}"
+            assert torch.equal(f.get_tensor(f"{p}.input_layernorm.weight"),
+                               reference.model.model.layers[i].input_layernorm.weight.float())
+            for proj, unit, rows in (("q_proj", "self_attn.qkv_proj", slice(0, 128)), ("o_proj", "self_attn.o_proj",
+                                     slice(None)), ("down_proj", "mlp.down_proj", slice(None))):
+                t = {k: f.get_tensor(f"{p}.self_attn.{proj}.{k}" if "proj" in proj and "down" not in proj
+                                     else f"{p}.mlp.{proj}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")}
+                stored = gptq_from_checkpoint(t, 8 if t["qweight"].shape[0] * 4 == t["g_idx"].shape[0] else 4, fmt)
+                name = f"{p}.{unit}"
+                own = awq_weights[name]
+                if stored.bits == 4 and stored.scales.shape[0] == own.scales.shape[0]:  # the base format
+                    assert torch.equal(stored.codes, own.codes[rows]) and torch.equal(stored.zeros, own.zeros[:, rows])
+                    base += 1
+                else:  # an upgrade: RTN of AWQ's scaled weights in that format
+                    group = 128 // stored.scales.shape[0]
+                    want = rtn_quantize(scaled[name][rows], stored.bits, group, False)
+                    assert torch.equal(stored.codes, want.codes) and torch.equal(stored.scales, want.scales)
+                    upgraded += 1
+    assert base and upgraded
+    tokens = _windows(128, 1, 32, seed=9)[0]
+    source = load_model(str(tmp_path / "hf"), torch.float32, CPU, quantization="none")
+    uniform = tmp_path / "u"
+    write_awq_checkpoint(str(tmp_path / "hf"), str(uniform), awq, windows)
+    ref = _logits(source, tokens)
+    assert _kl(ref, _logits(loaded, tokens)) < _kl(ref, _logits(load_model(str(uniform), torch.float32, CPU), tokens))
