@@ -25,7 +25,9 @@
  *    each with its own weight scale) and gs the activation sum of weight group g: xsum[m,g] for groups of
  *    32; the float sum of the group's xsum blocks (in order) for larger groups; for q8g group 16, whose
  *    groups are half a block, xs[m,b] * (sum of the half's codes), i.e. the sum of the dequantized
- *    activations (xsum has no half-block sums).
+ *    activations (xsum has no half-block sums). q4g with groups of several blocks (GPTQ / AWQ's 64, 128) is
+ *    computed as the same weight with each group's scale and min repeated for its blocks, i.e. with groups of
+ *    32: a min term per block (items 2 and 3), so every group size of a file gives the bits its expansion gives.
  * 3. loom_gemm_{q4g,q8g}_f (weight-only, "W4A16 / W8A16"): x is quantized per block of 32 to int16 codes,
  *      s = max|x| / 32767 (NaN when the block holds a NaN), c = round-half-even(x / s) clamped to
  *      [-32767, 32767] (c = 0 where s == 0); then y = x^ W^T with x^ = s * c:
@@ -1283,13 +1285,20 @@ static int64_t weight_chunks(int64_t N, int64_t row_bytes, int num_threads) {
 /* q4g with groups of bpg > 1 blocks: the scales (and mins, where mn) of nr rows at sc / mn (ng groups a row) each
  * repeated for the bpg blocks of its group into esc / emn (nb = ng bpg a row), the one-scale-per-block form the
  * q4 tiles read: they then compute exactly what they compute for the same weight expanded to groups of 32. */
+static inline void repeat_u16(const uint16_t *src, int64_t n, int64_t times, uint16_t *dst) {
+    if (times == 2) /* g64: the common cases spelled out, so that they vectorise */
+        for (int64_t i = 0; i < n; ++i) dst[2 * i] = dst[2 * i + 1] = src[i];
+    else if (times == 4) /* g128 */
+        for (int64_t i = 0; i < n; ++i) dst[4 * i] = dst[4 * i + 1] = dst[4 * i + 2] = dst[4 * i + 3] = src[i];
+    else
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = 0; j < times; ++j) dst[i * times + j] = src[i];
+}
+
 static inline void q4_block_scales(const uint16_t *sc, const uint16_t *mn, int64_t ng, int64_t bpg, int64_t nr,
                                    uint16_t *esc, uint16_t *emn) {
-    for (int64_t i = 0; i < nr * ng; ++i)
-        for (int64_t j = 0; j < bpg; ++j) {
-            esc[i * bpg + j] = sc[i];
-            if (mn) emn[i * bpg + j] = mn[i];
-        }
+    repeat_u16(sc, nr * ng, bpg, esc);
+    if (mn) repeat_u16(mn, nr * ng, bpg, emn);
 }
 
 static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
