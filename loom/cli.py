@@ -205,7 +205,7 @@ def _name_flags(message: str, flags: dict[str, str]) -> str:
     Multi-word names are replaced as whole identifiers anywhere; a one-word name (temperature, seed) only as the
     subject of an error ("temperature must be >= 0", "port: ... is taken", "alpha applies to ..."): elsewhere
     one-word names read as prose."""
-    message = re.sub(r"(?<![\w'-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w'])",
+    message = re.sub(r"(?<![\w'.-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w'])",
                      lambda m: flags.get(m.group(1), m.group(1)), message)
     return re.sub(r"^([a-z][a-z0-9]*)(?= must be |: | applies to )", lambda m: flags.get(m.group(1), m.group(1)),
                   message)

@@ -296,6 +296,9 @@ def test_errors_name_the_flags_not_the_fields() -> None:
     # ... except a one-word flag as the subject of a range error
     assert _name_flags("temperature must be >= 0, got -1.0", flags) == "--temperature must be >= 0, got -1.0"
     assert _name_flags("prompt must be text", flags) == "prompt must be text"  # positional: no flag
+    # a field of a file (config.json's quantization_config.group_size) is not the flag of the same name
+    assert _name_flags("quantization_config.group_size must be a positive integer, got 0", flags) == \
+        "quantization_config.group_size must be a positive integer, got 0"
 
 
 def test_every_option_has_help() -> None:

@@ -60,6 +60,8 @@ def _check_weight(w: PackedWeight, k: int) -> int:
     if not isinstance(w, PackedWeight):
         raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
     qw, sc, mn, g = w.qweight, w.scales, w.mins, w.group_size
+    if not isinstance(g, int) or isinstance(g, bool) or not isinstance(qw, torch.Tensor) or qw.dim() != 2:
+        raise ValueError(f"weight group_size must be an int and qweight a 2-D tensor, got {g!r}")
     n, cols = qw.shape
     if w.layout in Q4_LAYOUTS:
         wk = 2 * cols

@@ -97,7 +97,11 @@ def from_checkpoint(tensors: dict[str, torch.Tensor], group_size: int | None = N
     if (scales.dim() != 2 or scales.shape[1] != n or zeros.shape != scales.shape or size < 1
             or scales.shape[0] != -(-k // size)):
         raise ValueError(f"AWQ shapes disagree: qweight -> [{n}, {k}] (N, K), qzeros -> {tuple(zeros.shape)}, "
-                         f"scales {tuple(scales.shape)}, group_size {group_size}")
+                         f"scales {tuple(scales.shape)}, quantization_config.group_size {group_size}")
+    if k % size and size % 32:  # e.g. 139 for a file written at 128: the same number of groups, other boundaries
+        raise ValueError(f"quantization_config.group_size {size} does not divide the layer's {k} inputs, and a last, "
+                         "shorter group is read only for group sizes that are multiples of 32 (as loom writes them): "
+                         "the config's group_size does not match this file")
     g_idx = (torch.arange(k) // size).to(torch.int32)
     return GPTQWeight(codes, scales.half(), zeros, g_idx, 4)
 

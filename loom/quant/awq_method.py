@@ -73,6 +73,9 @@ class AWQLinearMethod(GPTQLinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         # AWQ tensors -> the GPTQWeight they encode -> GPTQ v2 tensors, which the parent repacks
-        layer.gptq_parts = [to_gptq_v2(from_checkpoint(parts, self.group_size), "gptq_v2")
-                            for parts in layer.gptq_parts]
+        try:
+            layer.gptq_parts = [to_gptq_v2(from_checkpoint(parts, self.group_size), "gptq_v2")
+                                for parts in layer.gptq_parts]
+        except ValueError as exc:
+            raise ValueError(f"{layer.prefix}: {exc}") from None
         super().process_weights_after_loading(layer)

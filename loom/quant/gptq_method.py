@@ -166,7 +166,10 @@ class GPTQLinearMethod(PackedLinearMethod):
                 raise ValueError(f"{layer.prefix}: qweight has {qweight.shape[0]} rows, {layer.input_size} inputs "
                                  f"at {self.bits} bits need {layer.input_size * self.bits // 32} (check "
                                  "quantization_config.bits and dynamic)")
-            weight = from_checkpoint(parts, self.bits, self.checkpoint.checkpoint_format)
+            try:
+                weight = from_checkpoint(parts, self.bits, self.checkpoint.checkpoint_format)
+            except ValueError as exc:
+                raise ValueError(f"{layer.prefix}: {exc}") from None
             rows = layer.output_sizes[index]
             if tuple(weight.codes.shape) != (rows, layer.input_size):
                 raise ValueError(f"{layer.prefix}: GPTQ weight [{weight.codes.shape[0]}, {weight.codes.shape[1]}] "

@@ -51,6 +51,8 @@ class PackedWeight:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if not isinstance(self.qweight, torch.Tensor) or self.qweight.dim() != 2:
+            raise ValueError(f"{self.layout} qweight must be a 2-D tensor [N, K{' // 2' if self.layout in Q4_LAYOUTS else ''}]")
         n = self.qweight.shape[0]
         q4 = self.layout in Q4_LAYOUTS
         k = self.qweight.shape[1] * (2 if q4 else 1)
@@ -221,6 +223,10 @@ def pack_q4g(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | Non
     """codes [N, K] integers 0..15, scales / mins float16 [N, K // group_size] -> q4g PackedWeight with groups of
     group_size = K // scales.shape[1] (ValueError unless a multiple of 32 dividing K)."""
     n, k = codes.shape
+    if k % 32:
+        raise ValueError(f"q4g packs blocks of 32 codes: K={k} is not a multiple of 32")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError(f"4-bit codes must lie in 0..15, got {int(codes.min())}..{int(codes.max())}")
     groups = scales.shape[1]
     if not groups or k % groups:
         raise ValueError(f"{groups} scale columns do not divide K={k} into groups")

@@ -755,3 +755,26 @@ def test_q4_groups_of_several_blocks_equal_the_weight_expanded_to_groups_of_32(i
                 row_groups_from(isa, 1)
                 assert torch.equal(kern.gemm_f(x, w, bias), kern.gemm_f(x, wide, bias)), label + " row groups"
                 row_groups_from(isa, default)
+
+
+def test_layout_constructors_refuse_what_they_cannot_pack() -> None:
+    """Codes outside 0..15 (a 17 would lose its high bit, a -1 overwrite its neighbour's nibble), K not a multiple of
+    32, a 1-D qweight, and a group size made a float after construction: ValueError, naming the problem (a
+    fresh-user trial met silent corruption, an IndexError, a RuntimeError and a ctypes error)."""
+    g = torch.Generator().manual_seed(21)
+    scales = torch.ones(4, 2, dtype=torch.float16)
+    codes = torch.randint(0, 16, (4, 64), generator=g)
+    for bad in (17, -1):
+        c = codes.clone()
+        c[1, 3] = bad
+        with pytest.raises(ValueError, match="0..15"):
+            pack_q4g(c, scales, None)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_q4g(torch.zeros(4, 200, dtype=torch.int64), torch.ones(4, 2, dtype=torch.float16), None)
+    with pytest.raises(ValueError, match="2-D"):
+        PackedWeight("q4g", torch.zeros(32, dtype=torch.uint8), scales, None, 32)
+    w = pack_q4g(codes, scales, None)
+    w.group_size = 32.0
+    for isa in C_ISAS:
+        with pytest.raises(ValueError, match="group_size must be an int"):
+            kernels(isa).gemm_f(torch.randn(1, 64), w)

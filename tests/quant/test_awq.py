@@ -194,3 +194,16 @@ def test_quantization_config_keys() -> None:
         check_quantization_config({**qc, "version": "gemv"})
     with pytest.raises(ValueError, match="bits"):
         check_quantization_config({**qc, "bits": 8})
+
+
+def test_a_group_size_that_does_not_match_the_file_is_refused() -> None:
+    """A config whose group_size gives the file's number of groups but other boundaries (139 for a file written at
+    128 over K = 576: ceil(576 / 139) = 5 as ceil(576 / 128)) would read the scales of the wrong columns: refused,
+    naming the config field. Sizes that divide K, and loom's multiples of 32 with a shorter last group, read."""
+    k, n = 576, 16
+    q = awq_quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(2)), 128)
+    t = to_checkpoint(q)
+    assert torch.equal(from_checkpoint(t, 128).codes, q.codes)
+    for wrong in (139, 130, 116):
+        with pytest.raises(ValueError, match="quantization_config.group_size .* does not match this file"):
+            from_checkpoint(t, wrong)
