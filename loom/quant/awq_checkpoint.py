@@ -165,6 +165,13 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
         raise ValueError(f"lm_head_bits: a vocabulary of {arch.vocab_size} tokens does not pack "
                          f"{32 // mixed.lm_head_bits} to an int32 (GPTQ's qzeros pack the output channels); keep "
                          "the head dense")
+    from loom.quant.mixed import unit_bits
+
+    units = units_of(loaded.model)  # the budget checked before the slow search
+    floor = sum(unit_bits(u, mixed.base_format()) for u in units) / sum(u.weights for u in units)
+    if mixed.target_bits < floor - 1e-9:
+        raise ValueError(f"target_bits {mixed.target_bits} is below the {floor:.3f} bits per weight of 4-bit groups "
+                         f"of {mixed.group_size} (codes, scales, zeros and g_idx)")
     tokens = sum(len(w) for w in windows)
     scaled: dict[str, torch.Tensor] = {}
     awq_weights, report = quantize_model_awq(loaded.model, arch, settings, windows, scaled)

@@ -289,6 +289,23 @@ def test_auto_clip_with_no_window_left_scores_the_searched_ones_and_says_so(tiny
     assert "not held-out ones" in caplog.text and "held-out calibration" not in caplog.text
 
 
+def test_awq_target_bits_below_the_base_format_is_refused_before_the_search(tiny_models, tmp_path,
+                                                                            monkeypatch) -> None:
+    from loom.quant import awq_checkpoint
+    from loom.quant.gptq_checkpoint import GPTQSettings
+
+    def searched(*_a, **_k):
+        raise AssertionError("the AWQ search ran before the budget was checked")
+
+    monkeypatch.setattr(awq_checkpoint, "quantize_model_awq", searched)
+    tiny = tiny_models["llama_gqa"]
+    with pytest.raises(ValueError, match="target_bits 3.0 is below the"):
+        awq_checkpoint.write_awq_mixed_checkpoint(
+            str(tiny.path), str(tmp_path / "q"), AWQSettings(group_size=32),
+            GPTQSettings("rtn", 4, 32, False, False, target_bits=3.0), _windows(tiny.hf.config.vocab_size, 1, 16))
+    assert not (tmp_path / "q").exists() or not any((tmp_path / "q").iterdir())
+
+
 def test_awq_with_target_bits_writes_a_mixed_gptq_checkpoint(tmp_path) -> None:
     """`--method awq --target-bits`: AWQ's scales folded, then the mixed-precision allocation on the scaled model.
     The file is GPTQ-format with per-layer `dynamic` overrides; the layers left in the base format hold exactly
