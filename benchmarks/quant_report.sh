@@ -71,6 +71,9 @@ args_of() {  # the loom quantize arguments of each row
     # AWQ's scales, then the same allocation at Q4_K_M's bytes (a GPTQ-format file: AWQ's own format has one bit
     # width). Measured +7.32% / KL 0.0653 at 103.8 MB, behind Q4_K_M and the GPTQ row; 28 min; not in the default ROWS
     awqmixed525-head8) echo --method awq --bits 4 --group-size 128 --target-bits 5.25 --lm-head-bits 8 ;;
+    # ... calibrated as the GPTQ row, under Q4_K_M's bytes: +7.25% / KL 0.0647 at 103.6 MB (14 min)
+    awqmixed523-prose-head8) echo --method awq --bits 4 --group-size 128 --target-bits 5.23 --lm-head-bits 8 \
+      --calibration-windows 32 --calibration-file "$PROSE" ;;
     fp8) echo --method fp8 ;;
     smoothquant) echo --method smoothquant ;;  # dense, SmoothQuant's scales folded in: runs as w8a8 (rotated)
     smoothquant-gptq) echo --method smoothquant --weight-rounding gptq ;;  # ... weights GPTQ'd onto w8a8's grid
