@@ -76,20 +76,13 @@ def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPT
     return tensors
 
 
-def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]], *,
-                         calibration: str = "") -> AWQResult:
-    """Quantize `model` (GGUF file, HF directory, None = the bundled model) with AWQ and write an AutoAWQ gemm
-    checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
-
-    Raises:
-        ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
-            exists and is not empty, no calibration window, or a group size that does not divide a layer's input.
-    """
-
+def _load_source(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]]) -> tuple:
+    """The checks both AWQ writers make, then the source as a dense float32 loom model: (output directory, start
+    time, source path, loaded model). ValueError: bad settings, no window, an output in use, an architecture loom
+    cannot write a config for."""
     from loom.model.loader import load_model
     from loom.model.loader.model_loader import resolve_model_path
-    from loom.quant.awq_format import quantization_config
-    from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
+    from loom.quant.quantize import MODEL_TYPES, _check_output
 
     settings.check()
     if not windows:
@@ -100,6 +93,23 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
     if loaded.arch.architecture not in MODEL_TYPES:
         raise ValueError(f"awq cannot write a config for {loaded.arch.architecture}")
+    return out, start, path, loaded
+
+
+def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]], *,
+                         calibration: str = "") -> AWQResult:
+    """Quantize `model` (GGUF file, HF directory, None = the bundled model) with AWQ and write an AutoAWQ gemm
+    checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
+
+    Raises:
+        ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
+            exists and is not empty, no calibration window, or a group size that does not divide a layer's input.
+    """
+
+    from loom.quant.awq_format import quantization_config
+    from loom.quant.quantize import source_checkpoint, write_checkpoint
+
+    out, start, path, loaded = _load_source(model, output, settings, windows)
     tokens = sum(len(w) for w in windows)
     quantized, report = quantize_model_awq(loaded.model, loaded.arch, settings, windows)
     source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
@@ -140,35 +150,20 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     Raises:
         ValueError: as write_awq_checkpoint, or a budget below the base format's bits.
     """
-    from loom.model.loader import load_model
-    from loom.model.loader.model_loader import resolve_model_path
-    from loom.quant.gptq_checkpoint import (checkpoint_tensors, lm_head_tensors, mixed_precision_plan,
-                                            quantize_model_weights)
-    from loom.quant.mixed import units_of
-    from loom.quant.quantize import MODEL_TYPES, _check_output, source_checkpoint, write_checkpoint
+    from loom.quant.gptq_checkpoint import (check_lm_head_bits, checkpoint_tensors, lm_head_tensors,
+                                            mixed_precision_plan, quantize_model_weights)
+    from loom.quant.mixed import plan_bits, units_of
+    from loom.quant.quantize import source_checkpoint, write_checkpoint
 
-    settings.check()
     mixed.check()
     if mixed.method != "rtn" or mixed.bits != 4 or mixed.group_size != settings.group_size or mixed.sym \
             or mixed.target_bits is None:
         raise ValueError("awq mixed precision takes rtn settings of 4 asymmetric bits in AWQ's groups, with target_bits")
-    if not windows:
-        raise ValueError("awq needs at least one calibration window")
-    out = _check_output(output)
-    start = time.perf_counter()
-    path = resolve_model_path(model)
-    loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
+    out, start, path, loaded = _load_source(model, output, settings, windows)
     arch = loaded.arch
-    if arch.architecture not in MODEL_TYPES:
-        raise ValueError(f"awq cannot write a config for {arch.architecture}")
-    if mixed.lm_head_bits is not None and arch.vocab_size % (32 // mixed.lm_head_bits):
-        raise ValueError(f"lm_head_bits: a vocabulary of {arch.vocab_size} tokens does not pack "
-                         f"{32 // mixed.lm_head_bits} to an int32 (GPTQ's qzeros pack the output channels); keep "
-                         "the head dense")
-    from loom.quant.mixed import unit_bits
-
+    check_lm_head_bits(mixed.lm_head_bits, arch.vocab_size)
     units = units_of(loaded.model)  # the budget checked before the slow search
-    floor = sum(unit_bits(u, mixed.base_format()) for u in units) / sum(u.weights for u in units)
+    floor = plan_bits(units, dict.fromkeys((u.name for u in units), mixed.base_format()))
     if mixed.target_bits < floor - 1e-9:
         raise ValueError(f"target_bits {mixed.target_bits} is below the {floor:.3f} bits per weight of 4-bit groups "
                          f"of {mixed.group_size} (codes, scales, zeros and g_idx)")

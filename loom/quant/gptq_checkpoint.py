@@ -333,6 +333,13 @@ def checkpoint_tensors(source: dict[str, torch.Tensor], quantized: dict[str, GPT
     return tensors
 
 
+def check_lm_head_bits(lm_head_bits: int | None, vocab_size: int) -> None:
+    """Raises ValueError when the head's output channels do not pack into GPTQ's int32 qzeros at lm_head_bits."""
+    if lm_head_bits is not None and vocab_size % (32 // lm_head_bits):
+        raise ValueError(f"lm_head_bits: a vocabulary of {vocab_size} tokens does not pack {32 // lm_head_bits} to an "
+                         "int32 (GPTQ's qzeros pack the output channels); keep the head dense")
+
+
 def lm_head_tensors(source: dict[str, torch.Tensor], settings: GPTQSettings, checkpoint_format: str = "gptq",
                     ) -> dict[str, torch.Tensor]:
     """The LM head (its own weight, or the tied embedding's) by RTN at settings.lm_head_bits, as GPTQ tensors under
@@ -383,10 +390,7 @@ def write_gptq_checkpoint(model: str | None, output: str, settings: GPTQSettings
     loaded = load_model(model, torch.float32, torch.device("cpu"), quantization="none")
     if loaded.arch.architecture not in MODEL_TYPES:
         raise ValueError(f"{settings.method} cannot write a config for {loaded.arch.architecture}")
-    if settings.lm_head_bits is not None and loaded.arch.vocab_size % (32 // settings.lm_head_bits):
-        raise ValueError(f"lm_head_bits: a vocabulary of {loaded.arch.vocab_size} tokens does not pack "
-                         f"{32 // settings.lm_head_bits} to an int32 (GPTQ's qzeros pack the output channels); keep "
-                         "the head dense")
+    check_lm_head_bits(settings.lm_head_bits, loaded.arch.vocab_size)
     tokens = sum(len(w) for w in windows) if calibrates(settings.method, settings.target_bits, "") else 0
     plan, dynamic, bits = mixed_precision_plan(loaded.model, loaded.arch, settings, windows)
     quantized = quantize_model_weights(loaded.model, loaded.arch, settings, windows, plan)

@@ -1301,6 +1301,16 @@ static inline void q4_block_scales(const uint16_t *sc, const uint16_t *mn, int64
     if (mn) repeat_u16(mn, nr * ng, bpg, emn);
 }
 
+/* In a tile macro of rows [N_, N_ + NR_): tsc / tmn, the scales and mins the tiles read (ng a row, or for q4x
+ * the rows' copies expanded to one a block into the stack buffers esc / emn). Needs sc, mn, ng, nb, bpg, q4x. */
+#define TILE_SCALES(NR_, N_)                                                                                     \
+    const uint16_t *tsc = sc + (N_) * ng, *tmn = mn ? mn + (N_) * ng : NULL;                                     \
+    uint16_t esc[q4x ? (NR_) * nb : 1], emn[q4x && mn ? (NR_) * nb : 1];                                         \
+    if (q4x) {                                                                                                   \
+        q4_block_scales(tsc, tmn, ng, bpg, (NR_), esc, emn);                                                     \
+        tsc = esc, tmn = mn ? emn : NULL;                                                                        \
+    }
+
 static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
                    const uint8_t *w, const uint16_t *sc, const uint16_t *mn, int64_t G, const float *bias, void *y,
                    int64_t N, int y_bf16, int num_threads) {
@@ -1331,12 +1341,7 @@ static int gemm_q8(int kind, const int8_t *xq, const float *xs, const float *xsu
     const rows_q8_fn rows = kind == KIND_Q4 ? rows_q8_q4 : (kind == KIND_Q8 ? rows_q8_q8 : rows_q8_q8_16);
 #define Q8_TILE(NR_, MC_, N_, M0_)                                                                               \
     do {                                                                                                         \
-        const uint16_t *tsc = sc + (N_) * ng, *tmn = mn ? mn + (N_) * ng : NULL;                                 \
-        uint16_t esc[q4x ? (NR_) * nb : 1], emn[q4x && mn ? (NR_) * nb : 1];                                     \
-        if (q4x) {                                                                                               \
-            q4_block_scales(tsc, tmn, ng, bpg, (NR_), esc, emn);                                                 \
-            tsc = esc, tmn = mn ? emn : NULL;                                                                    \
-        }                                                                                                        \
+        TILE_SCALES(NR_, N_);                                                                                    \
         rows(NR_, MC_, w + (N_) * row_bytes, row_bytes, tsc, tmn, tng, tbpg, xq + (M0_) * K, K, xs + (M0_) * nb, \
              NULL, gs + (M0_) * tng, K, dots);                                                                   \
     } while (0)
@@ -1876,12 +1881,7 @@ static int gemm_16(int kind, const void *x, int64_t ldx, int x_bf16, int64_t M, 
     const int q4_inline = kind == KIND_Q4 && LOOM_QSIMD;
 #define TILE16(NR_, MC_, N_, M0_)                                                                                \
     do {                                                                                                         \
-        const uint16_t *tsc = sc + (N_) * ng, *tmn = mn ? mn + (N_) * ng : NULL;                                 \
-        uint16_t esc[q4x ? (NR_) * nb : 1], emn[q4x && mn ? (NR_) * nb : 1];                                     \
-        if (q4x) {                                                                                               \
-            q4_block_scales(tsc, tmn, ng, bpg, (NR_), esc, emn);                                                 \
-            tsc = esc, tmn = mn ? emn : NULL;                                                                    \
-        }                                                                                                        \
+        TILE_SCALES(NR_, N_);                                                                                    \
         if (q4_inline && (NR_) == NR && (MC_) == 1)                                                              \
             rows16_q4(NR, 1, w + (N_) * row_bytes, row_bytes, tsc, tmn, tng, xc, xstride, xs, xv, gs, K, dots);  \
         else if (kind == KIND_Q8 && (NR_) == 1 && (MC_) == MROWS)                                                \
