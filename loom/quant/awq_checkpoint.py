@@ -96,10 +96,32 @@ def _load_source(model: str | None, output: str, settings: AWQSettings, windows:
     return out, start, path, loaded
 
 
+def _gptq_rounded(model: torch.nn.Module, arch: Any, scaled: dict[str, torch.Tensor], settings: Any,
+                  windows: list[list[int]], plan: dict[str, tuple[int, int] | None] | None = None,
+                  ) -> dict[str, GPTQWeight]:
+    """AWQ + GPTQ (llm-compressor's recipe: AWQModifier, then GPTQModifier): the AWQ-scaled float weights put back
+    in `model`, then GPTQ (Frantar et al. 2022, arXiv:2210.17323; gptq_checkpoint.quantize_model_weights) layer by
+    layer on the calibration windows, each layer in its `plan` format (default: the settings' own).
+
+    Args:
+        scaled: loom layer name -> its scaled float32 weight [out, in] (quantize_model_awq's float_weights).
+        settings: a gptq_checkpoint.GPTQSettings with method "gptq".
+    """
+    from loom.quant.gptq_checkpoint import quantize_model_weights
+
+    for name, w in scaled.items():
+        model.get_submodule(name).weight.data.copy_(w)
+    return quantize_model_weights(model, arch, settings, windows, plan)
+
+
 def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]], *,
-                         calibration: str = "") -> AWQResult:
+                         calibration: str = "", weight_rounding: str = "rtn") -> AWQResult:
     """Quantize `model` (GGUF file, HF directory, None = the bundled model) with AWQ and write an AutoAWQ gemm
     checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
+
+    weight_rounding "gptq": AWQ's scales folded, then the scaled weights rounded by GPTQ onto AWQ's grid (4 bits,
+    asymmetric, settings.group_size) instead of clipped and rounded to nearest (_gptq_rounded); settings.clip must
+    then be "off".
 
     Raises:
         ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
@@ -109,9 +131,19 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     from loom.quant.awq_format import quantization_config
     from loom.quant.quantize import source_checkpoint, write_checkpoint
 
+    from loom.quant.gptq_checkpoint import GPTQSettings
+
+    if weight_rounding not in ("rtn", "gptq"):
+        raise ValueError(f"weight_rounding must be 'rtn' or 'gptq', got {weight_rounding!r}")
+    if weight_rounding == "gptq" and settings.clip != "off":
+        raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
     out, start, path, loaded = _load_source(model, output, settings, windows)
     tokens = sum(len(w) for w in windows)
-    quantized, report = quantize_model_awq(loaded.model, loaded.arch, settings, windows)
+    scaled: dict[str, torch.Tensor] = {}
+    quantized, report = quantize_model_awq(loaded.model, loaded.arch, settings, windows, scaled)
+    if weight_rounding == "gptq":
+        gptq = GPTQSettings("gptq", 4, settings.group_size, False, False)
+        quantized = _gptq_rounded(loaded.model, loaded.arch, scaled, gptq, windows)
     source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     qc = quantization_config(settings.group_size, {
         "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
@@ -122,7 +154,7 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         "clipped": list(report.clipped),
         "clip_scores": {name: score._asdict() for name, score in report.clip_scores.items()},
         "clip_windows": report.clip_windows, "clip_held_out": report.clip_held_out,
-        "o_proj_scaled": report.o_proj_scaled})
+        "o_proj_scaled": report.o_proj_scaled, "weight_rounding": weight_rounding})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
     write_checkpoint(out, tensors, config, loaded.tokenizer)
@@ -138,14 +170,17 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     (norms, v / up rows) as write_awq_checkpoint does, then each decoder linear layer's format chosen on the scaled
     model under the budget (loom/quant/mixed.py: ZeroQ sensitivity, greedy allocation, as for rtn / gptq): layers
     left in the base format keep AWQ's own 4-bit weights (its clipping included), upgraded ones are the scaled
-    weights by round to nearest in their format (4-bit groups of 32, 8 bits), or 16 bits. AutoAWQ's format has one
+    weights by round to nearest in their format (4-bit groups of 32, 8 bits), or 16 bits. With `mixed.method`
+    "gptq" every layer, base ones included, is GPTQ of the scaled weights in its format instead (AWQ + GPTQ,
+    _gptq_rounded; clipping off). AutoAWQ's format has one
     bit width, so the output is a GPTQ-format checkpoint (`quant_method` "gptq", `meta.method` "awq", GPTQModel's
     `dynamic` per layer; loom/quant/gptq_format.py) with AWQ's folded norms; `checkpoint_format` "gptq" (v1, what
     AutoGPTQ and transformers read) unless some AWQ group's zero point is 0, which only v2 stores.
 
     Args:
-        mixed: a loom.quant.gptq_checkpoint.GPTQSettings with method "rtn", 4 bits and the AWQ group size, asymmetric,
-            its target_bits, lm_head_bits and sensitivity_windows.
+        mixed: a loom.quant.gptq_checkpoint.GPTQSettings with method "rtn" (or "gptq": the weight rounding), 4 bits
+            and the AWQ group size, asymmetric, without act-order, its target_bits, lm_head_bits and
+            sensitivity_windows.
 
     Raises:
         ValueError: as write_awq_checkpoint, or a budget below the base format's bits.
@@ -156,9 +191,12 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     from loom.quant.quantize import source_checkpoint, write_checkpoint
 
     mixed.check()
-    if mixed.method != "rtn" or mixed.bits != 4 or mixed.group_size != settings.group_size or mixed.sym \
+    if mixed.bits != 4 or mixed.group_size != settings.group_size or mixed.sym or mixed.desc_act \
             or mixed.target_bits is None:
-        raise ValueError("awq mixed precision takes rtn settings of 4 asymmetric bits in AWQ's groups, with target_bits")
+        raise ValueError("awq mixed precision takes rtn or gptq settings of 4 asymmetric bits in AWQ's groups, "
+                         "without act-order, with target_bits")
+    if mixed.method == "gptq" and settings.clip != "off":
+        raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
     out, start, path, loaded = _load_source(model, output, settings, windows)
     arch = loaded.arch
     check_lm_head_bits(mixed.lm_head_bits, arch.vocab_size)
@@ -174,10 +212,13 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
         loaded.model.get_submodule(name).weight.data.copy_(w)
     plan, dynamic, bits = mixed_precision_plan(loaded.model, arch, mixed, windows)
     base = mixed.base_format()
-    upgraded = {name: fmt for name, fmt in plan.items() if fmt != base}
-    quantized = quantize_model_weights(loaded.model, arch, mixed, windows, upgraded | {
-        name: None for name in plan if name not in upgraded})  # RTN of the upgraded layers only
-    quantized |= {name: awq_weights[name] for name, fmt in plan.items() if fmt == base}
+    if mixed.method == "gptq":  # every layer by GPTQ in its format (the plan's None: 16 bits, left dense)
+        quantized = _gptq_rounded(loaded.model, arch, scaled, mixed, windows, plan)
+    else:
+        upgraded = {name: fmt for name, fmt in plan.items() if fmt != base}
+        quantized = quantize_model_weights(loaded.model, arch, mixed, windows, upgraded | {
+            name: None for name in plan if name not in upgraded})  # RTN of the upgraded layers only
+        quantized |= {name: awq_weights[name] for name, fmt in plan.items() if fmt == base}
     source, config = source_checkpoint(path, arch, set(loaded.eos_token_ids))
     source = source | _folded_tensors(loaded.model, arch, source)
     half = set()
@@ -193,7 +234,8 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     qc = mixed.quantization_config(calibration, tokens, dynamic)
     qc["format"] = qc["checkpoint_format"] = fmt
     qc["meta"] |= {"method": "awq", "clip": settings.clip, "scaling": settings.scaling, "loss": settings.loss,
-                   "clipped": list(report.clipped), "search_windows": min(settings.search_windows, len(windows))}
+                   "clipped": list(report.clipped), "search_windows": min(settings.search_windows, len(windows)),
+                   "weight_rounding": mixed.method}
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, frozenset(half), fmt)
     if mixed.lm_head_bits is not None:

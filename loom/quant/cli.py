@@ -75,9 +75,11 @@ def _quantize(ns: argparse.Namespace) -> int:
     if result.method == "awq" and result.quantization_config.get("quant_method") == "gptq":  # awq + target_bits
         qc = result.quantization_config
         meta = qc.get("meta", {})
+        rounded = (", every layer rounded by GPTQ" if meta.get("weight_rounding") == "gptq"
+                   else f", {'+'.join(meta.get('clipped') or ()) or 'none'} clipped")
         print(f"wrote {result.output} (awq scales, then mixed precision: {result.bits_per_weight:.3f} stored bits per "
-              f"linear weight at target {meta.get('target_bits')}, 4-bit group size {qc['group_size']} base, "
-              f"{'+'.join(meta.get('clipped') or ()) or 'none'} clipped"
+              f"linear weight at target {meta.get('target_bits')}, 4-bit group size {qc['group_size']} base"
+              f"{rounded}"
               f"{f', LM head {ns.lm_head_bits}-bit' if qc.get('lm_head') else ''}, {result.calibration_tokens} "
               f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; a GPTQ-format checkpoint "
               f"({qc['checkpoint_format']}), run by loom's packed kernels: loom generate --model {result.output} ...")
@@ -90,8 +92,10 @@ def _quantize(ns: argparse.Namespace) -> int:
                      if meta.get("clip") == "auto" else "")
         print(f"wrote {result.output} (awq, 4 bits, group size {qc['group_size']}, scaling {meta.get('scaling')}, "
               f"loss {meta.get('loss')}: "
-              f"duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} groups, clip {meta.get('clip')}: "
-              f"{'+'.join(meta.get('clipped') or ()) or 'none'} clipped{chosen_on}, {result.calibration_tokens} "
+              f"duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} groups, "
+              + ("weights rounded by GPTQ, unclipped, " if meta.get("weight_rounding") == "gptq" else
+                 f"clip {meta.get('clip')}: {'+'.join(meta.get('clipped') or ()) or 'none'} clipped{chosen_on}, ")
+              + f"{result.calibration_tokens} "
               f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; an AutoAWQ gemm checkpoint, "
               f"run by loom's packed kernels: loom generate --model {result.output} ...")
         return 0
@@ -202,7 +206,9 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-rounding", choices=("rtn", "gptq"), default=None,
                    help="smoothquant / w8a8: the smoothed weights onto the int8 per-channel grid by round to nearest "
                    "(smoothquant: at load) or by GPTQ on the calibration tokens (smoothquant: in the rotated basis "
-                   "run-time w8a8 multiplies in) (default: rtn)")
+                   "run-time w8a8 multiplies in); awq: AWQ's clipping and round to nearest, or AWQ's scales then GPTQ "
+                   "on the scaled model (llm-compressor's AWQ + GPTQ; with --target-bits, every layer in its format) "
+                   "(default: rtn)")
     g = p.add_argument_group("rtn / gptq / awq / sparse24")
     g.add_argument("--bits", type=int, choices=(4, 8), default=None,
                    help="rtn / gptq: 4 or 8; awq: 4 (default: 4)")

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse24")
 # quantize()'s method-specific options -> the methods that read them (any other method refuses them)
 METHOD_OPTIONS = {
-    "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8"),
+    "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8", "awq"),
     "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
     "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq",), "awq_clip": ("awq",),
     "awq_scaling": ("awq",), "awq_loss": ("awq",),
@@ -280,6 +280,9 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         weight_rounding: smoothquant / w8a8: how the smoothed weights reach the int8 per-channel grid, "rtn"
             (round to nearest; smoothquant leaves it to the run time) or "gptq" (loom/quant/gptq_w8a8.py, layer by
             layer on the calibration windows; smoothquant in run-time w8a8's rotated basis); default "rtn".
+            awq: "rtn" (AWQ's own: the scaled weights clipped and rounded to nearest) or "gptq" (AWQ's scales
+            folded, then GPTQ on the scaled model at each layer's format, without clipping: llm-compressor's
+            AWQ + GPTQ recipe); default "rtn".
 
     Raises:
         ValueError: unknown method, bad alpha or rtn/gptq setting, an architecture without a smoothing map, an
@@ -363,6 +366,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         return QuantizeResult(fp8.output, "fp8", "", 0, None, fp8.seconds, fp8.quantization_config,
                               fp8.bits_per_weight)
     if method == "awq":
+        if weight_rounding == "gptq" and awq_clip is not None:
+            raise ValueError("awq_clip applies to awq's own rounding (weight_rounding 'rtn'); with 'gptq' GPTQ's "
+                             "error feedback rounds the scaled weights, unclipped")
+        if weight_rounding == "gptq":
+            clip = "off"  # the clip search scores RTN weights this run never writes
         if lm_head_bits is not None and target_bits is None:
             raise ValueError("lm_head_bits applies to awq with target_bits (a GPTQ-format file); AutoAWQ's format "
                              "keeps the head dense")
@@ -370,10 +378,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         if target_bits is not None:
             from loom.quant.gptq_checkpoint import GPTQSettings
 
-            mixed = GPTQSettings("rtn", bits, group_size, False, False, target_bits=target_bits,
-                                 lm_head_bits=lm_head_bits, sensitivity_windows=sensitivity_windows)
+            mixed = GPTQSettings(weight_rounding, bits, group_size, False, False, target_bits=target_bits,
+                                 lm_head_bits=lm_head_bits, sensitivity_windows=sensitivity_windows,
+                                 damp_percent=damp_percent)
         return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip,
-                             awq_scaling, awq_loss, mixed)
+                             awq_scaling, awq_loss, mixed, weight_rounding)
     if method in ("rtn", "gptq"):
         from loom.quant.gptq_checkpoint import GPTQSettings
 
@@ -440,9 +449,10 @@ def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibra
 
 
 def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
-                  bits: int, group_size: int, clip: str, scaling: str, loss: str, mixed: Any = None) -> QuantizeResult:
+                  bits: int, group_size: int, clip: str, scaling: str, loss: str, mixed: Any = None,
+                  weight_rounding: str = "rtn") -> QuantizeResult:
     """awq through awq_checkpoint.write_awq_checkpoint, or with `mixed` (GPTQSettings with target_bits) through
-    write_awq_mixed_checkpoint."""
+    write_awq_mixed_checkpoint; weight_rounding "gptq" rounds the scaled weights by GPTQ in both."""
     from loom.quant.awq_checkpoint import write_awq_checkpoint, write_awq_mixed_checkpoint
 
     if bits != 4:
@@ -453,7 +463,8 @@ def _quantize_awq(model: str | None, output: str, calibration_file: str | None, 
     if mixed is not None:
         result = write_awq_mixed_checkpoint(model, output, settings, mixed, windows, calibration=source)
     else:
-        result = write_awq_checkpoint(model, output, settings, windows, calibration=source)
+        result = write_awq_checkpoint(model, output, settings, windows, calibration=source,
+                                      weight_rounding=weight_rounding)
     return QuantizeResult(result.output, "awq", result.calibration, result.calibration_tokens, None,
                           result.seconds, result.quantization_config, result.bits_per_weight or 0.0)
 

@@ -366,3 +366,119 @@ def test_awq_with_target_bits_writes_a_mixed_gptq_checkpoint(tmp_path) -> None:
     write_awq_checkpoint(str(tmp_path / "hf"), str(uniform), awq, windows)
     ref = _logits(source, tokens)
     assert _kl(ref, _logits(loaded, tokens)) < _kl(ref, _logits(load_model(str(uniform), torch.float32, CPU), tokens))
+
+
+def _tiny_llama(tmp_path):
+    from transformers import LlamaConfig
+
+    from tests.model.model_harness import save_tiny_model
+
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    save_tiny_model(config, tmp_path / "hf", seed=3)
+    return tmp_path / "hf"
+
+
+def _held_out_kl(source, checkpoint, seeds=(9, 10, 11)) -> float:
+    model = load_model(str(source), torch.float32, CPU, quantization="none")
+    quantized = load_model(str(checkpoint), torch.float32, CPU)
+    return sum(_kl(_logits(model, w), _logits(quantized, w)) for s in seeds for w in _windows(128, 1, 48, seed=s))
+
+
+def test_awq_with_gptq_rounding_is_gptq_of_the_scaled_model(tmp_path) -> None:
+    """`--method awq --weight-rounding gptq` (llm-compressor's AWQ + GPTQ): the file holds AWQ's folded norms and,
+    for every projection, GPTQ's codes, scales and zeros of AWQ's scaled (unclipped) weights on the same
+    calibration windows, in AutoAWQ's format; on held-out tokens it is closer to the source than AWQ's own
+    rounding without clipping."""
+    from loom.quant.gptq_checkpoint import GPTQSettings, quantize_model_weights
+
+    hf = _tiny_llama(tmp_path)
+    windows = _windows(128, 16, 64)  # GPTQ needs a Hessian of some tokens per input column to beat RTN
+    awq = AWQSettings(group_size=64, clip="off")
+    write_awq_checkpoint(str(hf), str(tmp_path / "g"), awq, windows, weight_rounding="gptq")
+    write_awq_checkpoint(str(hf), str(tmp_path / "r"), awq, windows)
+    qc = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "awq" and qc["meta"]["weight_rounding"] == "gptq" and qc["meta"]["clipped"] == []
+
+    reference = load_model(str(hf), torch.float32, CPU, quantization="none")
+    scaled: dict[str, torch.Tensor] = {}
+    quantize_model_awq(reference.model, reference.arch, awq, windows, scaled)
+    for name, w in scaled.items():
+        reference.model.get_submodule(name).weight.data.copy_(w)
+    want = quantize_model_weights(reference.model, reference.arch, GPTQSettings("gptq", 4, 64, False, False), windows)
+    with safe_open(str(tmp_path / "g" / "model.safetensors"), framework="pt") as f:
+        for i in range(2):
+            p = f"model.layers.{i}"
+            assert torch.equal(f.get_tensor(f"{p}.post_attention_layernorm.weight"),
+                               reference.model.model.layers[i].post_attention_layernorm.weight.float())
+            for proj, unit, rows in (("self_attn.k_proj", "self_attn.qkv_proj", slice(128, 192)),
+                                     ("mlp.down_proj", "mlp.down_proj", slice(None))):
+                t = {k: f.get_tensor(f"{p}.{proj}.{k}") for k in ("qweight", "qzeros", "scales")}
+                stored = from_checkpoint(t, 64)
+                q = want[f"{p}.{unit}"]
+                assert torch.equal(stored.codes, q.codes[rows]) and torch.equal(stored.zeros, q.zeros[:, rows])
+                assert torch.equal(stored.scales, q.scales[:, rows].half())
+    assert _held_out_kl(hf, tmp_path / "g") < _held_out_kl(hf, tmp_path / "r")
+
+
+def test_awq_mixed_with_gptq_rounding_rounds_every_layer_by_gptq(tmp_path) -> None:
+    """`--method awq --target-bits B --weight-rounding gptq`: the same allocation as with AWQ's own rounding (it is
+    measured on the scaled model before any rounding), every layer, base ones included, GPTQ of the scaled weights
+    in its format, and closer to the source on held-out tokens than the RTN-rounded mixed file."""
+    from loom.quant.awq_checkpoint import write_awq_mixed_checkpoint
+    from loom.quant.gptq_checkpoint import GPTQSettings
+
+    hf = _tiny_llama(tmp_path)
+    windows = _windows(128, 16, 64)  # GPTQ needs a Hessian of some tokens per input column to beat RTN
+    files = {}
+    for rounding, clip in (("gptq", "off"), ("rtn", "off")):
+        mixed = GPTQSettings(rounding, 4, 64, False, False, target_bits=4.9, lm_head_bits=8)
+        r = write_awq_mixed_checkpoint(str(hf), str(tmp_path / rounding), AWQSettings(group_size=64, clip=clip),
+                                       mixed, windows)
+        assert r.bits_per_weight <= 4.9 + 1e-6
+        files[rounding] = json.loads((tmp_path / rounding / "config.json").read_text())["quantization_config"]
+    assert files["gptq"]["dynamic"] == files["rtn"]["dynamic"] and files["gptq"]["dynamic"]
+    assert files["gptq"]["meta"]["weight_rounding"] == "gptq" and files["rtn"]["meta"]["weight_rounding"] == "rtn"
+    assert _held_out_kl(hf, tmp_path / "gptq") < _held_out_kl(hf, tmp_path / "rtn")
+
+
+def test_awq_gptq_rounding_refusals(tiny_models, tmp_path) -> None:
+    from loom.quant.awq_checkpoint import write_awq_mixed_checkpoint
+    from loom.quant.gptq_checkpoint import GPTQSettings
+    from loom.quant.quantize import quantize
+
+    tiny = tiny_models["llama_gqa"]
+    windows = _windows(tiny.hf.config.vocab_size, 1, 16)
+    with pytest.raises(ValueError, match="awq_clip applies to awq's own rounding"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", weight_rounding="gptq", awq_clip="on")
+    with pytest.raises(ValueError, match="takes clip 'off'"):
+        write_awq_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32), windows,
+                             weight_rounding="gptq")
+    with pytest.raises(ValueError, match="weight_rounding must be 'rtn' or 'gptq', got 'awq'"):
+        write_awq_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32), windows,
+                             weight_rounding="awq")
+    with pytest.raises(ValueError, match="takes clip 'off'"):
+        write_awq_mixed_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32),
+                                   GPTQSettings("gptq", 4, 32, False, False, target_bits=5.0), windows)
+    with pytest.raises(ValueError, match="without act-order"):
+        write_awq_mixed_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32, clip="off"),
+                                   GPTQSettings("gptq", 4, 32, False, True, target_bits=5.0), windows)
+    assert not (tmp_path / "y").exists() or not any((tmp_path / "y").iterdir())
+
+
+def test_cli_passes_awq_weight_rounding_and_says_so(tmp_path, capsys, monkeypatch) -> None:
+    import loom.quant.quantize as q
+    from loom.cli import main
+
+    seen = {}
+
+    def fake(model, output, method, **kw):
+        seen.update(kw, method=method)
+        qc = {"group_size": 128, "meta": {"scaling": "both", "duo_groups": 3, "scaled_groups": 8, "loss": "mse",
+                                          "clip": "off", "clipped": [], "weight_rounding": kw["weight_rounding"]}}
+        return q.QuantizeResult(tmp_path / "out", "awq", "random ids", 64, None, 1.0, qc)
+
+    monkeypatch.setattr(q, "quantize", fake)
+    assert main(["quantize", "--method", "awq", "--weight-rounding", "gptq", "--output", str(tmp_path / "out")]) == 0
+    assert seen["weight_rounding"] == "gptq"
+    assert "duo won 3 of 8 groups, weights rounded by GPTQ, unclipped, 64 calibration tokens" in capsys.readouterr().out

@@ -134,7 +134,8 @@ def test_w8a8_checkpoint_with_gptq_weights_holds_gptqs_codes(tiny_models, tmp_pa
 def test_weight_rounding_is_checked(tmp_path) -> None:
     from loom.quant.quantize import quantize
 
-    with pytest.raises(ValueError, match="weight_rounding applies to methods 'smoothquant' and 'w8a8', not 'gptq'"):
+    with pytest.raises(ValueError,
+                       match="weight_rounding applies to methods 'smoothquant', 'w8a8' and 'awq', not 'gptq'"):
         quantize(None, str(tmp_path / "o"), "gptq", weight_rounding="gptq")
     with pytest.raises(ValueError, match=r"weight_rounding must be one of \['rtn', 'gptq'\], got 'awq'"):
         quantize(None, str(tmp_path / "o"), "smoothquant", weight_rounding="awq")

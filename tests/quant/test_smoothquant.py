@@ -310,7 +310,7 @@ def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: s
     (["--method", "gptq", "--no-desc-act", "--static-groups"], "--static-groups applies with --desc-act"),
     (["--method", "fp8", "--bits", "4"], "--bits applies to methods 'rtn', 'gptq' and 'awq', not 'fp8'"),
     (["--method", "gptq", "--weight-rounding", "gptq"],
-     "--weight-rounding applies to methods 'smoothquant' and 'w8a8', not 'gptq'"),
+     "--weight-rounding applies to methods 'smoothquant', 'w8a8' and 'awq', not 'gptq'"),
     (["--output", ""], "--output must be a directory path, got an empty one"),
     (["--method", "rtn", "--calibration-windows", "4"],
      "--calibration-windows applies to a run that calibrates (smoothquant, w8a8, gptq, awq, sparse24 with "
