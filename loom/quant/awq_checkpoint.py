@@ -245,5 +245,6 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     write_checkpoint(out, tensors, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
     logger.info("wrote %s in %.1f s (awq + mixed precision: %.3f stored bits per linear weight, %d of %d layer "
-                "groups in AWQ's 4 bits)", out, seconds, bits, sum(f == base for f in plan.values()), len(plan))
+                "groups in the base format, %s)", out, seconds, bits, sum(f == base for f in plan.values()), len(plan),
+                "every layer by GPTQ" if mixed.method == "gptq" else "base ones AWQ's own weights, upgrades by RTN")
     return AWQResult(out, settings, calibration, tokens, seconds, qc, report, bits)
