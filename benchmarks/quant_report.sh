@@ -74,6 +74,11 @@ args_of() {  # the loom quantize arguments of each row
     # ... calibrated as the GPTQ row, under Q4_K_M's bytes: +7.25% / KL 0.0647 at 103.6 MB (14 min)
     awqmixed523-prose-head8) echo --method awq --bits 4 --group-size 128 --target-bits 5.23 --lm-head-bits 8 \
       --calibration-windows 32 --calibration-file "$PROSE" ;;
+    # AWQ's scales, then GPTQ of the scaled weights instead of AWQ's clipping and round to nearest (llm-compressor's
+    # AWQ + GPTQ recipe): uniform g128 in AutoAWQ's format, and the mixed row at Q4_K_M's bytes (every layer by GPTQ)
+    awq4-gptq) echo --method awq --bits 4 --group-size 128 --weight-rounding gptq ;;
+    awqgptq-mixed523-prose-head8) echo --method awq --bits 4 --group-size 128 --weight-rounding gptq --target-bits 5.23 \
+      --lm-head-bits 8 --calibration-windows 32 --calibration-file "$PROSE" ;;
     fp8) echo --method fp8 ;;
     smoothquant) echo --method smoothquant ;;  # dense, SmoothQuant's scales folded in: runs as w8a8 (rotated)
     smoothquant-gptq) echo --method smoothquant --weight-rounding gptq ;;  # ... weights GPTQ'd onto w8a8's grid
@@ -84,8 +89,8 @@ args_of() {  # the loom quantize arguments of each row
     *) echo "unknown row $1" >&2; return 1 ;;
   esac
 }
-ROWS="${ROWS:-rtn8 rtn8-asym rtn4 rtn4-asym gptq4 gptq4-asym gptq4-prose awq4 mixed45 mixed45-gptq-prose mixed553-gptq-prose \
-mixed553-gptq-prose-head8 mixed525-gptq-prose-head8 mixed510-gptq-prose-head8 fp8 smoothquant smoothquant-gptq \
+ROWS="${ROWS:-rtn8 rtn8-asym rtn4 rtn4-asym gptq4 gptq4-asym gptq4-prose awq4 awq4-gptq mixed45 mixed45-gptq-prose mixed553-gptq-prose \
+mixed553-gptq-prose-head8 mixed525-gptq-prose-head8 mixed510-gptq-prose-head8 awqgptq-mixed523-prose-head8 fp8 smoothquant smoothquant-gptq \
 w8a8-ct w8a8-ct-gptq sparse24-wanda sparse24-magnitude}"
 ck=()
 for name in $ROWS; do
