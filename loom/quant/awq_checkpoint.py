@@ -129,9 +129,8 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     """
 
     from loom.quant.awq_format import quantization_config
-    from loom.quant.quantize import source_checkpoint, write_checkpoint
-
     from loom.quant.gptq_checkpoint import GPTQSettings
+    from loom.quant.quantize import source_checkpoint, write_checkpoint
 
     if weight_rounding not in ("rtn", "gptq"):
         raise ValueError(f"weight_rounding must be 'rtn' or 'gptq', got {weight_rounding!r}")
