@@ -115,13 +115,13 @@ def _gptq_rounded(model: torch.nn.Module, arch: Any, scaled: dict[str, torch.Ten
 
 
 def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]], *,
-                         calibration: str = "", weight_rounding: str = "rtn") -> AWQResult:
+                         calibration: str = "", weight_rounding: str = "rtn", damp_percent: float = 0.01) -> AWQResult:
     """Quantize `model` (GGUF file, HF directory, None = the bundled model) with AWQ and write an AutoAWQ gemm
     checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
 
     weight_rounding "gptq": AWQ's scales folded, then the scaled weights rounded by GPTQ onto AWQ's grid (4 bits,
-    asymmetric, settings.group_size) instead of clipped and rounded to nearest (_gptq_rounded); settings.clip must
-    then be "off".
+    asymmetric, settings.group_size) instead of clipped and rounded to nearest (_gptq_rounded), with GPTQ's
+    dampening damp_percent; settings.clip must then be "off".
 
     Raises:
         ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
@@ -136,12 +136,14 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         raise ValueError(f"weight_rounding must be 'rtn' or 'gptq', got {weight_rounding!r}")
     if weight_rounding == "gptq" and settings.clip != "off":
         raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
+    gptq = GPTQSettings("gptq", 4, settings.group_size, False, False, damp_percent)
+    if weight_rounding == "gptq":
+        gptq.check()  # before the search, not after it
     out, start, path, loaded = _load_source(model, output, settings, windows)
     tokens = sum(len(w) for w in windows)
     scaled: dict[str, torch.Tensor] = {}
     quantized, report = quantize_model_awq(loaded.model, loaded.arch, settings, windows, scaled)
     if weight_rounding == "gptq":
-        gptq = GPTQSettings("gptq", 4, settings.group_size, False, False)
         quantized = _gptq_rounded(loaded.model, loaded.arch, scaled, gptq, windows)
     source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     qc = quantization_config(settings.group_size, {
@@ -153,13 +155,15 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         "clipped": list(report.clipped),
         "clip_scores": {name: score._asdict() for name, score in report.clip_scores.items()},
         "clip_windows": report.clip_windows, "clip_held_out": report.clip_held_out,
-        "o_proj_scaled": report.o_proj_scaled, "weight_rounding": weight_rounding})
+        "o_proj_scaled": report.o_proj_scaled, "weight_rounding": weight_rounding,
+        **({"damp_percent": damp_percent} if weight_rounding == "gptq" else {})})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
     write_checkpoint(out, tensors, config, loaded.tokenizer)
     seconds = time.perf_counter() - start
-    logger.info("wrote %s in %.1f s (scaling %s: the duo formula won %d of %d groups)", out, seconds, settings.scaling,
-                sum(report.duo.values()), len(report.duo))
+    logger.info("wrote %s in %.1f s (scaling %s: the duo formula won %d of %d groups; weights %s)", out, seconds,
+                settings.scaling, sum(report.duo.values()), len(report.duo),
+                "rounded by GPTQ" if weight_rounding == "gptq" else f"clipped ({settings.clip}) and rounded to nearest")
     return AWQResult(out, settings, calibration, tokens, seconds, qc, report)
 
 
@@ -234,6 +238,8 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     qc["format"] = qc["checkpoint_format"] = fmt
     qc["meta"] |= {"method": "awq", "clip": settings.clip, "scaling": settings.scaling, "loss": settings.loss,
                    "clipped": list(report.clipped), "search_windows": min(settings.search_windows, len(windows)),
+                   "duo_groups": sum(report.duo.values()), "scaled_groups": len(report.duo),
+                   "base_format_groups": sum(f == base for f in plan.values()), "layer_groups": len(plan),
                    "weight_rounding": mixed.method}
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, frozenset(half), fmt)

@@ -77,8 +77,10 @@ def _quantize(ns: argparse.Namespace) -> int:
         meta = qc.get("meta", {})
         rounded = (", every layer rounded by GPTQ" if meta.get("weight_rounding") == "gptq"
                    else f", {'+'.join(meta.get('clipped') or ()) or 'none'} clipped")
-        print(f"wrote {result.output} (awq scales, then mixed precision: {result.bits_per_weight:.3f} stored bits per "
-              f"linear weight at target {meta.get('target_bits')}, 4-bit group size {qc['group_size']} base"
+        print(f"wrote {result.output} (awq scales, duo won {meta.get('duo_groups')} of {meta.get('scaled_groups')} "
+              f"groups, then mixed precision: {result.bits_per_weight:.3f} stored bits per "
+              f"linear weight at target {meta.get('target_bits')}, {meta.get('base_format_groups')} of "
+              f"{meta.get('layer_groups')} layer groups in the 4-bit group size {qc['group_size']} base"
               f"{rounded}"
               f"{f', LM head {ns.lm_head_bits}-bit' if qc.get('lm_head') else ''}, {result.calibration_tokens} "
               f"calibration tokens of {result.calibration}) in {result.seconds:.1f} s; a GPTQ-format checkpoint "
@@ -206,9 +208,10 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weight-rounding", choices=("rtn", "gptq"), default=None,
                    help="smoothquant / w8a8: the smoothed weights onto the int8 per-channel grid by round to nearest "
                    "(smoothquant: at load) or by GPTQ on the calibration tokens (smoothquant: in the rotated basis "
-                   "run-time w8a8 multiplies in); awq: AWQ's clipping and round to nearest, or AWQ's scales then GPTQ "
-                   "on the scaled model (llm-compressor's AWQ + GPTQ; with --target-bits, every layer in its format) "
-                   "(default: rtn)")
+                   "run-time w8a8 multiplies in). awq: rtn is AWQ's own clipping and round to nearest; gptq keeps "
+                   "AWQ's scales and rounds the scaled weights by GPTQ instead, unclipped (llm-compressor's AWQ + "
+                   "GPTQ; --awq-clip is then refused, --damp-percent applies; with --target-bits every layer in its "
+                   "format) (default: rtn)")
     g = p.add_argument_group("rtn / gptq / awq / sparse24")
     g.add_argument("--bits", type=int, choices=(4, 8), default=None,
                    help="rtn / gptq: 4 or 8; awq: 4 (default: 4)")
@@ -228,7 +231,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="awq: per-group weight clipping after the scales: on (the reference implementation's), off, "
                    "or auto: per projection type, the clipping that brings the model closest to the unquantized one "
                    "(KL) without raising its perplexity, scored on calibration windows the scale search did not read "
-                   "(up to 7 more forward passes over them) (default: auto)")
+                   "(up to 7 more forward passes over them) (default: auto; off with --weight-rounding gptq, which "
+                   "refuses on and auto)")
     g.add_argument("--awq-loss", choices=("mse", "normalized"), default=None,
                    help="awq: the scale search's block error: mse (the paper's) or normalized (each output channel's "
                    "error relative to its own RMS, so a model's few huge residual channels do not decide it) "
@@ -238,7 +242,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    "default mean|x|^alpha / w_mean^(1-alpha) (duo), or both grids, keeping the better (both; "
                    "twice the scale search's time) (default: both)")
     g.add_argument("--damp-percent", type=_fraction, default=None,
-                   help="gptq: dampening, a fraction of the Hessian's mean diagonal (default: 0.01)")
+                   help="gptq (and awq with --weight-rounding gptq): dampening, a fraction of the Hessian's mean "
+                   "diagonal (default: 0.01)")
     g.add_argument("--lm-head-bits", type=int, choices=(4, 8), default=None,
                    help="rtn, gptq (awq with --target-bits): quantize the LM head too (a tied embedding's matrix; the embedding stays float) "
                    "by RTN at 4 or 8 bits, GPTQModel's lm_head: true; 8 costs ~no quality and cuts a small model's "

@@ -49,7 +49,7 @@ QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse2
 METHOD_OPTIONS = {
     "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8", "awq"),
     "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
-    "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq",), "awq_clip": ("awq",),
+    "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq", "awq"), "awq_clip": ("awq",),
     "awq_scaling": ("awq",), "awq_loss": ("awq",),
     "target_bits": ("rtn", "gptq", "awq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq", "awq"),
     "prune_score": ("sparse24",), "lm_head_bits": ("rtn", "gptq", "awq"),
@@ -107,7 +107,7 @@ def calibration_windows(tokenizer: Any, text_file: str | None, num_windows: int,
         return _cut(ids, num_windows, window_len, f"calibration_file {text_file!r}"), text_file
     num_prose = num_windows // 2
     prose: list[list[int]] = []
-    source = (f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK}, alternating windows" if num_prose
+    source = (f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK.title()}, alternating windows" if num_prose
               else f"{SHAREGPT_SOURCE} only (one window: the first of the alternation)")
     if num_prose:
         try:
@@ -252,7 +252,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
             grid; GPTQ act-order; GPTQ dampening. Defaults 4, 128, symmetric, act-order on (gptq), 0.01. awq:
-            bits 4, group_size 32, 64 or 128 (sym, desc_act and damp_percent do not apply; AWQ's grid is asymmetric).
+            bits 4, group_size 32, 64 or 128 (sym and desc_act do not apply: AWQ's grid is asymmetric; damp_percent
+            applies with weight_rounding "gptq").
         static_groups: with act-order, each group's scale and zero fixed before GPTQ's column loop over
             consecutive columns (AutoGPTQ's static_groups), so the file keeps plain group order and runs through
             loom's C decode step (the default with act-order); False = groups taken in act order (g_idx
@@ -366,9 +367,12 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         return QuantizeResult(fp8.output, "fp8", "", 0, None, fp8.seconds, fp8.quantization_config,
                               fp8.bits_per_weight)
     if method == "awq":
-        if weight_rounding == "gptq" and awq_clip is not None:
+        if weight_rounding == "gptq" and awq_clip not in (None, "off"):
             raise ValueError("awq_clip applies to awq's own rounding (weight_rounding 'rtn'); with 'gptq' GPTQ's "
                              "error feedback rounds the scaled weights, unclipped")
+        if weight_rounding != "gptq" and given["damp_percent"] is not None:
+            raise ValueError("damp_percent applies to awq with weight_rounding 'gptq' (GPTQ's dampening), not to "
+                             "awq's own rounding")
         if weight_rounding == "gptq":
             clip = "off"  # the clip search scores RTN weights this run never writes
         if lm_head_bits is not None and target_bits is None:
@@ -382,7 +386,7 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
                                  lm_head_bits=lm_head_bits, sensitivity_windows=sensitivity_windows,
                                  damp_percent=damp_percent)
         return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip,
-                             awq_scaling, awq_loss, mixed, weight_rounding)
+                             awq_scaling, awq_loss, mixed, weight_rounding, damp_percent)
     if method in ("rtn", "gptq"):
         from loom.quant.gptq_checkpoint import GPTQSettings
 
@@ -450,13 +454,14 @@ def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibra
 
 def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
                   bits: int, group_size: int, clip: str, scaling: str, loss: str, mixed: Any = None,
-                  weight_rounding: str = "rtn") -> QuantizeResult:
+                  weight_rounding: str = "rtn", damp_percent: float = 0.01) -> QuantizeResult:
     """awq through awq_checkpoint.write_awq_checkpoint, or with `mixed` (GPTQSettings with target_bits) through
     write_awq_mixed_checkpoint; weight_rounding "gptq" rounds the scaled weights by GPTQ in both."""
     from loom.quant.awq_checkpoint import write_awq_checkpoint, write_awq_mixed_checkpoint
 
     if bits != 4:
-        raise ValueError(f"bits must be 4 for awq (the AWQ gemm format), got {bits}")
+        raise ValueError(f"bits must be 4 for awq (AWQ's scales are searched for 4-bit groups; with target_bits the "
+                         f"allocation moves layers to 8 bits itself), got {bits}")
     settings = AWQSettings(group_size=group_size, clip=clip, scaling=scaling, loss=loss)
     settings.check()
     windows, source = calibration_for(model, output, calibration_file, num_windows, window_len)
@@ -464,7 +469,7 @@ def _quantize_awq(model: str | None, output: str, calibration_file: str | None, 
         result = write_awq_mixed_checkpoint(model, output, settings, mixed, windows, calibration=source)
     else:
         result = write_awq_checkpoint(model, output, settings, windows, calibration=source,
-                                      weight_rounding=weight_rounding)
+                                      weight_rounding=weight_rounding, damp_percent=damp_percent)
     return QuantizeResult(result.output, "awq", result.calibration, result.calibration_tokens, None,
                           result.seconds, result.quantization_config, result.bits_per_weight or 0.0)
 

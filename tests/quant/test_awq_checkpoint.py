@@ -442,15 +442,28 @@ def test_awq_mixed_with_gptq_rounding_rounds_every_layer_by_gptq(tmp_path) -> No
     assert _held_out_kl(hf, tmp_path / "gptq") < _held_out_kl(hf, tmp_path / "rtn")
 
 
-def test_awq_gptq_rounding_refusals(tiny_models, tmp_path) -> None:
+def test_awq_gptq_rounding_refusals(tiny_models, tmp_path, monkeypatch) -> None:
+    from loom.quant import awq_checkpoint
     from loom.quant.awq_checkpoint import write_awq_mixed_checkpoint
     from loom.quant.gptq_checkpoint import GPTQSettings
     from loom.quant.quantize import quantize
+
+    def searched(*_a, **_k):
+        raise AssertionError("the AWQ search ran before the settings were checked")
 
     tiny = tiny_models["llama_gqa"]
     windows = _windows(tiny.hf.config.vocab_size, 1, 16)
     with pytest.raises(ValueError, match="awq_clip applies to awq's own rounding"):
         quantize(str(tiny.path), str(tmp_path / "y"), "awq", weight_rounding="gptq", awq_clip="on")
+    # clip "off" given explicitly is what gptq rounding runs: past that check, the next refusal is the bits'
+    with pytest.raises(ValueError, match="bits must be 4 for awq"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", weight_rounding="gptq", awq_clip="off", bits=8)
+    with pytest.raises(ValueError, match="damp_percent applies to awq with weight_rounding 'gptq'"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", damp_percent=0.1)
+    monkeypatch.setattr(awq_checkpoint, "quantize_model_awq", searched)
+    with pytest.raises(ValueError, match="damp_percent must be in"):  # GPTQ's own check, before the search
+        write_awq_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32, clip="off"), windows,
+                             weight_rounding="gptq", damp_percent=1.5)
     with pytest.raises(ValueError, match="takes clip 'off'"):
         write_awq_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32), windows,
                              weight_rounding="gptq")

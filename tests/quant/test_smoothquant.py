@@ -360,7 +360,7 @@ def test_default_calibration_alternates_chat_and_prose(monkeypatch) -> None:
     emma = tokenizer.encode(heldout.janeausten_text("emma"), add_special_tokens=False)
     windows, source = q.calibration_windows(tokenizer, None, 5, 64)
     assert [len(w) for w in windows] == [64] * 5
-    assert "ShareGPT" in source and "emma" in source
+    assert "ShareGPT" in source and "Emma" in source
     chat = q._chat_windows(tokenizer, 3, 64)
     assert windows[0][0] == im_start and windows[0::2] == chat  # chat, prose, chat, prose, chat
     assert windows[1] == emma[:64] and windows[3] == emma[64:128]
@@ -387,7 +387,7 @@ def test_evaluation_refuses_the_calibration_novel(tmp_path) -> None:
 
     gptq = tmp_path / "gptq"
     gptq.mkdir()
-    label = f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK}, alternating windows"
+    label = f"{SHAREGPT_SOURCE} and Jane Austen's {CALIBRATION_BOOK.title()}, alternating windows"
     (gptq / "config.json").write_text(json.dumps({"quantization_config": {"meta": {"calibration": label}}}))
     w8a8 = tmp_path / "w8a8"
     w8a8.mkdir()
