@@ -115,13 +115,15 @@ def _gptq_rounded(model: torch.nn.Module, arch: Any, scaled: dict[str, torch.Ten
 
 
 def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]], *,
-                         calibration: str = "", weight_rounding: str = "rtn", damp_percent: float = 0.01) -> AWQResult:
+                         calibration: str = "", weight_rounding: str = "rtn", damp_percent: float = 0.01,
+                         desc_act: bool = False) -> AWQResult:
     """Quantize `model` (GGUF file, HF directory, None = the bundled model) with AWQ and write an AutoAWQ gemm
     checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
 
     weight_rounding "gptq": AWQ's scales folded, then the scaled weights rounded by GPTQ onto AWQ's grid (4 bits,
     asymmetric, settings.group_size) instead of clipped and rounded to nearest (_gptq_rounded), with GPTQ's
-    dampening damp_percent; settings.clip must then be "off".
+    dampening damp_percent and, with desc_act, act order over static groups (each group's scale and zero fixed
+    over its consecutive columns first, so the groups stay contiguous); settings.clip must then be "off".
 
     Raises:
         ValueError: bad settings, an architecture loom cannot write a config for, an output directory that
@@ -136,7 +138,9 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         raise ValueError(f"weight_rounding must be 'rtn' or 'gptq', got {weight_rounding!r}")
     if weight_rounding == "gptq" and settings.clip != "off":
         raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
-    gptq = GPTQSettings("gptq", 4, settings.group_size, False, False, damp_percent)
+    if desc_act and weight_rounding != "gptq":
+        raise ValueError("desc_act (act order) applies to awq with gptq weight rounding")
+    gptq = GPTQSettings("gptq", 4, settings.group_size, False, desc_act, damp_percent, static_groups=desc_act)
     if weight_rounding == "gptq":
         gptq.check()  # before the search, not after it
     out, start, path, loaded = _load_source(model, output, settings, windows)
@@ -156,7 +160,7 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
         "clip_scores": {name: score._asdict() for name, score in report.clip_scores.items()},
         "clip_windows": report.clip_windows, "clip_held_out": report.clip_held_out,
         "o_proj_scaled": report.o_proj_scaled, "weight_rounding": weight_rounding,
-        **({"damp_percent": damp_percent} if weight_rounding == "gptq" else {})})
+        **({"damp_percent": damp_percent, "desc_act": desc_act} if weight_rounding == "gptq" else {})})
     config["quantization_config"] = qc
     tensors = checkpoint_tensors(source, quantized, loaded.model, loaded.arch)
     write_checkpoint(out, tensors, config, loaded.tokenizer)
@@ -182,7 +186,7 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
 
     Args:
         mixed: a loom.quant.gptq_checkpoint.GPTQSettings with method "rtn" (or "gptq": the weight rounding), 4 bits
-            and the AWQ group size, asymmetric, without act-order, its target_bits, lm_head_bits and
+            and the AWQ group size, asymmetric, act order only with "gptq" and static groups, its target_bits, lm_head_bits and
             sensitivity_windows.
 
     Raises:
@@ -194,10 +198,10 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     from loom.quant.quantize import source_checkpoint, write_checkpoint
 
     mixed.check()
-    if mixed.bits != 4 or mixed.group_size != settings.group_size or mixed.sym or mixed.desc_act \
-            or mixed.target_bits is None:
+    if mixed.bits != 4 or mixed.group_size != settings.group_size or mixed.sym \
+            or (mixed.desc_act and (mixed.method != "gptq" or not mixed.static_groups)) or mixed.target_bits is None:
         raise ValueError("awq mixed precision takes rtn or gptq settings of 4 asymmetric bits in AWQ's groups, "
-                         "without act-order, with target_bits")
+                         "act order only by gptq with static groups, with target_bits")
     if mixed.method == "gptq" and settings.clip != "off":
         raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
     out, start, path, loaded = _load_source(model, output, settings, windows)

@@ -222,7 +222,8 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
                    help="rtn / gptq: symmetric grid; --no-sym or --asym: with a zero point (default: symmetric)")
     g.add_argument("--asym", dest="sym", action="store_false", default=None, help=argparse.SUPPRESS)
     g.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
-                   help="gptq: act-order, quantize columns by decreasing Hessian diagonal (default: on)")
+                   help="gptq: act-order, quantize columns by decreasing Hessian diagonal (default: on); awq with "
+                   "--weight-rounding gptq: the same, over static groups (default: off)")
     g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
                    help="gptq with act-order: fix each group's scale and zero first, over consecutive columns, so the "
                    "file keeps plain group order and runs in loom's C decode step (default: on with act-order; "

@@ -49,7 +49,7 @@ QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse2
 METHOD_OPTIONS = {
     "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8", "awq"),
     "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
-    "desc_act": ("gptq",), "static_groups": ("gptq",), "damp_percent": ("gptq", "awq"), "awq_clip": ("awq",),
+    "desc_act": ("gptq", "awq"), "static_groups": ("gptq",), "damp_percent": ("gptq", "awq"), "awq_clip": ("awq",),
     "awq_scaling": ("awq",), "awq_loss": ("awq",),
     "target_bits": ("rtn", "gptq", "awq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq", "awq"),
     "prune_score": ("sparse24",), "lm_head_bits": ("rtn", "gptq", "awq"),
@@ -252,8 +252,9 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         bits, group_size, sym, desc_act, damp_percent: rtn / gptq settings (gptq_checkpoint.GPTQSettings):
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
             grid; GPTQ act-order; GPTQ dampening. Defaults 4, 128, symmetric, act-order on (gptq), 0.01. awq:
-            bits 4, group_size 32, 64 or 128 (sym and desc_act do not apply: AWQ's grid is asymmetric; damp_percent
-            applies with weight_rounding "gptq").
+            bits 4, group_size 32, 64 or 128 (sym does not apply: AWQ's grid is asymmetric; damp_percent and
+            desc_act apply with weight_rounding "gptq", act order then with static groups, so the groups stay
+            contiguous as AutoAWQ's format needs).
         static_groups: with act-order, each group's scale and zero fixed before GPTQ's column loop over
             consecutive columns (AutoGPTQ's static_groups), so the file keeps plain group order and runs through
             loom's C decode step (the default with act-order); False = groups taken in act order (g_idx
@@ -370,9 +371,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         if weight_rounding == "gptq" and awq_clip not in (None, "off"):
             raise ValueError("awq_clip applies to awq's own rounding (weight_rounding 'rtn'); with 'gptq' GPTQ's "
                              "error feedback rounds the scaled weights, unclipped")
-        if weight_rounding != "gptq" and given["damp_percent"] is not None:
-            raise ValueError("damp_percent applies to awq with weight_rounding 'gptq' (GPTQ's dampening), not to "
-                             "awq's own rounding")
+        for name in ("damp_percent", "desc_act"):
+            if weight_rounding != "gptq" and given[name] is not None:
+                raise ValueError(f"{name} applies to awq with weight_rounding 'gptq' (GPTQ's "
+                                 f"{'dampening' if name == 'damp_percent' else 'act order'}), not to awq's own "
+                                 "rounding")
         if weight_rounding == "gptq":
             clip = "off"  # the clip search scores RTN weights this run never writes
         if lm_head_bits is not None and target_bits is None:
@@ -382,11 +385,11 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
         if target_bits is not None:
             from loom.quant.gptq_checkpoint import GPTQSettings
 
-            mixed = GPTQSettings(weight_rounding, bits, group_size, False, False, target_bits=target_bits,
+            mixed = GPTQSettings(weight_rounding, bits, group_size, False, desc_act, target_bits=target_bits,
                                  lm_head_bits=lm_head_bits, sensitivity_windows=sensitivity_windows,
-                                 damp_percent=damp_percent)
+                                 damp_percent=damp_percent, static_groups=desc_act)
         return _quantize_awq(model, output, calibration_file, num_windows, window_len, bits, group_size, clip,
-                             awq_scaling, awq_loss, mixed, weight_rounding, damp_percent)
+                             awq_scaling, awq_loss, mixed, weight_rounding, damp_percent, desc_act)
     if method in ("rtn", "gptq"):
         from loom.quant.gptq_checkpoint import GPTQSettings
 
@@ -454,7 +457,8 @@ def _quantize_gptq_format(model: str | None, output: str, settings: Any, calibra
 
 def _quantize_awq(model: str | None, output: str, calibration_file: str | None, num_windows: int, window_len: int,
                   bits: int, group_size: int, clip: str, scaling: str, loss: str, mixed: Any = None,
-                  weight_rounding: str = "rtn", damp_percent: float = 0.01) -> QuantizeResult:
+                  weight_rounding: str = "rtn", damp_percent: float = 0.01, desc_act: bool = False,
+                  ) -> QuantizeResult:
     """awq through awq_checkpoint.write_awq_checkpoint, or with `mixed` (GPTQSettings with target_bits) through
     write_awq_mixed_checkpoint; weight_rounding "gptq" rounds the scaled weights by GPTQ in both."""
     from loom.quant.awq_checkpoint import write_awq_checkpoint, write_awq_mixed_checkpoint
@@ -469,7 +473,8 @@ def _quantize_awq(model: str | None, output: str, calibration_file: str | None, 
         result = write_awq_mixed_checkpoint(model, output, settings, mixed, windows, calibration=source)
     else:
         result = write_awq_checkpoint(model, output, settings, windows, calibration=source,
-                                      weight_rounding=weight_rounding, damp_percent=damp_percent)
+                                      weight_rounding=weight_rounding, damp_percent=damp_percent,
+                                      desc_act=desc_act)
     return QuantizeResult(result.output, "awq", result.calibration, result.calibration_tokens, None,
                           result.seconds, result.quantization_config, result.bits_per_weight or 0.0)
 

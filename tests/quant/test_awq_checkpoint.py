@@ -385,27 +385,31 @@ def _held_out_kl(source, checkpoint, seeds=(9, 10, 11)) -> float:
     return sum(_kl(_logits(model, w), _logits(quantized, w)) for s in seeds for w in _windows(128, 1, 48, seed=s))
 
 
-def test_awq_with_gptq_rounding_is_gptq_of_the_scaled_model(tmp_path) -> None:
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_awq_with_gptq_rounding_is_gptq_of_the_scaled_model(tmp_path, desc_act: bool) -> None:
     """`--method awq --weight-rounding gptq` (llm-compressor's AWQ + GPTQ): the file holds AWQ's folded norms and,
     for every projection, GPTQ's codes, scales and zeros of AWQ's scaled (unclipped) weights on the same
     calibration windows, in AutoAWQ's format; on held-out tokens it is closer to the source than AWQ's own
-    rounding without clipping."""
+    rounding without clipping. With desc_act, GPTQ runs in act order over static groups (contiguous, as the format
+    needs)."""
     from loom.quant.gptq_checkpoint import GPTQSettings, quantize_model_weights
 
     hf = _tiny_llama(tmp_path)
     windows = _windows(128, 16, 64)  # GPTQ needs a Hessian of some tokens per input column to beat RTN
     awq = AWQSettings(group_size=64, clip="off")
-    write_awq_checkpoint(str(hf), str(tmp_path / "g"), awq, windows, weight_rounding="gptq")
+    write_awq_checkpoint(str(hf), str(tmp_path / "g"), awq, windows, weight_rounding="gptq", desc_act=desc_act)
     write_awq_checkpoint(str(hf), str(tmp_path / "r"), awq, windows)
     qc = json.loads((tmp_path / "g" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "awq" and qc["meta"]["weight_rounding"] == "gptq" and qc["meta"]["clipped"] == []
+    assert qc["meta"]["desc_act"] is desc_act
 
     reference = load_model(str(hf), torch.float32, CPU, quantization="none")
     scaled: dict[str, torch.Tensor] = {}
     quantize_model_awq(reference.model, reference.arch, awq, windows, scaled)
     for name, w in scaled.items():
         reference.model.get_submodule(name).weight.data.copy_(w)
-    want = quantize_model_weights(reference.model, reference.arch, GPTQSettings("gptq", 4, 64, False, False), windows)
+    want = quantize_model_weights(reference.model, reference.arch,
+                                  GPTQSettings("gptq", 4, 64, False, desc_act, static_groups=desc_act), windows)
     with safe_open(str(tmp_path / "g" / "model.safetensors"), framework="pt") as f:
         for i in range(2):
             p = f"model.layers.{i}"
@@ -421,7 +425,8 @@ def test_awq_with_gptq_rounding_is_gptq_of_the_scaled_model(tmp_path) -> None:
     assert _held_out_kl(hf, tmp_path / "g") < _held_out_kl(hf, tmp_path / "r")
 
 
-def test_awq_mixed_with_gptq_rounding_rounds_every_layer_by_gptq(tmp_path) -> None:
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_awq_mixed_with_gptq_rounding_rounds_every_layer_by_gptq(tmp_path, desc_act: bool) -> None:
     """`--method awq --target-bits B --weight-rounding gptq`: the same allocation as with AWQ's own rounding (it is
     measured on the scaled model before any rounding), every layer, base ones included, GPTQ of the scaled weights
     in its format, and closer to the source on held-out tokens than the RTN-rounded mixed file."""
@@ -432,13 +437,15 @@ def test_awq_mixed_with_gptq_rounding_rounds_every_layer_by_gptq(tmp_path) -> No
     windows = _windows(128, 16, 64)  # GPTQ needs a Hessian of some tokens per input column to beat RTN
     files = {}
     for rounding, clip in (("gptq", "off"), ("rtn", "off")):
-        mixed = GPTQSettings(rounding, 4, 64, False, False, target_bits=4.9, lm_head_bits=8)
+        act = desc_act and rounding == "gptq"  # act order over static groups, GPTQ-format file with plain g_idx
+        mixed = GPTQSettings(rounding, 4, 64, False, act, target_bits=4.9, lm_head_bits=8, static_groups=act)
         r = write_awq_mixed_checkpoint(str(hf), str(tmp_path / rounding), AWQSettings(group_size=64, clip=clip),
                                        mixed, windows)
         assert r.bits_per_weight <= 4.9 + 1e-6
         files[rounding] = json.loads((tmp_path / rounding / "config.json").read_text())["quantization_config"]
     assert files["gptq"]["dynamic"] == files["rtn"]["dynamic"] and files["gptq"]["dynamic"]
     assert files["gptq"]["meta"]["weight_rounding"] == "gptq" and files["rtn"]["meta"]["weight_rounding"] == "rtn"
+    assert files["gptq"]["desc_act"] is desc_act
     assert _held_out_kl(hf, tmp_path / "gptq") < _held_out_kl(hf, tmp_path / "rtn")
 
 
@@ -473,9 +480,14 @@ def test_awq_gptq_rounding_refusals(tiny_models, tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="takes clip 'off'"):
         write_awq_mixed_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32),
                                    GPTQSettings("gptq", 4, 32, False, False, target_bits=5.0), windows)
-    with pytest.raises(ValueError, match="without act-order"):
+    with pytest.raises(ValueError, match="act order only by gptq with static groups"):
         write_awq_mixed_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32, clip="off"),
                                    GPTQSettings("gptq", 4, 32, False, True, target_bits=5.0), windows)
+    with pytest.raises(ValueError, match="desc_act applies to awq with weight_rounding 'gptq'"):
+        quantize(str(tiny.path), str(tmp_path / "y"), "awq", desc_act=True)
+    with pytest.raises(ValueError, match="desc_act .act order. applies to awq with gptq weight rounding"):
+        write_awq_checkpoint(str(tiny.path), str(tmp_path / "y"), AWQSettings(group_size=32), windows,
+                             desc_act=True)
     assert not (tmp_path / "y").exists() or not any((tmp_path / "y").iterdir())
 
 

@@ -287,7 +287,7 @@ def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]
 
 
 @pytest.mark.parametrize(("method", "option", "value"), [
-    ("rtn", "static_groups", True), ("rtn", "desc_act", True), ("rtn", "damp_percent", 0.1), ("awq", "desc_act", True),
+    ("rtn", "static_groups", True), ("rtn", "desc_act", True), ("rtn", "damp_percent", 0.1), ("awq", "static_groups", True),
     ("awq", "sym", True), ("fp8", "bits", 4), ("gptq", "alpha", 0.3), ("smoothquant", "awq_clip", "off"),
     ("gptq", "awq_scaling", "duo"), ("rtn", "awq_loss", "normalized"),
     ("sparse24", "group_size", 32), ("gptq", "prune_score", "magnitude"),
@@ -305,7 +305,7 @@ def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: s
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--method", "awq", "--desc-act"], "--desc-act applies to method 'gptq', not 'awq'"),
+    (["--method", "awq", "--desc-act"], "--desc-act applies to awq with --weight-rounding 'gptq'"),
     (["--method", "smoothquant", "--awq-clip", "on"], "--awq-clip applies to method 'awq', not 'smoothquant'"),
     (["--method", "gptq", "--no-desc-act", "--static-groups"], "--static-groups applies with --desc-act"),
     (["--method", "fp8", "--bits", "4"], "--bits applies to methods 'rtn', 'gptq' and 'awq', not 'fp8'"),
