@@ -80,9 +80,11 @@ args_of() {  # the loom quantize arguments of each row
     # 105.2 MB, behind Q4_K_M; 14 min; not in the default ROWS
     awqmixed522g32-prose-head8) echo --method awq --bits 4 --group-size 32 --target-bits 5.22 --lm-head-bits 8 \
       --calibration-windows 32 --calibration-file "$PROSE" ;;
-    awq4-gptq) echo --method awq --bits 4 --group-size 128 --weight-rounding gptq ;;
-    awqgptq-mixed523-prose-head8) echo --method awq --bits 4 --group-size 128 --weight-rounding gptq --target-bits 5.23 \
-      --lm-head-bits 8 --calibration-windows 32 --calibration-file "$PROSE" ;;
+    # (both measured without act order, the default since: --no-desc-act; awq4-gptq-act is the default's uniform row)
+    awq4-gptq) echo --method awq --bits 4 --group-size 128 --weight-rounding gptq --no-desc-act ;;
+    awq4-gptq-act) echo --method awq --bits 4 --group-size 128 --weight-rounding gptq ;;
+    awqgptq-mixed523-prose-head8) echo --method awq --bits 4 --group-size 128 --weight-rounding gptq --no-desc-act \
+      --target-bits 5.23 --lm-head-bits 8 --calibration-windows 32 --calibration-file "$PROSE" ;;
     fp8) echo --method fp8 ;;
     smoothquant) echo --method smoothquant ;;  # dense, SmoothQuant's scales folded in: runs as w8a8 (rotated)
     smoothquant-gptq) echo --method smoothquant --weight-rounding gptq ;;  # ... weights GPTQ'd onto w8a8's grid
@@ -93,7 +95,7 @@ args_of() {  # the loom quantize arguments of each row
     *) echo "unknown row $1" >&2; return 1 ;;
   esac
 }
-ROWS="${ROWS:-rtn8 rtn8-asym rtn4 rtn4-asym gptq4 gptq4-asym gptq4-prose awq4 awq4-gptq mixed45 mixed45-gptq-prose mixed553-gptq-prose \
+ROWS="${ROWS:-rtn8 rtn8-asym rtn4 rtn4-asym gptq4 gptq4-asym gptq4-prose awq4 awq4-gptq awq4-gptq-act mixed45 mixed45-gptq-prose mixed553-gptq-prose \
 mixed553-gptq-prose-head8 mixed525-gptq-prose-head8 mixed510-gptq-prose-head8 awqgptq-mixed523-prose-head8 fp8 smoothquant smoothquant-gptq \
 w8a8-ct w8a8-ct-gptq sparse24-wanda sparse24-magnitude}"
 ck=()

@@ -223,7 +223,7 @@ def register_quantize(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--asym", dest="sym", action="store_false", default=None, help=argparse.SUPPRESS)
     g.add_argument("--desc-act", action=argparse.BooleanOptionalAction, default=None,
                    help="gptq: act-order, quantize columns by decreasing Hessian diagonal (default: on); awq with "
-                   "--weight-rounding gptq: the same, over static groups (default: off)")
+                   "--weight-rounding gptq: the same, over static groups (default: on)")
     g.add_argument("--static-groups", action=argparse.BooleanOptionalAction, default=None,
                    help="gptq with act-order: fix each group's scale and zero first, over consecutive columns, so the "
                    "file keeps plain group order and runs in loom's C decode step (default: on with act-order; "

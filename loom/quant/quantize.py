@@ -253,8 +253,8 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
             4 or 8 bits; 32, 64, 128 or -1 (per channel) input columns per scale; symmetric or asymmetric
             grid; GPTQ act-order; GPTQ dampening. Defaults 4, 128, symmetric, act-order on (gptq), 0.01. awq:
             bits 4, group_size 32, 64 or 128 (sym does not apply: AWQ's grid is asymmetric; damp_percent and
-            desc_act apply with weight_rounding "gptq", act order then with static groups, so the groups stay
-            contiguous as AutoAWQ's format needs).
+            desc_act apply with weight_rounding "gptq", act order then on by default and over static groups, so
+            the groups stay contiguous as AutoAWQ's format needs).
         static_groups: with act-order, each group's scale and zero fixed before GPTQ's column loop over
             consecutive columns (AutoGPTQ's static_groups), so the file keeps plain group order and runs through
             loom's C decode step (the default with act-order); False = groups taken in act order (g_idx
@@ -312,7 +312,9 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     bits = 4 if bits is None else bits
     group_size = 128 if group_size is None else group_size
     sym = True if sym is None else sym
-    desc_act = (method == "gptq") if desc_act is None else desc_act
+    # act order by default wherever GPTQ rounds (awq + gptq: over static groups; measured closer on both models,
+    # benchmarks/BENCHMARKS.md, "Issue 12: AWQ + GPTQ")
+    desc_act = (method == "gptq" or (method == "awq" and weight_rounding == "gptq")) if desc_act is None else desc_act
     static_groups = desc_act if static_groups is None else static_groups  # refused without act-order (check())
     damp_percent = 0.01 if damp_percent is None else damp_percent
     awq_defaults = AWQSettings()  # the one place AWQ's defaults are set

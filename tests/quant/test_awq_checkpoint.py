@@ -507,3 +507,22 @@ def test_cli_passes_awq_weight_rounding_and_says_so(tmp_path, capsys, monkeypatc
     assert main(["quantize", "--method", "awq", "--weight-rounding", "gptq", "--output", str(tmp_path / "out")]) == 0
     assert seen["weight_rounding"] == "gptq"
     assert "duo won 3 of 8 groups, weights rounded by GPTQ, unclipped, 64 calibration tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("rounding", "desc_act", "want"), [("gptq", None, True), ("gptq", False, False),
+                                                             ("rtn", None, False)])
+def test_awq_gptq_rounding_runs_act_order_by_default(tmp_path, monkeypatch, rounding, desc_act, want) -> None:
+    """As `--method gptq`, AWQ + GPTQ takes act order unless told not to (measured closer on both models); AWQ's own
+    rounding has none."""
+    import loom.quant.quantize as q
+
+    seen = {}
+
+    def fake(*args, **_kw):
+        seen["desc_act"] = args[-1]
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(q, "_quantize_awq", fake)
+    with pytest.raises(RuntimeError, match="stop"):
+        q.quantize(None, str(tmp_path / "o"), "awq", weight_rounding=rounding, desc_act=desc_act)
+    assert seen["desc_act"] is want
