@@ -96,22 +96,18 @@ def _load_source(model: str | None, output: str, settings: AWQSettings, windows:
     return out, start, path, loaded
 
 
-def _gptq_rounded(model: torch.nn.Module, arch: Any, scaled: dict[str, torch.Tensor], settings: Any,
-                  windows: list[list[int]], plan: dict[str, tuple[int, int] | None] | None = None,
-                  ) -> dict[str, GPTQWeight]:
-    """AWQ + GPTQ (llm-compressor's recipe: AWQModifier, then GPTQModifier): the AWQ-scaled float weights put back
-    in `model`, then GPTQ (Frantar et al. 2022, arXiv:2210.17323; gptq_checkpoint.quantize_model_weights) layer by
-    layer on the calibration windows, each layer in its `plan` format (default: the settings' own).
-
-    Args:
-        scaled: loom layer name -> its scaled float32 weight [out, in] (quantize_model_awq's float_weights).
-        settings: a gptq_checkpoint.GPTQSettings with method "gptq".
-    """
-    from loom.quant.gptq_checkpoint import quantize_model_weights
-
+def _put_back(model: torch.nn.Module, scaled: dict[str, torch.Tensor]) -> None:
+    """The AWQ-scaled float weights (quantize_model_awq's float_weights: loom layer name -> [out, in] float32) back
+    in `model` in place of the rounded ones: the model the allocation measures and GPTQ rounds (AWQ + GPTQ,
+    llm-compressor's AWQModifier then GPTQModifier; GPTQ: Frantar et al. 2022, arXiv:2210.17323)."""
     for name, w in scaled.items():
         model.get_submodule(name).weight.data.copy_(w)
-    return quantize_model_weights(model, arch, settings, windows, plan)
+
+
+def _check_gptq_clip(settings: AWQSettings) -> None:
+    """Raises ValueError unless clip is "off": GPTQ rounds the scaled weights unclipped."""
+    if settings.clip != "off":
+        raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
 
 
 def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, windows: list[list[int]], *,
@@ -121,7 +117,8 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     checkpoint to `output` (model.safetensors, config.json with quantization_config, the tokenizer).
 
     weight_rounding "gptq": AWQ's scales folded, then the scaled weights rounded by GPTQ onto AWQ's grid (4 bits,
-    asymmetric, settings.group_size) instead of clipped and rounded to nearest (_gptq_rounded), with GPTQ's
+    asymmetric, settings.group_size) instead of clipped and rounded to nearest (gptq_checkpoint.quantize_model_weights
+    on the scaled model), with GPTQ's
     dampening damp_percent and, with desc_act, act order over static groups (each group's scale and zero fixed
     over its consecutive columns first, so the groups stay contiguous); settings.clip must then be "off".
 
@@ -131,13 +128,13 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     """
 
     from loom.quant.awq_format import quantization_config
-    from loom.quant.gptq_checkpoint import GPTQSettings
+    from loom.quant.gptq_checkpoint import GPTQSettings, quantize_model_weights
     from loom.quant.quantize import source_checkpoint, write_checkpoint
 
     if weight_rounding not in ("rtn", "gptq"):
         raise ValueError(f"weight_rounding must be 'rtn' or 'gptq', got {weight_rounding!r}")
-    if weight_rounding == "gptq" and settings.clip != "off":
-        raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
+    if weight_rounding == "gptq":
+        _check_gptq_clip(settings)
     if desc_act and weight_rounding != "gptq":
         raise ValueError("desc_act (act order) applies to awq with gptq weight rounding")
     gptq = GPTQSettings("gptq", 4, settings.group_size, False, desc_act, damp_percent, static_groups=desc_act)
@@ -148,7 +145,8 @@ def write_awq_checkpoint(model: str | None, output: str, settings: AWQSettings, 
     scaled: dict[str, torch.Tensor] = {}
     quantized, report = quantize_model_awq(loaded.model, loaded.arch, settings, windows, scaled)
     if weight_rounding == "gptq":
-        quantized = _gptq_rounded(loaded.model, loaded.arch, scaled, gptq, windows)
+        _put_back(loaded.model, scaled)
+        quantized = quantize_model_weights(loaded.model, loaded.arch, gptq, windows)
     source, config = source_checkpoint(path, loaded.arch, set(loaded.eos_token_ids))
     qc = quantization_config(settings.group_size, {
         "quantizer": ["loom"], "method": "awq", "calibration": calibration, "calibration_tokens": tokens,
@@ -178,8 +176,8 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     model under the budget (loom/quant/mixed.py: ZeroQ sensitivity, greedy allocation, as for rtn / gptq): layers
     left in the base format keep AWQ's own 4-bit weights (its clipping included), upgraded ones are the scaled
     weights by round to nearest in their format (4-bit groups of 32, 8 bits), or 16 bits. With `mixed.method`
-    "gptq" every layer, base ones included, is GPTQ of the scaled weights in its format instead (AWQ + GPTQ,
-    _gptq_rounded; clipping off). AutoAWQ's format has one
+    "gptq" every layer, base ones included, is GPTQ of the scaled weights in its format instead (AWQ + GPTQ;
+    clipping off). AutoAWQ's format has one
     bit width, so the output is a GPTQ-format checkpoint (`quant_method` "gptq", `meta.method` "awq", GPTQModel's
     `dynamic` per layer; loom/quant/gptq_format.py) with AWQ's folded norms; `checkpoint_format` "gptq" (v1, what
     AutoGPTQ and transformers read) unless some AWQ group's zero point is 0, which only v2 stores.
@@ -202,8 +200,8 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
             or (mixed.desc_act and (mixed.method != "gptq" or not mixed.static_groups)) or mixed.target_bits is None:
         raise ValueError("awq mixed precision takes rtn or gptq settings of 4 asymmetric bits in AWQ's groups, "
                          "act order only by gptq with static groups, with target_bits")
-    if mixed.method == "gptq" and settings.clip != "off":
-        raise ValueError("awq with gptq weight rounding takes clip 'off' (GPTQ rounds the unclipped scaled weights)")
+    if mixed.method == "gptq":
+        _check_gptq_clip(settings)
     out, start, path, loaded = _load_source(model, output, settings, windows)
     arch = loaded.arch
     check_lm_head_bits(mixed.lm_head_bits, arch.vocab_size)
@@ -215,12 +213,11 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
     tokens = sum(len(w) for w in windows)
     scaled: dict[str, torch.Tensor] = {}
     awq_weights, report = quantize_model_awq(loaded.model, arch, settings, windows, scaled)
-    for name, w in scaled.items():  # back to the scaled float weights: the model the allocation measures
-        loaded.model.get_submodule(name).weight.data.copy_(w)
+    _put_back(loaded.model, scaled)  # the sensitivity trials restore these weights, so GPTQ reads them too
     plan, dynamic, bits = mixed_precision_plan(loaded.model, arch, mixed, windows)
     base = mixed.base_format()
     if mixed.method == "gptq":  # every layer by GPTQ in its format (the plan's None: 16 bits, left dense)
-        quantized = _gptq_rounded(loaded.model, arch, scaled, mixed, windows, plan)
+        quantized = quantize_model_weights(loaded.model, arch, mixed, windows, plan)
     else:
         upgraded = {name: fmt for name, fmt in plan.items() if fmt != base}
         quantized = quantize_model_weights(loaded.model, arch, mixed, windows, upgraded | {
