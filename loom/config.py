@@ -144,9 +144,13 @@ class ParallelConfig:
     pipeline_microbatches: int = 2  # most micro-batches a step is cut into, so the stages work at once
     enable_expert_parallel: bool = False  # MoE: whole experts spread over the tensor-parallel ranks, tokens sent to them
     distributed_timeout_s: float = 300.0  # a collective waiting longer than this fails the step (a stuck worker)
+    # ranks that split a long prompt's prefill by position (ring attention; loom/distributed/context_parallel.py),
+    # each holding the whole model and the whole KV cache
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_microbatches"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "pipeline_microbatches",
+                     "context_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -158,11 +162,14 @@ class ParallelConfig:
         if not (math.isfinite(self.distributed_timeout_s) and self.distributed_timeout_s > 0):
             raise ValueError(f"distributed_timeout_s must be a finite number of seconds > 0, got "
                              f"{self.distributed_timeout_s}")
+        if self.context_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError("context_parallel_size > 1 with tensor_parallel_size or pipeline_parallel_size > 1 is not "
+                             "supported yet: context parallelism runs with whole-model ranks")
 
     @property
     def world_size(self) -> int:
-        """Processes in all: tensor_parallel_size * pipeline_parallel_size."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Processes in all: tensor_parallel_size * pipeline_parallel_size * context_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
 
 MAX_MEMORY_GB = float(1 << 30)  # an exbibyte: above any machine, below an overflow of the byte count
@@ -210,6 +217,7 @@ class EngineArgs:
     pipeline_microbatches: int = 2  # pipeline parallel: most micro-batches a step is cut into
     enable_expert_parallel: bool = False  # MoE: experts spread whole over the tensor-parallel ranks (all-to-all)
     distributed_timeout_s: float = 300.0  # tensor parallel: a collective stuck longer than this fails the engine
+    context_parallel_size: int = 1  # ranks that split a long prompt's prefill by position (ring attention)
     # prefill/decode disaggregation (loom/kv_transfer, docs/disaggregation.md): producer | consumer | both; None = off
     kv_transfer_role: str | None = None
     kv_connector: str = "tcp"  # the KV connector (loom.kv_transfer.base.KV_CONNECTORS)
@@ -261,21 +269,21 @@ class EngineArgs:
         if self.kv_retention != "full":
             for conflict, on in (("preemption_mode='swap'", self.preemption_mode == "swap"),
                                  ("kv_transfer_role", self.kv_transfer_role is not None),
-                                 ("tensor_parallel_size / pipeline_parallel_size > 1", parallel.world_size > 1),
+                                 ("tensor / pipeline / context_parallel_size > 1", parallel.world_size > 1),
                                  ("speculative decoding", self._method() is not None)):
                 if on:
                     raise ValueError(f"kv_retention={self.kv_retention!r} with {conflict} is not supported yet")
         if parallel.world_size > 1 and self.sparse_attention != "none":
-            raise ValueError("sparse_attention with tensor_parallel_size / pipeline_parallel_size > 1 is not "
+            raise ValueError("sparse_attention with tensor / pipeline / context_parallel_size > 1 is not "
                              "supported yet")
         if self.kv_transfer_config() is not None and parallel.world_size > 1:
-            raise ValueError("kv_transfer_role with tensor_parallel_size / pipeline_parallel_size > 1 is not "
+            raise ValueError("kv_transfer_role with tensor / pipeline / context_parallel_size > 1 is not "
                              "supported yet (the blocks live on every rank)")
         if parallel.world_size > 1 and self._method() == "draft_model":
-            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 with a draft model is not supported "
+            raise ValueError("tensor / pipeline / context_parallel_size > 1 with a draft model is not supported "
                              "yet (the draft would run unsplit on rank 0); use speculative_method ngram or suffix")
         if parallel.world_size > 1 and self.speculative_tree_width > 1:
-            raise ValueError("speculative_tree_width > 1 with tensor_parallel_size / pipeline_parallel_size > 1 is "
+            raise ValueError("speculative_tree_width > 1 with tensor / pipeline / context_parallel_size > 1 is "
                              "not supported yet (rank 0 alone knows which branch won, the other ranks' caches would "
                              "miss its rows)")
 
@@ -294,7 +302,8 @@ class EngineArgs:
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               pipeline_microbatches=self.pipeline_microbatches,
                               enable_expert_parallel=self.enable_expert_parallel,
-                              distributed_timeout_s=self.distributed_timeout_s)
+                              distributed_timeout_s=self.distributed_timeout_s,
+                              context_parallel_size=self.context_parallel_size)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,

@@ -31,6 +31,9 @@ class AttentionMetadata:
     # KV retention: a loom.attention.kv_scores.KVScoreCollector the attention layers feed with their weights this step
     # (H2O / SnapKV rank blocks by them); None = nothing to score
     kv_scores: Any = None
+    # context parallelism: a loom.distributed.context_parallel.ContextParallelStep when this rank computes only its
+    # share of a prefill step (this metadata then describes its own rows); the attention layers exchange K/V through it
+    context_parallel: Any = None
 
     @property
     def num_tokens(self) -> int:

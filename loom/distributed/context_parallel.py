@@ -339,3 +339,93 @@ def _ring_shift(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallel) -> 
     ops = [dist.P2POp(dist.isend, send, group=cp.group, group_peer=(cp.rank + 1) % cp.size),
            dist.P2POp(dist.irecv, recv, group=cp.group, group_peer=(cp.rank - 1) % cp.size)]
     return dist.batch_isend_irecv(ops)
+
+
+@dataclass(slots=True)
+class ContextParallelStep:
+    """A step whose prefill chunks are split over a context-parallel ring (the engine's use of this module): every
+    rank holds the whole model and the whole paged KV cache, and computes only its own contiguous share of each long
+    enough prefill chunk (`partition`); the step's other rows (decode and verify rows, short chunks) run whole on every
+    rank. Attention needs the keys and values of a chunk's earlier positions, which other ranks computed: at each
+    layer the ranks' K/V chunks travel round the ring as in ring attention (rank r sends to r + 1 and receives from
+    r - 1), each arriving chunk is written into this rank's paged cache, and as soon as every chunk before its own has
+    arrived (after r hops under the contiguous split) the rank attends its query rows over the cache with the
+    engine's own attention backend, while the remaining hops forward the later chunks. The attention is therefore
+    the same computation as on one rank (the same kernel over the same cached K/V rows), not an online-softmax
+    merge, and every rank's cache ends the step holding every chunk whole, so later steps (decode, prefix hits, the
+    next chunk) run on any rank alike.
+
+    The layout is known to every rank from the scheduler's output, so the ring exchanges no shapes. Attached to the
+    step's AttentionMetadata (its `context_parallel` field) for the attention layers.
+    """
+
+    cp: ContextParallel
+    # per rank: [rows] int64 slot in the paged cache of each row it exchanges (its shares of the split chunks)
+    slots: list[torch.Tensor]
+    # this rank's rows that it exchanges, as indices into its own batch; None = all of them (no whole rows)
+    exchange_rows: torch.Tensor | None
+    # per request in batch order: ("whole", first row in this rank's batch, rows), or ("split", [(rank, first row
+    # among that rank's exchanged rows, rows) for each rank in order])
+    pieces: list[tuple[str, Any, Any]]
+    # per entry of this rank's attention metadata: the position that decides LongRoPE's table (a split chunk's last
+    # position, else the entry's own last row's)
+    longrope_ends: list[int]
+
+    @property
+    def rows_per_rank(self) -> list[int]:
+        return [int(s.shape[0]) for s in self.slots]
+
+    def attend(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Exchange this layer's K/V of the split chunks round the ring, writing each arriving chunk into kv_cache,
+        and call `attend()` (the backend over this rank's rows, which writes its own rows as usual) once every
+        earlier chunk is cached; returns its result.
+
+        key, value: [rows of this rank's batch, num_kv_heads, head_dim] in the model dtype. Every rank of the ring
+        must call it at the same layer (a collective)."""
+        from loom.attention.backend import write_kv_cache
+
+        cp = self.cp
+        rows = self.rows_per_rank
+        if self.exchange_rows is not None:
+            key, value = key.index_select(0, self.exchange_rows), value.index_select(0, self.exchange_rows)
+        current = torch.zeros(2, max(rows), *key.shape[1:], dtype=key.dtype, device=key.device)
+        current[0, : key.shape[0]], current[1, : key.shape[0]] = key, value
+        # under the contiguous split rank r's queries need the chunks of ranks r - 1 .. 0, which arrive in hops
+        # 1 .. r; the hops after that only fill the cache for later steps
+        needed_hops = cp.rank
+        out = None
+        incoming = torch.empty_like(current)
+        pending = _ring_shift(current, incoming, cp) if cp.size > 1 else []
+        if needed_hops == 0:
+            out = attend()  # rank 0 needs nothing from the others: it attends while its chunk travels
+        for hop in range(1, cp.size):
+            for work in pending:
+                work.wait()
+            current, incoming = incoming, torch.empty_like(current)
+            source = (cp.rank - hop) % cp.size
+            pending = _ring_shift(current, incoming, cp) if hop < cp.size - 1 else []
+            n = rows[source]
+            write_kv_cache(current[0, :n], current[1, :n], kv_cache, self.slots[source], has_pad_slots=False)
+            if hop == needed_hops:
+                out = attend()  # overlaps the hops still forwarding later chunks
+        for work in pending:
+            work.wait()
+        assert out is not None
+        return out
+
+    def gather_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's output rows [rows of its batch, hidden] -> the whole step's rows in batch order (every
+        request's chunk whole, requests in order) [all rows, hidden], on every rank (a collective)."""
+        rows = self.rows_per_rank
+        exchanged = hidden if self.exchange_rows is None else hidden.index_select(0, self.exchange_rows)
+        padded = torch.zeros(max(rows), *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+        padded[: exchanged.shape[0]] = exchanged
+        parts = [torch.empty_like(padded) for _ in range(self.cp.size)]
+        dist.all_gather(parts, padded, group=self.cp.group)
+        out = []
+        for kind, a, b in self.pieces:
+            if kind == "whole":
+                out.append(hidden[a : a + b])
+            else:
+                out.extend(parts[rank][first : first + count] for rank, first, count in a)
+        return torch.cat(out)

@@ -179,6 +179,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="mixture-of-experts models: spread whole experts over the --tensor-parallel-size ranks and "
                         "send each token to its experts' ranks and back (all-to-all), instead of splitting every "
                         "expert's width")
+    g.add_argument("--context-parallel-size", "-cp", type=int, default=defaults.context_parallel_size,
+                   help="processes that split a long prompt's prefill by position (context parallelism: ring "
+                        "attention over the ranks' K/V chunks); each holds the whole model and KV cache, and decode "
+                        "steps run on every rank alike (docs/distributed.md) (default: %(default)s)")
     g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                    default=defaults.distributed_timeout_s,
                    help="tensor / pipeline parallel: seconds a collective may wait for a rank before the engine "

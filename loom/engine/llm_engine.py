@@ -80,7 +80,7 @@ def _retention_refused(arch: Any, args: EngineArgs) -> str | None:
     if any(arch.layer_sliding_window(i) is not None for i in range(arch.num_layers)):
         return "a model with sliding-window layers"
     if args.parallel_config().world_size > 1:
-        return "tensor_parallel_size / pipeline_parallel_size > 1"
+        return "tensor / pipeline / context_parallel_size > 1"
     return None
 
 
@@ -200,7 +200,7 @@ class LLMEngine:
             parts = report()
             logger.info(
                 "weights%s (quantization %s): %s; a decode step reads %.1f MB of them",
-                "" if args.parallel_config().world_size == 1 else " of rank 0's shard",
+                "" if args.parallel_config().world_size == args.context_parallel_size else " of rank 0's shard",
                 getattr(self.runner.model.quant_config, "name", "none"),
                 "; ".join(f"{kind} {fmt} {nbytes / 1e6:.1f} MB" for kind, (fmt, nbytes) in parts.items()),
                 sum(n for kind, (_, n) in parts.items() if kind != "embed_tokens") / 1e6,

@@ -74,8 +74,8 @@ class MultiprocExecutor:
         if launched_by_torchrun():
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.size or rank != 0:
-                raise ValueError(f"torchrun started {world} ranks (this is rank {rank}) for tensor_parallel_size x "
-                                 f"pipeline_parallel_size = {self.size}: they must be equal, and rank 0 runs the "
+                raise ValueError(f"torchrun started {world} ranks (this is rank {rank}) for tensor x pipeline x "
+                                 f"context_parallel_size = {self.size}: they must be equal, and rank 0 runs the "
                                  "engine")
             init_method = "env://"
         else:
@@ -107,8 +107,8 @@ class MultiprocExecutor:
             self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             loaded = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)  # waits for the slowest rank's loading
             agree_on_options((model_config, cache_config, parallel), loaded)
-            tp, pp = model_parallel_groups(0, parallel, num_layers)
-            self.driver = ModelRunner(model_config, cache_config, device, tp=tp, pp=pp)
+            tp, pp, cp = model_parallel_groups(0, parallel, num_layers)
+            self.driver = ModelRunner(model_config, cache_config, device, tp=tp, pp=pp, cp=cp)
             self._check_same_blocks(loaded)
         except Exception as e:
             dead = self._dead_workers()
@@ -118,8 +118,9 @@ class MultiprocExecutor:
                 raise ExecutorDiedError(f"tensor-parallel workers failed to start: {dead}") from e
             raise
         self._encoder = StepEncoder()
-        logger.info("model parallel: tensor %d x pipeline %d = %d ranks on gloo (%s), %d KV blocks on every rank",
-                    parallel.tensor_parallel_size, parallel.pipeline_parallel_size, self.size,
+        logger.info("model parallel: tensor %d x pipeline %d x context %d = %d ranks on gloo (%s), %d KV blocks on "
+                    "every rank", parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                    parallel.context_parallel_size, self.size,
                     "torchrun" if not self._procs else "local worker processes", self.driver.num_blocks)
 
     def _wait_ready(self, timeout_s: float) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from loom.config import CacheConfig, ModelConfig, ParallelConfig
+from loom.distributed.context_parallel import ContextParallel
 from loom.distributed.pipeline_parallel import PipelineParallel, build_groups
 from loom.distributed.tensor_parallel import TensorParallel
 from loom.env import env_flag
@@ -33,15 +34,20 @@ def threads_per_rank(num_threads: int | None, size: int) -> int:
     return num_threads or max(1, (os.cpu_count() or 1) // size)
 
 
-def model_parallel_groups(rank: int, parallel: ParallelConfig,
-                          num_layers: int) -> tuple[TensorParallel | None, PipelineParallel | None]:
-    """This rank's tensor-parallel group and pipeline stage (every rank calls it, in the same order).
+def model_parallel_groups(rank: int, parallel: ParallelConfig, num_layers: int
+                          ) -> tuple[TensorParallel | None, PipelineParallel | None, ContextParallel | None]:
+    """This rank's tensor-parallel group, pipeline stage and context-parallel ring (every rank calls it, in the same
+    order). Context parallelism runs alone (ParallelConfig refuses it beside the others): its ring is every rank of
+    the default group.
 
     Raises:
         ValueError: more stages than the model's `num_layers`.
     """
-    return build_groups(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, num_layers,
-                        parallel.pipeline_microbatches, parallel.enable_expert_parallel)
+    if parallel.context_parallel_size > 1:
+        return None, None, ContextParallel(rank, parallel.context_parallel_size)
+    tp, pp = build_groups(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, num_layers,
+                          parallel.pipeline_microbatches, parallel.enable_expert_parallel)
+    return tp, pp, None
 
 
 def check_layout(model_config: ModelConfig, parallel: ParallelConfig) -> int:
@@ -101,8 +107,8 @@ def serve_worker(rank: int, parallel: ParallelConfig, model_config: ModelConfig,
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     loaded = dist.new_group(backend="gloo", timeout=LOAD_TIMEOUT)
     agree_on_options((model_config, cache_config, parallel), loaded)
-    tp, pp = model_parallel_groups(rank, parallel, check_layout(model_config, parallel))
-    runner = ModelRunner(model_config, cache_config, torch.device("cpu"), tp=tp, pp=pp)
+    tp, pp, cp = model_parallel_groups(rank, parallel, check_layout(model_config, parallel))
+    runner = ModelRunner(model_config, cache_config, torch.device("cpu"), tp=tp, pp=pp, cp=cp)
     block_counts(runner, parallel.world_size, loaded)  # rank 0 checks that the ranks agree
     decoder = StepDecoder()
     while True:
@@ -156,11 +162,11 @@ def serve_torchrun_rank(model_config: ModelConfig, cache_config: CacheConfig, pa
     torchrun's rendezvous set up and serve rank 0's steps until it stops.
 
     Raises:
-        ValueError: WORLD_SIZE differs from tensor_parallel_size x pipeline_parallel_size.
+        ValueError: WORLD_SIZE differs from tensor x pipeline x context_parallel_size.
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != parallel.world_size:
-        raise ValueError(f"torchrun started {world} ranks for tensor_parallel_size x pipeline_parallel_size = "
+        raise ValueError(f"torchrun started {world} ranks for tensor x pipeline x context_parallel_size = "
                          f"{parallel.world_size}: they must be equal")
     torch.set_num_threads(threads_per_rank(num_threads, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,

@@ -481,6 +481,9 @@ class LlamaModel(nn.Module):
         meta = attn_metadata[0] if isinstance(attn_metadata, list) else attn_metadata
         starts = meta.query_start_loc_cpu
         lengths = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)], device=positions.device)
+        if meta.context_parallel is not None:  # this rank holds a share of a split chunk: decide by its last token
+            last = torch.tensor(meta.context_parallel.longrope_ends, dtype=torch.int64, device=positions.device)
+            return (last >= long_from).repeat_interleave(lengths[lengths > 0])
         ends = torch.tensor([b - 1 for a, b in zip(starts, starts[1:], strict=False) if b > a],
                             dtype=torch.int64, device=positions.device)
         flags = positions.index_select(0, ends) >= long_from
@@ -509,7 +512,9 @@ class LlamaModel(nn.Module):
                 hidden = hidden * self.embedding_scale
         # a pure decode step in one C call, when it serves this step (not while KV retention scores the attention:
         # that needs each layer's queries)
-        if self.decode_step is not None and getattr(attn_metadata, "kv_scores", None) is None:
+        # (nor on a context-parallel share of a prefill, whose attention waits for the other ranks' K/V)
+        if (self.decode_step is not None and getattr(attn_metadata, "kv_scores", None) is None
+                and getattr(attn_metadata, "context_parallel", None) is None):
             out = self.decode_step.run(hidden, cos_sin, kv_caches, attn_metadata, cos_sin_local)
             if out is not None:
                 return out

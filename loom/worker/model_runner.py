@@ -16,8 +16,9 @@ from loom.attention.metadata import AttentionMetadata
 from loom.attention.sparse import SparseAttentionConfig, copied_block_ids, stale_key_summaries
 from loom.attention.kv_scores import KVScoreCollector
 from loom.config import CacheConfig, ModelConfig
+from loom.distributed.context_parallel import ContextParallel, ContextParallelStep
 from loom.distributed.pipeline_parallel import PipelineParallel, split_microbatches
-from loom.distributed.tensor_parallel import TensorParallel, max_kv_heads_per_rank
+from loom.distributed.tensor_parallel import TensorParallel, max_kv_heads_per_rank, partition
 from loom.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from loom.model.huge_pages import huge_pages_available, log_placement
@@ -156,18 +157,23 @@ class ModelRunner:
     """Owns the model, the paged KV tensors and the generator of unseeded samples."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
-                 tp: TensorParallel | None = None, pp: PipelineParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, pp: PipelineParallel | None = None,
+                 cp: ContextParallel | None = None) -> None:
         """tp: this process's rank in a tensor-parallel group (it holds its shard of the weights and the KV heads
-        of its attention heads); pp: its pipeline stage (its layers and their KV caches); None = the whole model.
-        Only the driver (tensor-parallel rank 0 of the first stage) samples.
+        of its attention heads); pp: its pipeline stage (its layers and their KV caches); cp: its place in a
+        context-parallel ring (the whole model and KV cache, a share of each prefill step); None = the whole model
+        and every row. Only the driver (rank 0 of each kind) samples.
 
         Raises:
-            ValueError: a pipeline stage with a hybrid KV cache or a host tier (not supported yet), or as load_model.
+            ValueError: a pipeline stage with a hybrid KV cache or a host tier, or context parallelism with a hybrid
+                KV cache (not supported yet), or as load_model.
         """
         self.device = device
         self.tp = tp
         self.pp = pp
-        self.is_driver = (tp is None or tp.rank == 0) and (pp is None or pp.is_first)
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.is_driver = ((tp is None or tp.rank == 0) and (pp is None or pp.is_first)
+                          and (self.cp is None or self.cp.rank == 0))
         if pp is not None and cache_config.kv_offload_memory_bytes:
             raise ValueError("kv_offload_memory: the host tier is not supported with pipeline parallelism yet")
         self.dtype = resolve_dtype(model_config.dtype, device, model_config.quantization, model_config.model)
@@ -205,6 +211,9 @@ class ModelRunner:
         hybrid = len(groups) > 1
         if hybrid and pp is not None:
             raise ValueError("pipeline parallelism with a hybrid sliding-window KV cache (Gemma 2 / 3) is not "
+                             "supported yet; switch it off with --no-hybrid-kv-cache")
+        if hybrid and self.cp is not None:
+            raise ValueError("context parallelism with a hybrid sliding-window KV cache (Gemma 2 / 3) is not "
                              "supported yet; switch it off with --no-hybrid-kv-cache")
         if hybrid and cache_config.kv_offload_memory_bytes:
             raise ValueError("kv_offload_memory: the host tier is not supported with the hybrid sliding-window KV "
@@ -249,6 +258,7 @@ class ModelRunner:
         # the step in progress has passed its last collective (under model parallelism an error after that point is
         # rank 0's alone and fails only that step; before it, the ranks are out of step)
         self.step_collectives_done = False
+        self.context_parallel_steps = 0  # steps this rank ran as a share of the context-parallel ring
         self.structured: StructuredOutputManager | None = None  # set by the engine; grammar masks per request
 
     @torch.inference_mode()
@@ -267,8 +277,17 @@ class ModelRunner:
             return output
         if self.pp is not None:
             return self._execute_pipeline_stage(scheduler_output.scheduled)
+        if self.cp is not None:
+            split = self._context_parallel_splits(scheduler_output.scheduled)
+            if any(split):
+                return self._execute_context_parallel(scheduler_output.scheduled, split, output)
         inputs = self._prepare_inputs(scheduler_output.scheduled)
+        # (a context-parallel rank runs the steps it does not split whole, as every rank does, so that its KV cache
+        # stays the same as rank 0's)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if self.cp is not None and not self.is_driver:
+            self.step_collectives_done = True
+            return output  # no logits: they involve no other rank
         prompt_lp_logits, sample_logits = self._logits(hidden, inputs)  # every tensor-parallel rank: a collective
         self.step_collectives_done = True  # what follows is rank 0's alone
         if not self.is_driver:
@@ -280,6 +299,78 @@ class ModelRunner:
             self._add_prompt_logprobs(prompt_lp_logits, inputs, output)
         if sample_logits is not None:
             self._sample(sample_logits, inputs.sample_reqs, output)
+        return output
+
+    def _context_parallel_splits(self, scheduled: list[ScheduledRequest]) -> list[bool]:
+        """Which requests of the step a context-parallel engine splits over its ring: plain prefill chunks (no
+        verify or decode rows, no KV retention scoring) of at least one token per rank. The rest run whole on every
+        rank, so that every rank's KV cache stays the same as rank 0's. Every rank decides alike from the same
+        scheduler output."""
+        assert self.cp is not None
+        return [not r.spec_token_ids and not r.spec_branches and not r.decode_rows and not r.kv_score_rows
+                and not r.group_block_tables and r.num_dropped_tokens == 0 and len(r.token_ids) >= self.cp.size
+                for r in scheduled]
+
+    def _execute_context_parallel(self, scheduled: list[ScheduledRequest], split: list[bool],
+                                  output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """A step whose prefill chunks are split over the context-parallel ring (ContextParallelStep): this rank runs
+        the model on its contiguous share of each split chunk and on the step's other rows whole, its attention
+        layers exchange the split chunks' K/V round the ring, and the output rows are gathered so that rank 0
+        computes the logits and samples exactly as for the whole step."""
+        cp = self.cp
+        assert cp is not None
+        whole = self._prepare_inputs(scheduled)  # the step's rows in batch order: what sampling indexes
+        meta = whole.attn_metadata
+        assert isinstance(meta, AttentionMetadata)
+        first_row = [0]  # each request's first row in the whole step (no tree branches under model parallelism)
+        for req in scheduled:
+            first_row.append(first_row[-1] + len(req.token_ids))
+        shares = [[partition(len(r.token_ids), cp.size, rank) if split[i] else None for i, r in enumerate(scheduled)]
+                  for rank in range(cp.size)]
+        slots = [torch.cat([meta.slot_mapping[first_row[i] + a : first_row[i] + b]
+                            for i, share in enumerate(rank_shares) if share is not None for a, b in [share]])
+                 for rank_shares in shares]
+        local_scheduled = [dataclasses.replace(r, token_ids=r.token_ids[share[0] : share[1]],
+                                               start_position=r.start_position + share[0])
+                           if share is not None else r for r, share in zip(scheduled, shares[cp.rank], strict=True)]
+        local = self._prepare_inputs(local_scheduled)
+        pieces: list[tuple[str, Any, Any]] = []
+        exchange: list[int] = []
+        longrope_ends: list[int] = []
+        local_row = 0
+        exchanged_before = [0] * cp.size  # per rank: its exchanged rows of the requests before this one
+        for i, req in enumerate(local_scheduled):
+            n = len(req.token_ids)
+            if split[i]:
+                counts = [shares[rank][i][1] - shares[rank][i][0] for rank in range(cp.size)]
+                pieces.append(("split", [(rank, exchanged_before[rank], counts[rank]) for rank in range(cp.size)],
+                               None))
+                exchanged_before = [e + c for e, c in zip(exchanged_before, counts, strict=True)]
+                exchange.extend(range(local_row, local_row + n))
+                longrope_ends.append(scheduled[i].start_position + len(scheduled[i].token_ids) - 1)
+            else:
+                pieces.append(("whole", local_row, n))
+                entries = n if req.spec_token_ids or req.decode_rows else 1  # rows of their own, or one chunk
+                longrope_ends.extend(range(req.start_position + n - entries, req.start_position + n))
+            local_row += n
+        dev = self.device
+        plan = ContextParallelStep(
+            cp, slots, None if len(exchange) == local_row else torch.tensor(exchange, dtype=torch.int64, device=dev),
+            pieces, longrope_ends)
+        local_meta = local.attn_metadata
+        assert isinstance(local_meta, AttentionMetadata)
+        hidden = self.model(local.input_ids, local.positions, self.kv_caches,
+                            dataclasses.replace(local_meta, context_parallel=plan))
+        hidden = plan.gather_rows(hidden)
+        self.context_parallel_steps += 1
+        self.step_collectives_done = True  # what follows is rank 0's alone
+        if not self.is_driver:
+            return output
+        prompt_lp_logits, sample_logits = self._logits(hidden, whole)
+        if prompt_lp_logits is not None:
+            self._add_prompt_logprobs(prompt_lp_logits, whole, output)
+        if sample_logits is not None:
+            self._sample(sample_logits, whole.sample_reqs, output)
         return output
 
     def _logits(self, hidden: torch.Tensor, inputs: _StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:

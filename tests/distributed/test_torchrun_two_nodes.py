@@ -70,5 +70,5 @@ def test_tp2_across_two_torchrun_nodes_equals_one_process(two_nodes: tuple[list[
         assert node.returncode == 0, err[-3000:]
     single = subprocess.run([sys.executable, *GENERATE], capture_output=True, text=True, timeout=240, check=True)
     assert outs[0][0].strip() and outs[0][0] == single.stdout
-    assert "tensor 2 x pipeline 1 = 2 ranks on gloo (torchrun)" in outs[0][1]
+    assert "tensor 2 x pipeline 1 x context 1 = 2 ranks on gloo (torchrun)" in outs[0][1]
     assert outs[1][0] == ""  # the worker node prints nothing of its own

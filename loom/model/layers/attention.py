@@ -44,13 +44,17 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads * head_dim]."""
-        if self.logit_softcapping is not None:
-            from loom.attention.reference import attend_per_request
+        def attend() -> torch.Tensor:
+            if self.logit_softcapping is not None:
+                from loom.attention.reference import attend_per_request
 
-            out = attend_per_request(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window,
-                                     self.logit_softcapping)
-        else:
-            out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window)
+                return attend_per_request(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window,
+                                          self.logit_softcapping)
+            return self.backend.forward(query, key, value, kv_cache, attn_metadata, self.scale, self.sliding_window)
+
+        cp_step = attn_metadata.context_parallel
+        # context parallel: the other ranks' K/V of this chunk reach the cache first (a ring), then the same attention
+        out = attend() if cp_step is None else cp_step.attend(key, value, kv_cache, attend)
         if attn_metadata.kv_scores is not None:  # KV retention ranks blocks by the attention they receive
             attn_metadata.kv_scores.observe(query, kv_cache, attn_metadata, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

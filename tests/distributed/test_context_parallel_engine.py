@@ -1,0 +1,122 @@
+"""Context parallelism in the engine: a prefill chunk split by position over two or three whole-model processes
+(rank 0 in the test), against one process, in float32.
+
+Each rank computes its share of every split chunk; the attention layers pass the chunks' K/V round the ring into
+every rank's paged cache and attend with the engine's own backend, so greedy tokens must be equal and logprobs
+within 1e-4 (the issue's bar for model parallelism). A rank that skipped the exchange would attend over keys it
+never received and fail these comparisons. Each engine uses one thread per process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loom import LLM, SamplingParams
+from tests.helpers import save_tiny_model
+
+pytestmark = pytest.mark.timeout(300)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+# prompt logprobs read every prompt row (the gathered rows of every rank, in order); such requests skip the prefix
+# cache, so they run apart from the prefix-hit test
+PROMPT_LP = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+TEXTS = ["The quick brown fox", "def fibonacci(n):", "Bonjour, comment", "1, 2, 3, 4, 5,",
+         "A long shared system prompt that fills several blocks. The quick brown fox " * 3,
+         "A long shared system prompt that fills several blocks. def fibonacci(n): " * 3]
+
+# uneven KV heads with biases (Llama); Gemma 2 with its sliding-window layer and logit soft-capping (the hybrid KV
+# cache off: context parallelism refuses it)
+TINY = {
+    "llama": ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=200,
+                            attention_bias=True)),
+    "gemma2": ("gemma2", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cp")
+    return {name: str(save_tiny_model(root / name, arch, hf_tokenizer, **kw)) for name, (arch, kw) in TINY.items()}
+
+
+def _run(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list:
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _assert_close(want: list, got: list) -> None:
+    for a, b in zip(want, got, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids
+        for la, lb, t in zip(x.logprobs, y.logprobs, x.token_ids, strict=True):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+        if a.prompt_logprobs is not None:
+            for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+                assert pa.keys() == pb.keys() and all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def _no_leak(llm: LLM) -> None:
+    engine = llm.engine
+    engine.scheduler.check_invariants()
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_running == stats.num_waiting == 0
+
+
+@pytest.mark.parametrize(("name", "cp"), [("llama", 2), ("llama", 3), ("gemma2", 2)])
+def test_context_parallel_equals_one_process_batched_with_prefix_hits_chunks_and_preemption(
+        name: str, cp: int, tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """Small steps (chunked prefill: chunks split beside decode rows that run whole), few blocks (preemption), the
+    same prompts twice (prefix hits: a split chunk after a cached prefix)."""
+    prompts = [hf_tokenizer.encode(t) for t in TEXTS]
+    common = dict(model=tiny_dirs[name], dtype="float32", num_threads=1, block_size=4, hybrid_kv_cache=False)
+    want = _run(LLM(**common, num_kv_blocks=512), prompts)
+    llm = LLM(**common, context_parallel_size=cp, num_kv_blocks=40, max_num_batched_tokens=24)
+    try:
+        for _ in range(2):
+            _assert_close(want, _run(llm, prompts))
+        _assert_close(_run(LLM(**common, num_kv_blocks=512), prompts[-2:], PROMPT_LP),
+                      _run(llm, prompts[-2:], PROMPT_LP))
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert llm.engine.runner.context_parallel_steps > 0
+        _no_leak(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_context_parallel_with_ngram_speculation(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """Verify rows run whole on every rank (their K/V land in every cache); the prompt is split."""
+    prompts = [hf_tokenizer.encode("one two three one two three one two three one two")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    common = dict(model=tiny_dirs["llama"], dtype="float32", num_threads=1, speculative_method="ngram",
+                  speculative_disable_by_batch_size=None)
+    want = _run(LLM(**common), prompts, params)
+    llm = LLM(**common, context_parallel_size=2)
+    try:
+        _assert_close(want, _run(llm, prompts, params))
+        assert llm.engine.get_stats().spec_num_draft_tokens > 0
+        assert llm.engine.runner.context_parallel_steps > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_real_model_context_parallel_equals_one_process(llm: LLM) -> None:
+    """The bundled SmolLM2 in float32 (the oracle path), a long prompt and short ones in one step."""
+    prompts = ["The capital of France is", "Write a haiku about autumn. " * 40, "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, prompt_logprobs=1)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    split = LLM(dtype="float32", quantization="none", num_threads=1, context_parallel_size=2)
+    try:
+        _assert_close(want, split.generate(prompts, params, use_tqdm=False))
+        assert split.engine.runner.context_parallel_steps > 0
+        _no_leak(split)
+    finally:
+        split.engine.shutdown()
+
+
+def test_unsupported_context_parallel_setups_are_refused_by_name(tiny_dirs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="context_parallel_size must be an integer >= 1"):
+        LLM(model=tiny_dirs["llama"], context_parallel_size=0)
+    with pytest.raises(ValueError, match="context_parallel_size > 1 with tensor_parallel_size"):
+        LLM(model=tiny_dirs["llama"], context_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="context parallelism with a hybrid sliding-window KV cache"):
+        LLM(model=tiny_dirs["gemma2"], dtype="float32", num_threads=1, context_parallel_size=2)
