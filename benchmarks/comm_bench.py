@@ -56,6 +56,11 @@ class Point:
     p10_s: float  # 10th percentile, seconds
     p90_s: float  # 90th percentile, seconds
 
+    def time(self, statistic: str) -> float:
+        """The measured time the fit and the errors use: "median" or "p10" (the time when neither process was
+        descheduled during the operation), seconds."""
+        return self.median_s if statistic == "median" else self.p10_s
+
 
 def sizes() -> list[tuple[str, int, bool]]:
     """(op, per-rank bytes, step size?) for every measurement."""
@@ -150,13 +155,14 @@ def coefficients(op: str, n: float) -> tuple[float, float]:
     return 1.0, n
 
 
-def fit(points: list[Point]) -> tuple[float, float]:
-    """(α s, BW bytes/s) minimising Σ ((c·α + b/BW - t) / t)² over `points`, both kept >= 0.
+def fit(points: list[Point], statistic: str = "median") -> tuple[float, float]:
+    """(α s, BW bytes/s) minimising Σ ((c·α + b/BW - t) / t)² over `points` (t: each point's `statistic`), both kept
+    >= 0.
 
     A parameter the unconstrained solution makes negative is fixed at 0 and the other refitted.
     """
     a = np.array([coefficients(p.op, p.num_bytes) for p in points], dtype=np.float64)
-    t = np.array([p.median_s for p in points], dtype=np.float64)
+    t = np.array([p.time(statistic) for p in points], dtype=np.float64)
     w = (a / t[:, None], np.ones_like(t))
     sol, *_ = np.linalg.lstsq(w[0], w[1], rcond=None)
     lat, inv_bw = float(sol[0]), float(sol[1])
@@ -176,20 +182,21 @@ def predict(link: Interconnect, p: Point) -> float:
     return send_time(p.num_bytes, link)
 
 
-def report(points: list[Point], joint: Interconnect, per_op: Interconnect) -> tuple[str, dict[str, float]]:
-    """Markdown table of measured against both models, and the worst relative errors."""
-    lines = ["| op | bytes (n) | step size | measured us (p10-p90) | joint fit us | err | per-op fit us | err |",
-             "|---|---|---|---|---|---|---|---|"]
+def report(points: list[Point], joint: Interconnect, per_op: Interconnect,
+           statistic: str = "median") -> tuple[str, dict[str, float]]:
+    """Markdown table of measured (`statistic`) against both models, and the worst relative errors."""
+    lines = [f"| op | bytes (n) | step size | measured {statistic} us (p10-p90) | joint fit us | err | per-op fit us | "
+             "err |", "|---|---|---|---|---|---|---|---|"]
     worst = {"joint_step": 0.0, "joint_all": 0.0, "per_op_step": 0.0, "per_op_all": 0.0}
     for p in sorted(points, key=lambda q: (q.op, q.num_bytes, not q.step_size)):
         pj, pp = predict(joint, p), predict(per_op, p)
-        ej, ep = pj / p.median_s - 1, pp / p.median_s - 1
+        ej, ep = pj / p.time(statistic) - 1, pp / p.time(statistic) - 1
         worst["joint_all"] = max(worst["joint_all"], abs(ej))
         worst["per_op_all"] = max(worst["per_op_all"], abs(ep))
         if p.step_size:
             worst["joint_step"] = max(worst["joint_step"], abs(ej))
             worst["per_op_step"] = max(worst["per_op_step"], abs(ep))
-        lines.append(f"| {p.op} | {p.num_bytes:,} | {'yes' if p.step_size else ''} | {p.median_s * 1e6:,.1f} "
+        lines.append(f"| {p.op} | {p.num_bytes:,} | {'yes' if p.step_size else ''} | {p.time(statistic) * 1e6:,.1f} "
                      f"({p.p10_s * 1e6:,.0f}-{p.p90_s * 1e6:,.0f}) | {pj * 1e6:,.1f} | {100 * ej:+.0f}% | "
                      f"{pp * 1e6:,.1f} | {100 * ep:+.0f}% |")
     return "\n".join(lines), worst
@@ -201,6 +208,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=25, help="timed repetitions per size (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed operations per size (default: %(default)s)")
     ap.add_argument("--burst", type=int, default=4, help="operations per repetition (default: %(default)s)")
+    ap.add_argument("--statistic", choices=("median", "p10"), default="median",
+                    help="which measured time the model is fitted to and judged against: the median over "
+                         "repetitions, or the 10th percentile (an operation neither process was descheduled in) "
+                         "(default: %(default)s)")
+    ap.add_argument("--against", type=Path, default=None,
+                    help="an earlier run's JSON: also print its per-op fit's errors on this run (out of sample) and "
+                         "this run's measured times over its, at the step sizes (how reproducible they are)")
     ns = ap.parse_args()
     if ns.reps < 20 or ns.burst < 1 or ns.warmup < 0:
         raise ValueError("--reps must be >= 20, --burst >= 1 and --warmup >= 0")
@@ -209,18 +223,18 @@ def main() -> None:
     load_before = os.getloadavg()
     points = measure(ns.reps, ns.warmup, ns.burst)
     load_after = os.getloadavg()
-    lat, bw = fit(points)
+    lat, bw = fit(points, ns.statistic)
     joint = Interconnect("loopback joint fit", bw, lat)
-    op_fits = {op: fit([p for p in points if p.op == op]) for op in MEASURED_OPS}
+    op_fits = {op: fit([p for p in points if p.op == op], ns.statistic) for op in MEASURED_OPS}
     per_op = Interconnect("loopback per-op fit", bw, lat, tuple(OpLink(op, b, a) for op, (a, b) in op_fits.items()))
-    table, worst = report(points, joint, per_op)
+    table, worst = report(points, joint, per_op, ns.statistic)
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "?")
     doc = {
         "started": started, "machine": {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
                                         "torch": torch.__version__},
         "settings": {"ranks": RANKS, "reps": ns.reps, "warmup": ns.warmup, "burst": ns.burst, "backend": "gloo",
-                     "init": "tcp://127.0.0.1", "threads_per_rank": 1},
+                     "init": "tcp://127.0.0.1", "threads_per_rank": 1, "statistic": ns.statistic},
         "loadavg_1_5_15": {"before": load_before, "after": load_after},  # other work on the cores skews the times
         "fit": {"joint": {"latency_s": lat, "bandwidth_Bps": bw},
                 "per_op": {op: {"latency_s": a, "bandwidth_Bps": b} for op, (a, b) in op_fits.items()}},
@@ -235,6 +249,28 @@ def main() -> None:
     print(table)
     print("worst |relative error|: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in worst.items()))
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); wrote {ns.out}")
+    if ns.against is not None:
+        print(against(points, json.loads(ns.against.read_text()), ns.statistic))
+
+
+def against(points: list[Point], earlier: dict, statistic: str) -> str:
+    """Lines: an earlier run's per-op fit judged on this run's `statistic` at the step sizes (out of sample), and this
+    run's measured times over the earlier run's at each step size (the measurement's own reproducibility)."""
+    fits = earlier["fit"]["per_op"]
+    joint = earlier["fit"]["joint"]
+    link = Interconnect("earlier per-op fit", joint["bandwidth_Bps"], joint["latency_s"],
+                        tuple(OpLink(op, f["bandwidth_Bps"], f["latency_s"]) for op, f in fits.items()))
+    before = {(p["op"], p["num_bytes"]): Point(**p) for p in earlier["points"]}
+    lines = []
+    for op in MEASURED_OPS:
+        step = [p for p in points if p.op == op and p.step_size]
+        errors = [predict(link, p) / p.time(statistic) - 1 for p in step]
+        ratios = [p.time(statistic) / before[(p.op, p.num_bytes)].time(statistic) for p in step
+                  if (p.op, p.num_bytes) in before]
+        lines.append(f"{op}: earlier fit's error on this run {' '.join(f'{100 * e:+.0f}%' for e in errors)} "
+                     f"(worst {100 * max(abs(e) for e in errors):.0f}%); this run / earlier run "
+                     f"{' '.join(f'{r:.2f}' for r in ratios)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
