@@ -344,16 +344,19 @@ def _ring_shift(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallel) -> 
 @dataclass(slots=True)
 class ContextParallelStep:
     """A step whose prefill chunks are split over a context-parallel ring (the engine's use of this module): every
-    rank holds the whole model and the whole paged KV cache, and computes only its own contiguous share of each long
-    enough prefill chunk (`partition`); the step's other rows (decode and verify rows, short chunks) run whole on every
-    rank. Attention needs the keys and values of a chunk's earlier positions, which other ranks computed: at each
-    layer the ranks' K/V chunks travel round the ring as in ring attention (rank r sends to r + 1 and receives from
-    r - 1), each arriving chunk is written into this rank's paged cache, and as soon as every chunk before its own has
-    arrived (after r hops under the contiguous split) the rank attends its query rows over the cache with the
-    engine's own attention backend, while the remaining hops forward the later chunks. The attention is therefore
-    the same computation as on one rank (the same kernel over the same cached K/V rows), not an online-softmax
-    merge, and every rank's cache ends the step holding every chunk whole, so later steps (decode, prefix hits, the
-    next chunk) run on any rank alike.
+    rank holds the whole model and the whole paged KV cache, and computes only its own share of each long enough
+    prefill chunk; the step's other rows (decode and verify rows, short chunks) run whole on every rank. The engine
+    splits a chunk by zigzag (`split_sequence_zigzag`'s order: rank r computes parts r and 2N - 1 - r of 2N, an
+    early and a late one, so every rank holds about the same number of causal (query, key) pairs).
+
+    Attention needs the keys and values of a chunk's earlier positions, which other ranks computed: at each layer the
+    ranks' K/V shares travel round the ring as in ring attention (rank r sends to r + 1 and receives from r - 1, N - 1
+    hops), each arriving share is written into this rank's paged cache, and once the shares its queries need have
+    arrived (`attend_after_hops`: all N - 1 under the zigzag split, r under a contiguous one, where the later hops
+    then overlap the attention) the rank attends its query rows over the cache with the engine's own attention
+    backend. The attention is therefore the same computation as on one rank (the same kernel over the same cached
+    K/V rows), not an online-softmax merge, and every rank's cache ends the step holding every chunk whole, so later
+    steps (decode, prefix hits, the next chunk) run on any rank alike.
 
     The layout is known to every rank from the scheduler's output, so the ring exchanges no shapes. Attached to the
     step's AttentionMetadata (its `context_parallel` field) for the attention layers.
@@ -370,6 +373,7 @@ class ContextParallelStep:
     # per entry of this rank's attention metadata: the position that decides LongRoPE's table (a split chunk's last
     # position, else the entry's own last row's)
     longrope_ends: list[int]
+    attend_after_hops: int  # hops after which every share this rank's queries attend to is in its cache
 
     @property
     def rows_per_rank(self) -> list[int]:
@@ -390,14 +394,13 @@ class ContextParallelStep:
             key, value = key.index_select(0, self.exchange_rows), value.index_select(0, self.exchange_rows)
         current = torch.zeros(2, max(rows), *key.shape[1:], dtype=key.dtype, device=key.device)
         current[0, : key.shape[0]], current[1, : key.shape[0]] = key, value
-        # under the contiguous split rank r's queries need the chunks of ranks r - 1 .. 0, which arrive in hops
-        # 1 .. r; the hops after that only fill the cache for later steps
-        needed_hops = cp.rank
+        # the share from rank r - h arrives in hop h; hops after attend_after_hops only fill the cache for later steps
+        needed_hops = self.attend_after_hops
         out = None
         incoming = torch.empty_like(current)
         pending = _ring_shift(current, incoming, cp) if cp.size > 1 else []
         if needed_hops == 0:
-            out = attend()  # rank 0 needs nothing from the others: it attends while its chunk travels
+            out = attend()  # needs nothing from the others: it attends while its share travels
         for hop in range(1, cp.size):
             for work in pending:
                 work.wait()
@@ -407,7 +410,7 @@ class ContextParallelStep:
             n = rows[source]
             write_kv_cache(current[0, :n], current[1, :n], kv_cache, self.slots[source], has_pad_slots=False)
             if hop == needed_hops:
-                out = attend()  # overlaps the hops still forwarding later chunks
+                out = attend()  # overlaps the hops still forwarding later shares
         for work in pending:
             work.wait()
         assert out is not None

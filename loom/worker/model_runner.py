@@ -303,20 +303,21 @@ class ModelRunner:
 
     def _context_parallel_splits(self, scheduled: list[ScheduledRequest]) -> list[bool]:
         """Which requests of the step a context-parallel engine splits over its ring: plain prefill chunks (no
-        verify or decode rows, no KV retention scoring) of at least one token per rank. The rest run whole on every
-        rank, so that every rank's KV cache stays the same as rank 0's. Every rank decides alike from the same
-        scheduler output."""
+        verify or decode rows, no KV retention scoring) of at least two tokens per rank (the zigzag split's 2N parts
+        each non-empty). The rest run whole on every rank, so that every rank's KV cache stays the same as rank 0's.
+        Every rank decides alike from the same scheduler output."""
         assert self.cp is not None
         return [not r.spec_token_ids and not r.spec_branches and not r.decode_rows and not r.kv_score_rows
-                and not r.group_block_tables and r.num_dropped_tokens == 0 and len(r.token_ids) >= self.cp.size
+                and not r.group_block_tables and r.num_dropped_tokens == 0 and len(r.token_ids) >= 2 * self.cp.size
                 for r in scheduled]
 
     def _execute_context_parallel(self, scheduled: list[ScheduledRequest], split: list[bool],
                                   output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """A step whose prefill chunks are split over the context-parallel ring (ContextParallelStep): this rank runs
-        the model on its contiguous share of each split chunk and on the step's other rows whole, its attention
-        layers exchange the split chunks' K/V round the ring, and the output rows are gathered so that rank 0
-        computes the logits and samples exactly as for the whole step."""
+        """A step whose prefill chunks are split over the context-parallel ring (ContextParallelStep): of each split
+        chunk cut into 2N parts, rank r runs parts r and 2N - 1 - r (the zigzag split, which balances the causal
+        attention pairs), and the step's other rows whole; its attention layers exchange the split chunks' K/V round
+        the ring, and the output rows are gathered so that rank 0 computes the logits and samples exactly as for the
+        whole step."""
         cp = self.cp
         assert cp is not None
         whole = self._prepare_inputs(scheduled)  # the step's rows in batch order: what sampling indexes
@@ -325,38 +326,52 @@ class ModelRunner:
         first_row = [0]  # each request's first row in the whole step (no tree branches under model parallelism)
         for req in scheduled:
             first_row.append(first_row[-1] + len(req.token_ids))
-        shares = [[partition(len(r.token_ids), cp.size, rank) if split[i] else None for i, r in enumerate(scheduled)]
-                  for rank in range(cp.size)]
+        parts = 2 * cp.size
+        # runs[rank][i]: [early part, late part] offsets within request i's chunk, or None where it runs whole
+        runs = [[[partition(len(r.token_ids), parts, rank), partition(len(r.token_ids), parts, parts - 1 - rank)]
+                 if split[i] else None for i, r in enumerate(scheduled)] for rank in range(cp.size)]
         slots = [torch.cat([meta.slot_mapping[first_row[i] + a : first_row[i] + b]
-                            for i, share in enumerate(rank_shares) if share is not None for a, b in [share]])
-                 for rank_shares in shares]
-        local_scheduled = [dataclasses.replace(r, token_ids=r.token_ids[share[0] : share[1]],
-                                               start_position=r.start_position + share[0])
-                           if share is not None else r for r, share in zip(scheduled, shares[cp.rank], strict=True)]
+                            for i, request_runs in enumerate(rank_runs) if request_runs is not None
+                            for a, b in request_runs])
+                 for rank_runs in runs]
+        local_scheduled: list[ScheduledRequest] = []
+        for req, request_runs in zip(scheduled, runs[cp.rank], strict=True):
+            if request_runs is None:
+                local_scheduled.append(req)
+            else:  # its two parts as two chunks of the request (each attends up to its own last row)
+                local_scheduled.extend(dataclasses.replace(req, token_ids=req.token_ids[a:b],
+                                                           start_position=req.start_position + a)
+                                       for a, b in request_runs)
         local = self._prepare_inputs(local_scheduled)
         pieces: list[tuple[str, Any, Any]] = []
         exchange: list[int] = []
         longrope_ends: list[int] = []
         local_row = 0
         exchanged_before = [0] * cp.size  # per rank: its exchanged rows of the requests before this one
-        for i, req in enumerate(local_scheduled):
+        for i, req in enumerate(scheduled):
             n = len(req.token_ids)
             if split[i]:
-                counts = [shares[rank][i][1] - shares[rank][i][0] for rank in range(cp.size)]
-                pieces.append(("split", [(rank, exchanged_before[rank], counts[rank]) for rank in range(cp.size)],
-                               None))
-                exchanged_before = [e + c for e, c in zip(exchanged_before, counts, strict=True)]
-                exchange.extend(range(local_row, local_row + n))
-                longrope_ends.append(scheduled[i].start_position + len(scheduled[i].token_ids) - 1)
+                early = [runs[rank][i][0][1] - runs[rank][i][0][0] for rank in range(cp.size)]
+                late = [runs[rank][i][1][1] - runs[rank][i][1][0] for rank in range(cp.size)]
+                # the chunk's parts in position order: ranks' early parts 0 .. N - 1, then late parts N - 1 .. 0
+                order = ([(rank, exchanged_before[rank], early[rank]) for rank in range(cp.size)]
+                         + [(rank, exchanged_before[rank] + early[rank], late[rank])
+                            for rank in reversed(range(cp.size))])
+                pieces.append(("split", order, None))
+                exchanged_before = [e + a + b for e, a, b in zip(exchanged_before, early, late, strict=True)]
+                mine = early[cp.rank] + late[cp.rank]
+                exchange.extend(range(local_row, local_row + mine))
+                longrope_ends.extend([req.start_position + n - 1] * 2)  # both parts: the chunk's last token decides
+                local_row += mine
             else:
                 pieces.append(("whole", local_row, n))
                 entries = n if req.spec_token_ids or req.decode_rows else 1  # rows of their own, or one chunk
                 longrope_ends.extend(range(req.start_position + n - entries, req.start_position + n))
-            local_row += n
+                local_row += n
         dev = self.device
         plan = ContextParallelStep(
             cp, slots, None if len(exchange) == local_row else torch.tensor(exchange, dtype=torch.int64, device=dev),
-            pieces, longrope_ends)
+            pieces, longrope_ends, attend_after_hops=cp.size - 1)  # a late part needs every rank's early part
         local_meta = local.attn_metadata
         assert isinstance(local_meta, AttentionMetadata)
         hidden = self.model(local.input_ids, local.positions, self.kv_caches,
