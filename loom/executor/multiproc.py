@@ -52,6 +52,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_local_memory(cache_config: CacheConfig, parallel: ParallelConfig, local_ranks: int) -> None:
+    """Refuse, before any process starts, ranks on this machine whose KV caches cannot all fit its memory: each rank
+    commits its own cache at start (`kv_cache_memory_gb`, and the host tier), so N local ranks need N times one. Each
+    rank checks its own cache against the machine, but not the others', and a context-parallel rank holds the whole
+    cache: `-cp 64` on a 24 GiB machine would otherwise start 63 workers and exhaust its memory. With num_kv_blocks
+    set the size depends on the model and is checked per rank only.
+
+    Raises:
+        ValueError: naming the parallel sizes and kv_cache_memory_gb / kv_offload_memory_gb, with the sizes in GiB.
+    """
+    if cache_config.num_blocks is not None:
+        return
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: each rank's own check decides
+        return
+    per_rank = cache_config.kv_cache_memory_bytes + cache_config.kv_offload_memory_bytes
+    if local_ranks * per_rank > physical:
+        gib = 1 << 30
+        raise ValueError(
+            f"{local_ranks} ranks on this machine (tensor {parallel.tensor_parallel_size} x pipeline "
+            f"{parallel.pipeline_parallel_size} x context {parallel.context_parallel_size}) each commit a KV cache of "
+            f"{per_rank / gib:.2f} GiB (kv_cache_memory_gb + kv_offload_memory_gb): {local_ranks * per_rank / gib:.1f} "
+            f"GiB in all, more than this machine's {physical / gib:.1f} GiB; use fewer ranks or a smaller "
+            "kv_cache_memory_gb")
+
+
 class MultiprocExecutor:
     """Rank 0 of a tensor-parallel group; see the module docstring."""
 
@@ -81,6 +108,8 @@ class MultiprocExecutor:
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         num_layers = check_layout(model_config, parallel)  # before any process starts
+        check_local_memory(cache_config, parallel,
+                           int(os.environ.get("LOCAL_WORLD_SIZE", self.size)) if init_method == "env://" else self.size)
         try:
             for rank in range(1, self.size if init_method != "env://" else 1):
                 # a fresh interpreter (`python -m loom.executor.worker`), not multiprocessing: a user's script

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+import os
+
 from loom import LLM, SamplingParams
 from tests.helpers import save_tiny_model
 
@@ -120,3 +122,32 @@ def test_unsupported_context_parallel_setups_are_refused_by_name(tiny_dirs: dict
         LLM(model=tiny_dirs["llama"], context_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="context parallelism with a hybrid sliding-window KV cache"):
         LLM(model=tiny_dirs["gemma2"], dtype="float32", num_threads=1, context_parallel_size=2)
+
+
+def test_ranks_whose_kv_caches_cannot_all_fit_this_machine_are_refused_before_any_starts(
+        tiny_dirs: dict[str, str]) -> None:
+    """Every context-parallel rank commits a whole KV cache: two caches of 0.6 of this machine's memory each are
+    refused up front (the per-rank check would pass each alone), and no worker process is left."""
+    physical_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    with pytest.raises(ValueError, match=r"2 ranks on this machine \(tensor 1 x pipeline 1 x context 2\) each commit"):
+        LLM(model=tiny_dirs["llama"], dtype="float32", num_threads=1, context_parallel_size=2,
+            kv_cache_memory_gb=round(0.6 * physical_gib, 1))
+    mine = str(os.getpid())
+    children = [pid for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == mine]
+    assert not [pid for pid in children if "loom.executor.worker" in _cmdline(pid)]
+
+
+def _parent(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[1]
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
