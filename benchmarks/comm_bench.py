@@ -218,6 +218,12 @@ def main() -> None:
     ns = ap.parse_args()
     if ns.reps < 20 or ns.burst < 1 or ns.warmup < 0:
         raise ValueError("--reps must be >= 20, --burst >= 1 and --warmup >= 0")
+    earlier = None
+    if ns.against is not None:  # read and checked before the minute of measuring
+        earlier = json.loads(ns.against.read_text())
+        theirs = earlier.get("settings", {}).get("statistic", "median")  # files before --statistic: medians
+        if theirs != ns.statistic:
+            raise ValueError(f"--against {ns.against} was fitted to the {theirs}; judge it with --statistic {theirs}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     load_before = os.getloadavg()
@@ -249,8 +255,8 @@ def main() -> None:
     print(table)
     print("worst |relative error|: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in worst.items()))
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); wrote {ns.out}")
-    if ns.against is not None:
-        print(against(points, json.loads(ns.against.read_text()), ns.statistic))
+    if earlier is not None:
+        print(against(points, earlier, ns.statistic))
 
 
 def against(points: list[Point], earlier: dict, statistic: str) -> str:

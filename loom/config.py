@@ -166,6 +166,13 @@ class ParallelConfig:
             raise ValueError("context_parallel_size > 1 with tensor_parallel_size or pipeline_parallel_size > 1 is not "
                              "supported yet: context parallelism runs with whole-model ranks")
 
+    def describe_sizes(self) -> str:
+        """The sizes above 1, for messages: e.g. "tensor_parallel_size > 1" or "tensor_parallel_size /
+        pipeline_parallel_size > 1" ("" when none is)."""
+        names = [n for n in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
+                 if getattr(self, n) > 1]
+        return f"{' / '.join(names)} > 1" if names else ""
+
     @property
     def world_size(self) -> int:
         """Processes in all: tensor_parallel_size * pipeline_parallel_size * context_parallel_size."""
@@ -269,23 +276,21 @@ class EngineArgs:
         if self.kv_retention != "full":
             for conflict, on in (("preemption_mode='swap'", self.preemption_mode == "swap"),
                                  ("kv_transfer_role", self.kv_transfer_role is not None),
-                                 ("tensor / pipeline / context_parallel_size > 1", parallel.world_size > 1),
+                                 (parallel.describe_sizes(), parallel.world_size > 1),
                                  ("speculative decoding", self._method() is not None)):
                 if on:
                     raise ValueError(f"kv_retention={self.kv_retention!r} with {conflict} is not supported yet")
         if parallel.world_size > 1 and self.sparse_attention != "none":
-            raise ValueError("sparse_attention with tensor / pipeline / context_parallel_size > 1 is not "
-                             "supported yet")
+            raise ValueError(f"sparse_attention with {parallel.describe_sizes()} is not supported yet")
         if self.kv_transfer_config() is not None and parallel.world_size > 1:
-            raise ValueError("kv_transfer_role with tensor / pipeline / context_parallel_size > 1 is not "
-                             "supported yet (the blocks live on every rank)")
+            raise ValueError(f"kv_transfer_role with {parallel.describe_sizes()} is not supported yet (the blocks "
+                             "live on every rank)")
         if parallel.world_size > 1 and self._method() == "draft_model":
-            raise ValueError("tensor / pipeline / context_parallel_size > 1 with a draft model is not supported "
-                             "yet (the draft would run unsplit on rank 0); use speculative_method ngram or suffix")
+            raise ValueError(f"{parallel.describe_sizes()} with a draft model is not supported yet (the draft "
+                             "would run on rank 0 alone); use speculative_method ngram or suffix")
         if parallel.world_size > 1 and self.speculative_tree_width > 1:
-            raise ValueError("speculative_tree_width > 1 with tensor / pipeline / context_parallel_size > 1 is "
-                             "not supported yet (rank 0 alone knows which branch won, the other ranks' caches would "
-                             "miss its rows)")
+            raise ValueError(f"speculative_tree_width > 1 with {parallel.describe_sizes()} is not supported yet "
+                             "(rank 0 alone knows which branch won, the other ranks' caches would miss its rows)")
 
     def kv_transfer_config(self) -> KVTransferConfig | None:
         """This replica's part in prefill/decode disaggregation, or None when off. Raises ValueError naming the

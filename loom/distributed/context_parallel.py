@@ -416,15 +416,20 @@ class ContextParallelStep:
         assert out is not None
         return out
 
-    def gather_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's output rows [rows of its batch, hidden] -> the whole step's rows in batch order (every
-        request's chunk whole, requests in order) [all rows, hidden], on every rank (a collective)."""
+    def gather_rows(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """This rank's output rows [rows of its batch, hidden] -> on rank 0, the whole step's rows in batch order
+        (every request's chunk whole, requests in order) [all rows, hidden]; None on the other ranks. A collective:
+        every rank calls it, and sends its split rows to rank 0."""
         rows = self.rows_per_rank
         exchanged = hidden if self.exchange_rows is None else hidden.index_select(0, self.exchange_rows)
         padded = torch.zeros(max(rows), *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
         padded[: exchanged.shape[0]] = exchanged
-        parts = [torch.empty_like(padded) for _ in range(self.cp.size)]
-        dist.all_gather(parts, padded, group=self.cp.group)
+        root = self.cp.rank == 0
+        parts = [torch.empty_like(padded) for _ in range(self.cp.size)] if root else None
+        dist.gather(padded, parts, dst=0, group=self.cp.group)
+        if not root:
+            return None
+        assert parts is not None
         out = []
         for kind, a, b in self.pieces:
             if kind == "whole":

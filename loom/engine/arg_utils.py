@@ -185,7 +185,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "steps run on every rank alike (docs/distributed.md) (default: %(default)s)")
     g.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float,
                    default=defaults.distributed_timeout_s,
-                   help="tensor / pipeline parallel: seconds a collective may wait for a rank before the engine "
+                   help="model parallelism: seconds a collective may wait for a rank before the engine "
                         "fails (a stuck worker) (default: %(default)s)")
     return parser
 

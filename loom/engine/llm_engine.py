@@ -80,7 +80,7 @@ def _retention_refused(arch: Any, args: EngineArgs) -> str | None:
     if any(arch.layer_sliding_window(i) is not None for i in range(arch.num_layers)):
         return "a model with sliding-window layers"
     if args.parallel_config().world_size > 1:
-        return "tensor / pipeline / context_parallel_size > 1"
+        return args.parallel_config().describe_sizes()
     return None
 
 

@@ -80,7 +80,7 @@ def check_local_memory(cache_config: CacheConfig, parallel: ParallelConfig, loca
 
 
 class MultiprocExecutor:
-    """Rank 0 of a tensor-parallel group; see the module docstring."""
+    """Rank 0 of a model-parallel group; see the module docstring."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device,
                  parallel: ParallelConfig, num_threads: int | None) -> None:
@@ -88,7 +88,7 @@ class MultiprocExecutor:
             ValueError: a device other than the CPU, or torchrun's WORLD_SIZE differs from the world size.
             ExecutorDiedError: a worker failed to start (its error is logged by the worker)."""
         if device.type != "cpu":
-            raise ValueError("tensor / pipeline parallelism runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
+            raise ValueError("tensor / pipeline / context parallelism runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
         if dist.is_initialized():
             raise ValueError("a model-parallel engine already runs in this process (one default process group per "
                              "process): shut it down first (llm.engine.shutdown())")
@@ -144,7 +144,7 @@ class MultiprocExecutor:
             self._shutdown(tell_workers=False)
             if dead and not isinstance(e, (ValueError, ExecutorDiedError)):  # a user error is the same on every
                 # rank: say it as is
-                raise ExecutorDiedError(f"tensor-parallel workers failed to start: {dead}") from e
+                raise ExecutorDiedError(f"model-parallel workers failed to start: {dead}") from e
             raise
         self._encoder = StepEncoder()
         logger.info("model parallel: tensor %d x pipeline %d x context %d = %d ranks on gloo (%s), %d KV blocks on "
@@ -174,13 +174,13 @@ class MultiprocExecutor:
                         proc.wait(5)
                     except subprocess.TimeoutExpired:
                         pass
-                    raise ExecutorDiedError(f"tensor-parallel workers exited before joining: "
+                    raise ExecutorDiedError(f"model-parallel workers exited before joining: "
                                             f"{self._dead_workers() or f'pid {proc.pid} closed its output'}")
             dead = self._dead_workers()
             if dead:
-                raise ExecutorDiedError(f"tensor-parallel workers exited before joining: {dead}")
+                raise ExecutorDiedError(f"model-parallel workers exited before joining: {dead}")
             if time.monotonic() > deadline:
-                raise ExecutorDiedError(f"tensor-parallel workers not ready after {timeout_s:.0f} s")
+                raise ExecutorDiedError(f"model-parallel workers not ready after {timeout_s:.0f} s")
 
     def _check_same_blocks(self, group: Any) -> None:
         """Every rank must size its KV cache alike (the scheduler's block ids index every rank's cache)."""
@@ -194,10 +194,10 @@ class MultiprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._dead:
-            raise ExecutorDiedError("the tensor-parallel executor has stopped (a worker died earlier)")
+            raise ExecutorDiedError("the model-parallel executor has stopped (a worker died earlier)")
         dead = self._dead_workers()
         if dead:
-            self._fail(f"tensor-parallel worker died: {dead}")
+            self._fail(f"model-parallel worker died: {dead}")
         self.driver.step_collectives_done = False  # (the previous step's flag must not excuse this broadcast)
         try:
             dist.broadcast_object_list([self._encoder.encode(scheduler_output)], src=0, group=self._control)
@@ -207,7 +207,7 @@ class MultiprocExecutor:
                 raise  # the ranks are still in step; the engine fails this step's requests only
             # a failed collective, or a failure while the workers are inside the step: no later step can run
             dead = self._dead_workers()
-            self._fail(f"tensor-parallel step failed ({type(e).__name__}: {e})"
+            self._fail(f"model-parallel step failed ({type(e).__name__}: {e})"
                        + (f"; dead workers: {dead}" if dead else ""), e)
 
     def _fail(self, message: str, cause: BaseException | None = None) -> None:

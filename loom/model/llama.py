@@ -199,6 +199,9 @@ class SparseMoeBlock(nn.Module):
             torch.tensor([b - a for a, b in (partition(num_experts, self.ep.size, r) for r in range(self.ep.size))]))
         # tokens routed to each expert since start-up, summed over the steps (load-balance metrics)
         self.expert_tokens = torch.zeros(num_experts, dtype=torch.int64)
+        # rows whose routing expert_tokens counts (indices into x); None = all. A context-parallel rank other than 0
+        # counts only its share of the split chunks (rank 0 counts the rows every rank runs), summed into rank 0's
+        self.counted_rows: torch.Tensor | None = None
         self.top_k = arch.num_experts_per_tok
         self.renormalize = arch.moe_renormalize
         self.gate = Linear(arch.hidden_size, arch.num_experts, False, dtype, device, quant_config=NoQuantConfig(),
@@ -229,7 +232,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] -> [n, hidden], x's dtype."""
         weights, ids = self.route(x)
-        self.expert_tokens += torch.bincount(ids.flatten(), minlength=len(self.experts)).cpu()
+        counted = ids if self.counted_rows is None else ids.index_select(0, self.counted_rows)
+        self.expert_tokens += torch.bincount(counted.flatten(), minlength=len(self.experts)).cpu()
         if self.ep is not None:
             return self._forward_expert_parallel(x, weights, ids)
         flat = ids.flatten()

@@ -374,9 +374,25 @@ class ModelRunner:
             pieces, longrope_ends, attend_after_hops=cp.size - 1)  # a late part needs every rank's early part
         local_meta = local.attn_metadata
         assert isinstance(local_meta, AttentionMetadata)
-        hidden = self.model(local.input_ids, local.positions, self.kv_caches,
-                            dataclasses.replace(local_meta, context_parallel=plan))
+        moe = [m for m in self.model.modules() if hasattr(m, "expert_tokens")]
+        before = [m.expert_tokens.clone() for m in moe]
+        for m in moe:  # the other ranks count their split rows only (rank 0 counts the rows every rank runs)
+            m.counted_rows = None if cp.rank == 0 else torch.tensor(exchange, dtype=torch.int64, device=dev)
+        try:
+            hidden = self.model(local.input_ids, local.positions, self.kv_caches,
+                                dataclasses.replace(local_meta, context_parallel=plan))
+        finally:
+            for m in moe:
+                m.counted_rows = None
         hidden = plan.gather_rows(hidden)
+        if moe:  # rank 0's routing counts gain the other ranks' split rows (load-balance metrics)
+            counts = torch.stack([m.expert_tokens - b for m, b in zip(moe, before, strict=True)])
+            if cp.rank == 0:
+                counts.zero_()
+            dist.all_reduce(counts, group=cp.group)
+            if cp.rank == 0:
+                for m, added in zip(moe, counts, strict=True):
+                    m.expert_tokens += added
         self.context_parallel_steps += 1
         self.step_collectives_done = True  # what follows is rank 0's alone
         if not self.is_driver:

@@ -32,6 +32,11 @@ TINY = {
     "llama": ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=200,
                             attention_bias=True)),
     "gemma2": ("gemma2", {}),
+    "mixtral": ("mixtral", {}),
+    # LongRoPE switching to its long table at position 32 (head_dim 16: 8 factors each)
+    "phi3_longrope": ("phi3", dict(original_max_position_embeddings=32, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.8 * i for i in range(8)]})),
 }
 
 
@@ -97,6 +102,57 @@ def test_context_parallel_with_ngram_speculation(tiny_dirs: dict[str, str], hf_t
         _assert_close(want, _run(llm, prompts, params))
         assert llm.engine.get_stats().spec_num_draft_tokens > 0
         assert llm.engine.runner.context_parallel_steps > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_later_turn_split_over_a_prefix_hit_on_generated_tokens(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """Decode rows run whole on every rank: the workers' caches hold the generated tokens' K/V too, which the next
+    turn's split chunk (a prefix hit over turn 1's prompt and output) attends to on every rank."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    turn1 = hf_tokenizer.encode("The quick brown fox jumps over the lazy dog. Tell me more:")
+    follow_up = hf_tokenizer.encode(" And now a much longer follow-up question about foxes and dogs and their habits?")
+    common = dict(model=tiny_dirs["llama"], dtype="float32", num_threads=1, block_size=4)
+
+    def conversation(llm: LLM) -> list:
+        first = _run(llm, [turn1], params)
+        return first + _run(llm, [turn1 + list(first[0].outputs[0].token_ids) + follow_up], params)
+
+    want = conversation(LLM(**common))
+    llm = LLM(**common, context_parallel_size=2)
+    try:
+        _assert_close(want, conversation(llm))
+        assert llm.engine.get_stats().prefix_cache_hits > 0 and llm.engine.runner.context_parallel_steps >= 2
+    finally:
+        llm.engine.shutdown()
+
+
+def test_longrope_decides_a_split_chunk_by_its_last_token(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """Phi-3's LongRoPE takes the long table for a chunk whose last token reaches position 32: a rank holding an
+    early part of such a chunk must rotate it with the long table too (chunks of 24 tokens straddle 32)."""
+    prompts = [hf_tokenizer.encode(t) for t in TEXTS[4:]]
+    common = dict(model=tiny_dirs["phi3_longrope"], dtype="float32", num_threads=1, block_size=4,
+                  max_num_batched_tokens=24)
+    want = _run(LLM(**common), prompts)
+    llm = LLM(**common, context_parallel_size=2)
+    try:
+        _assert_close(want, _run(llm, prompts))
+        assert llm.engine.runner.context_parallel_steps > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_expert_routing_counts_include_every_rank_s_split_rows(tiny_dirs: dict[str, str], hf_tokenizer) -> None:
+    """The MoE load metrics count each routed token once: rank 0's own rows plus the other ranks' split rows."""
+    prompts = [hf_tokenizer.encode(t) for t in TEXTS]
+    common = dict(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1)
+    one = LLM(**common)
+    want = _run(one, prompts)
+    llm = LLM(**common, context_parallel_size=2)
+    try:
+        _assert_close(want, _run(llm, prompts))
+        assert llm.engine.runner.context_parallel_steps > 0
+        assert llm.engine.get_stats().moe_expert_tokens == one.engine.get_stats().moe_expert_tokens
     finally:
         llm.engine.shutdown()
 

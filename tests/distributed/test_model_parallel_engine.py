@@ -163,7 +163,7 @@ def test_unsupported_tensor_parallel_setups_are_refused_by_name(tiny_dirs: dict[
         LLM(model=tiny_dirs["mixtral"], dtype="float32", num_threads=1, pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_microbatches must be an integer >= 1"):
         LLM(model=tiny_dirs["mixtral"], pipeline_parallel_size=2, pipeline_microbatches=0)
-    with pytest.raises(ValueError, match="speculative_tree_width > 1 with tensor / pipeline / context_parallel_size"):
+    with pytest.raises(ValueError, match="speculative_tree_width > 1 with tensor_parallel_size > 1"):
         LLM(model=tiny_dirs["mixtral"], tensor_parallel_size=2, speculative_method="ngram", speculative_tree_width=2)
 
 
