@@ -25,11 +25,13 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import loom
 from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from loom.executor.base import ExecutorDiedError
@@ -52,31 +54,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_local_memory(cache_config: CacheConfig, parallel: ParallelConfig, local_ranks: int) -> None:
-    """Refuse, before any process starts, ranks on this machine whose KV caches cannot all fit its memory: each rank
-    commits its own cache at start (`kv_cache_memory_gb`, and the host tier), so N local ranks need N times one. Each
-    rank checks its own cache against the machine, but not the others', and a context-parallel rank holds the whole
-    cache: `-cp 64` on a 24 GiB machine would otherwise start 63 workers and exhaust its memory. With num_kv_blocks
-    set the size depends on the model and is checked per rank only.
+# a local worker's interpreter: the loom package rank 0 imported first on the path (not the current directory)
+_WORKER_MAIN = (f"import sys; sys.path[0] = {str(Path(loom.__file__).resolve().parent.parent)!r}; "
+                "from loom.executor.worker import main; main()")
+
+# a rank's memory besides its KV cache and weights: the interpreter, torch and the step's activations (a rank of the
+# bundled model measured ~1 GB resident at 16 ranks on one machine, 0.5 GiB of it KV cache)
+RANK_RUNTIME_BYTES = 256 << 20
+
+
+def checkpoint_bytes(model: str | None) -> int:
+    """Bytes of a checkpoint's weight files (a GGUF file, or a directory's *.safetensors / *.bin / *.gguf); 0 where
+    it cannot be read here (the loader then names the problem)."""
+    from loom.model.loader import default_model_path
+
+    path = Path(model) if model is not None else Path(default_model_path())
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in path.glob(pattern))
+    except OSError:
+        return 0
+
+
+def check_local_memory(model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
+                       local_ranks: int) -> None:
+    """Refuse, before any process starts, ranks on this machine that cannot all fit its memory: each commits its KV
+    cache at start (`kv_cache_memory_gb`, and the host tier), holds its share of the weights (the whole checkpoint
+    under context parallelism, 1 / (tensor x pipeline) of it otherwise) and RANK_RUNTIME_BYTES of interpreter and
+    torch. Each rank checks its own cache against the machine, but not the others': `-cp 64` on a 24 GiB machine
+    would otherwise start 63 workers and exhaust its memory. With num_kv_blocks set the cache's size depends on the
+    model, and only the weights and runtime are counted here (each rank still checks its cache).
 
     Raises:
-        ValueError: naming the parallel sizes and kv_cache_memory_gb / kv_offload_memory_gb, with the sizes in GiB.
+        ValueError: naming the parallel sizes and kv_cache_memory_gb, with the sizes in GiB.
     """
-    if cache_config.num_blocks is not None:
-        return
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: each rank's own check decides
         return
-    per_rank = cache_config.kv_cache_memory_bytes + cache_config.kv_offload_memory_bytes
+    kv = 0 if cache_config.num_blocks is not None else cache_config.kv_cache_memory_bytes
+    weights = checkpoint_bytes(model_config.model) // (parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+    per_rank = kv + cache_config.kv_offload_memory_bytes + weights + RANK_RUNTIME_BYTES
     if local_ranks * per_rank > physical:
         gib = 1 << 30
         raise ValueError(
             f"{local_ranks} ranks on this machine (tensor {parallel.tensor_parallel_size} x pipeline "
-            f"{parallel.pipeline_parallel_size} x context {parallel.context_parallel_size}) each commit a KV cache of "
-            f"{per_rank / gib:.2f} GiB (kv_cache_memory_gb + kv_offload_memory_gb): {local_ranks * per_rank / gib:.1f} "
-            f"GiB in all, more than this machine's {physical / gib:.1f} GiB; use fewer ranks or a smaller "
-            "kv_cache_memory_gb")
+            f"{parallel.pipeline_parallel_size} x context {parallel.context_parallel_size}) need about "
+            f"{per_rank / gib:.2f} GiB each (KV cache {(kv + cache_config.kv_offload_memory_bytes) / gib:.2f} GiB "
+            f"from kv_cache_memory_gb + kv_offload_memory_gb, weights {weights / gib:.2f}, runtime "
+            f"{RANK_RUNTIME_BYTES / gib:.2f}): {local_ranks * per_rank / gib:.1f} GiB in all, more than this "
+            f"machine's {physical / gib:.1f} GiB; use fewer ranks or a smaller kv_cache_memory_gb")
 
 
 class MultiprocExecutor:
@@ -88,7 +116,8 @@ class MultiprocExecutor:
             ValueError: a device other than the CPU, or torchrun's WORLD_SIZE differs from the world size.
             ExecutorDiedError: a worker failed to start (its error is logged by the worker)."""
         if device.type != "cpu":
-            raise ValueError("tensor / pipeline / context parallelism runs on CPU (gloo) for now; CUDA (NCCL) is not wired yet")
+            raise ValueError("tensor / pipeline / context parallelism runs on CPU (gloo) for now; CUDA (NCCL) is not "
+                             "wired yet")
         if dist.is_initialized():
             raise ValueError("a model-parallel engine already runs in this process (one default process group per "
                              "process): shut it down first (llm.engine.shutdown())")
@@ -108,14 +137,16 @@ class MultiprocExecutor:
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         num_layers = check_layout(model_config, parallel)  # before any process starts
-        check_local_memory(cache_config, parallel,
+        check_local_memory(model_config, cache_config, parallel,
                            int(os.environ.get("LOCAL_WORLD_SIZE", self.size)) if init_method == "env://" else self.size)
         try:
             for rank in range(1, self.size if init_method != "env://" else 1):
-                # a fresh interpreter (`python -m loom.executor.worker`), not multiprocessing: a user's script
+                # a fresh interpreter (loom.executor.worker.main), not multiprocessing: a user's script
                 # needs no `if __name__ == "__main__"` guard, and nothing of this process is inherited; a session
                 # of its own, so a terminal's Ctrl-C reaches rank 0 alone (which then stops it cleanly)
-                proc = subprocess.Popen([sys.executable, "-m", "loom.executor.worker"], stdin=subprocess.PIPE,
+                # it imports the loom rank 0 runs (`-m` would put the current directory first on the path, where
+                # another checkout may sit)
+                proc = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, start_new_session=True)
                 self._procs.append(proc)
                 assert proc.stdin is not None

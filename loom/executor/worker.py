@@ -134,9 +134,29 @@ class WorkerArgs:
     num_threads: int | None
 
 
+def _exit_with_parent() -> None:
+    """A local worker leaves when rank 0, its parent, is gone (killed, or exited without stopping it): the worker
+    runs in a session of its own, so no signal reaches it, and while it loads or waits for a step no socket error
+    would either. A thread checks once a second whether it was re-parented."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="loom-parent-watch", daemon=True).start()
+
+
 def main() -> None:
-    """`python -m loom.executor.worker`, started by MultiprocExecutor with WorkerArgs on stdin."""
+    """A local worker's entry (`python -c` with rank 0's loom first on the path; `python -m loom.executor.worker`
+    runs it too), started by MultiprocExecutor with WorkerArgs on stdin."""
     args: WorkerArgs = pickle.load(sys.stdin.buffer)
+    _exit_with_parent()
     print("ready", flush=True)  # rank 0 waits for this line before it joins the process group
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # rank 0 reads no more: anything printed goes to stderr
     logging.basicConfig(level=logging.WARNING,

@@ -185,7 +185,7 @@ def test_ranks_whose_kv_caches_cannot_all_fit_this_machine_are_refused_before_an
     """Every context-parallel rank commits a whole KV cache: two caches of 0.6 of this machine's memory each are
     refused up front (the per-rank check would pass each alone), and no worker process is left."""
     physical_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    with pytest.raises(ValueError, match=r"2 ranks on this machine \(tensor 1 x pipeline 1 x context 2\) each commit"):
+    with pytest.raises(ValueError, match=r"2 ranks on this machine \(tensor 1 x pipeline 1 x context 2\) need about"):
         LLM(model=tiny_dirs["llama"], dtype="float32", num_threads=1, context_parallel_size=2,
             kv_cache_memory_gb=round(0.6 * physical_gib, 1))
     mine = str(os.getpid())
@@ -207,3 +207,53 @@ def _cmdline(pid: str) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_a_local_worker_leaves_when_rank_0_is_killed(tiny_dirs: dict[str, str], tmp_path) -> None:
+    """Rank 0 killed after its worker is ready and before it opens the rendezvous, so no socket of the worker ever
+    fails: the worker, in a session of its own, must notice it was re-parented and exit, not wait out the
+    rendezvous timeout (300 s) as an orphan holding its memory. Started from a directory holding another `loom`
+    package, it still imports rank 0's loom (a decoy that fails on import would stop it before "ready")."""
+    import subprocess
+    import sys
+    import time
+
+    decoy = tmp_path / "elsewhere" / "loom"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy loom was imported')\n")
+    script = (f"import os, signal, sys; sys.path.insert(0, {os.getcwd()!r})\n"
+              "import loom.executor.multiproc as multiproc\n"
+              "from loom import LLM\n"
+              "def die(*args, **kwargs):  # the workers are ready: report them, then vanish\n"
+              "    mine = str(os.getpid())\n"
+              "    kids = [p for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/stat').read()"
+              ".rsplit(')', 1)[1].split()[1] == mine]\n"
+              "    print(' '.join(kids), flush=True)\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n"
+              "multiproc.dist.init_process_group = die\n"
+              f"LLM(model={tiny_dirs['llama']!r}, dtype='float32', num_threads=1, context_parallel_size=2)\n")
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=tmp_path / "elsewhere")
+    workers: list[str] = []
+    try:
+        workers = rank0.stdout.readline().split()
+        rank0.wait(30)
+        assert workers, "rank 0 died before its worker was ready"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.2)
+        assert not any(_alive(w) for w in workers), "a worker outlived rank 0"
+    finally:
+        rank0.kill()
+        for w in workers:
+            if _alive(w):
+                os.kill(int(w), 9)
+
+
+def _alive(pid: str) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
