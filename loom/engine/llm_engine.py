@@ -169,9 +169,7 @@ class LLMEngine:
                         spec.method, spec.num_speculative_tokens, options,
                         "at every batch size" if spec.disable_by_batch_size is None
                         else f"off while >= {spec.disable_by_batch_size} requests run")
-        from loom.model.llama import SparseMoeBlock
-
-        self._moe_blocks = [m for m in self.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        self._moe_blocks = self.runner.moe_blocks
         self.output_processor = OutputProcessor(self.tokenizer)
         self.runner.structured = self.structured
         self._children: dict[str, list[str]] = {}  # parent request_id -> engine request ids

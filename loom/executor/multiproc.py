@@ -38,7 +38,7 @@ from loom.executor.base import ExecutorDiedError
 from loom.executor.step_message import StepEncoder
 from loom.executor.worker import (LOAD_TIMEOUT, WorkerArgs, agree_on_options, block_counts, check_layout,
                                   model_parallel_groups)
-from loom.worker.model_runner import ModelRunner
+from loom.worker.model_runner import ModelRunner, physical_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +64,17 @@ RANK_RUNTIME_BYTES = 256 << 20
 
 
 def checkpoint_bytes(model: str | None) -> int:
-    """Bytes of a checkpoint's weight files (a GGUF file, or a directory's *.safetensors / *.bin / *.gguf); 0 where
-    it cannot be read here (the loader then names the problem)."""
+    """Bytes of a checkpoint's weight files (a GGUF file, or a Hugging Face directory's safetensors shards); 0 where
+    they cannot be read here (the loader then names the problem)."""
     from loom.model.loader import default_model_path
+    from loom.model.loader.safetensors import safetensors_files
 
     path = Path(model) if model is not None else Path(default_model_path())
     try:
         if path.is_file():
             return path.stat().st_size
-        return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.gguf") for f in path.glob(pattern))
-    except OSError:
+        return sum(f.stat().st_size for f in safetensors_files(path))
+    except (OSError, ValueError):
         return 0
 
 
@@ -89,9 +90,8 @@ def check_local_memory(model_config: ModelConfig, cache_config: CacheConfig, par
     Raises:
         ValueError: naming the parallel sizes and kv_cache_memory_gb, with the sizes in GiB.
     """
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: each rank's own check decides
+    physical = physical_memory_bytes()
+    if physical is None:  # not a POSIX system: each rank's own check decides
         return
     kv = 0 if cache_config.num_blocks is not None else cache_config.kv_cache_memory_bytes
     weights = checkpoint_bytes(model_config.model) // (parallel.tensor_parallel_size * parallel.pipeline_parallel_size)

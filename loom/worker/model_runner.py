@@ -22,6 +22,7 @@ from loom.distributed.tensor_parallel import TensorParallel, max_kv_heads_per_ra
 from loom.core.kv_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from loom.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from loom.model.huge_pages import huge_pages_available, log_placement
+from loom.model.llama import SparseMoeBlock
 from loom.model.loader import load_model
 from loom.sample.structured import StructuredOutputManager
 from loom.sample.sampler import SamplingInput, compute_token_logprobs, sample
@@ -75,6 +76,14 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     return torch.bfloat16 if bf16_is_fast(device) else torch.float32
 
 
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory, bytes; None where the system does not say (not POSIX)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def check_fits_in_memory(device: torch.device, kv_bytes: int, host_bytes: int) -> None:
     """Refuse KV caches larger than the memory that would hold them, before allocating: the device's KV cache
     (kv_bytes; on the CPU, together with the host tier) against the machine's physical memory or the GPU's.
@@ -85,10 +94,7 @@ def check_fits_in_memory(device: torch.device, kv_bytes: int, host_bytes: int) -
         ValueError: naming kv_cache_memory_gb / num_kv_blocks or kv_offload_memory_gb, with both sizes in GiB.
     """
     gib = 1 << 30
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocator decides
-        physical = None
+    physical = physical_memory_bytes()
     if torch.device(device).type == "cuda":
         total = torch.cuda.mem_get_info(device)[1]
         if kv_bytes > total:
@@ -180,6 +186,7 @@ class ModelRunner:
         loaded = load_model(model_config.model, self.dtype, device, quantization=model_config.quantization, tp=tp,
                             pp=pp, sparse_attention=SparseAttentionConfig.from_cache_config(cache_config))
         self.model = loaded.model
+        self.moe_blocks = [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]  # routing counts
         self.attn_backend = loaded.attn_backend
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
@@ -295,6 +302,11 @@ class ModelRunner:
         meta = inputs.attn_metadata
         if isinstance(meta, AttentionMetadata) and meta.kv_scores is not None:
             output.kv_block_scores = meta.kv_scores.result()
+        return self._finish_step(prompt_lp_logits, sample_logits, inputs, output)
+
+    def _finish_step(self, prompt_lp_logits: torch.Tensor | None, sample_logits: torch.Tensor | None,
+                     inputs: _StepInputs, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Rank 0's end of a step: the prompt logprobs and the sampled tokens of `inputs`' rows, into `output`."""
         if prompt_lp_logits is not None:
             self._add_prompt_logprobs(prompt_lp_logits, inputs, output)
         if sample_logits is not None:
@@ -368,16 +380,16 @@ class ModelRunner:
                 entries = n if req.spec_token_ids or req.decode_rows else 1  # rows of their own, or one chunk
                 longrope_ends.extend(range(req.start_position + n - entries, req.start_position + n))
                 local_row += n
-        dev = self.device
         plan = ContextParallelStep(
-            cp, slots, None if len(exchange) == local_row else torch.tensor(exchange, dtype=torch.int64, device=dev),
+            cp, slots,
+            None if len(exchange) == local_row else torch.tensor(exchange, dtype=torch.int64, device=self.device),
             pieces, longrope_ends, attend_after_hops=cp.size - 1)  # a late part needs every rank's early part
         local_meta = local.attn_metadata
         assert isinstance(local_meta, AttentionMetadata)
-        moe = [m for m in self.model.modules() if hasattr(m, "expert_tokens")]
+        moe = self.moe_blocks
         before = [m.expert_tokens.clone() for m in moe]
         for m in moe:  # the other ranks count their split rows only (rank 0 counts the rows every rank runs)
-            m.counted_rows = None if cp.rank == 0 else torch.tensor(exchange, dtype=torch.int64, device=dev)
+            m.counted_rows = None if cp.rank == 0 else plan.exchange_rows
         try:
             hidden = self.model(local.input_ids, local.positions, self.kv_caches,
                                 dataclasses.replace(local_meta, context_parallel=plan))
@@ -397,12 +409,7 @@ class ModelRunner:
         self.step_collectives_done = True  # what follows is rank 0's alone
         if not self.is_driver:
             return output
-        prompt_lp_logits, sample_logits = self._logits(hidden, whole)
-        if prompt_lp_logits is not None:
-            self._add_prompt_logprobs(prompt_lp_logits, whole, output)
-        if sample_logits is not None:
-            self._sample(sample_logits, whole.sample_reqs, output)
-        return output
+        return self._finish_step(*self._logits(hidden, whole), whole, output)
 
     def _logits(self, hidden: torch.Tensor, inputs: _StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [rows, vocab_size] float32 of the prompt-logprob rows and of the sampled rows (None where none)."""
