@@ -184,8 +184,8 @@ def write_awq_mixed_checkpoint(model: str | None, output: str, settings: AWQSett
 
     Args:
         mixed: a loom.quant.gptq_checkpoint.GPTQSettings with method "rtn" (or "gptq": the weight rounding), 4 bits
-            and the AWQ group size, asymmetric, act order only with "gptq" and static groups, its target_bits, lm_head_bits and
-            sensitivity_windows.
+            and the AWQ group size, asymmetric, act order only with "gptq" and static groups, its target_bits,
+            lm_head_bits and sensitivity_windows.
 
     Raises:
         ValueError: as write_awq_checkpoint, or a budget below the base format's bits.
