@@ -131,6 +131,7 @@ class QuantKernels:
         self._q8_f = self._fn(lib.loom_gemm_q8g_f, [p, i64, i32, i64, i64, p, p, p, i64, p, p, i64, i32, i32], i32)
         self._dq4 = self._fn(lib.loom_dequant_q4g, [p, p, p, i64, i64, i64, p, i32, i32], None)
         self._dq8 = self._fn(lib.loom_dequant_q8g, [p, p, p, i64, i64, i64, p, i32, i32], None)
+        self._dq_rows = self._fn(lib.loom_dequant_rows, [i32, i32, p, p, p, i64, i64, i64, p, i64, p, i32, i32], i32)
         self._rotate = self._fn(lib.loom_rotate_rows, [p, i64, i64, i64, i64, p, i32], None)
         self._q8c = self._fn(lib.loom_gemm_q8c_q8t, [p, p, i64, i64, i64, p, p, p, p, i64, i32, i32], None)
         self._nx16_min = self._fn(lib.loom_set_nx16_min_rows, [i64], i64)
@@ -298,6 +299,33 @@ class QuantKernels:
         if rc:
             raise MemoryError("qgemm: scratch allocation failed")
         return y
+
+    def dequantize_rows(self, w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` of W: [len(ids), K] in `dtype` (float32 or bfloat16), bit for bit
+        dequantize(w.rows(ids), dtype), from any layout (an embedding lookup; the interleaved layouts' rows are
+        gathered in C). ids: int64 [n] CPU tensor.
+
+        Raises:
+            ValueError: dtype not float32 / bfloat16, ids not a 1-D int64 CPU tensor, or an id outside [0, N).
+        """
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_cpu:
+            raise ValueError(f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
+        k = w.shape[1]
+        n = _check_weight(w, k)
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape[0], k, dtype=dtype)
+        if ids.shape[0] and k:
+            mins = None if w.mins is None else w.mins.data_ptr()
+            rc = self._dq_rows(int(w.layout in Q4_LAYOUTS), int(w.layout in INTERLEAVED), w.qweight.data_ptr(),
+                               w.scales.data_ptr(), mins, w.group_size, n, k, ids.data_ptr(), ids.shape[0],
+                               out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+            if rc == -1:
+                raise ValueError(f"ids must lie in [0, {n}): got {ids.min().item()}..{ids.max().item()}")
+            if rc:
+                raise MemoryError("dequantize_rows: scratch allocation failed")
+        return out
 
     def dequantize(self, w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] in `dtype` (float32 or bfloat16), bit for bit layout.dequantize(w, dtype).

@@ -137,6 +137,17 @@ class TorchQuantKernels:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         return dequantize(w, dtype)
 
+    def dequantize_rows(self, w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` of W: [len(ids), K] in `dtype` (an embedding lookup): layout.dequantize of w.rows(ids).
+
+        Raises:
+            ValueError: an id outside [0, N) (the C kernels' error), or what `dequantize` raises.
+        """
+        n = w.shape[0]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise ValueError(f"ids must lie in [0, {n}): got {ids.min().item()}..{ids.max().item()}")
+        return self.dequantize(w.rows(ids), dtype)
+
 
 def _blocks_of_32(x: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     """x [M, K] -> (M, K, x as float32 blocks [M, K/32, 32]); ValueError unless x is a 2-D float tensor with
@@ -162,3 +173,4 @@ def _check(w: PackedWeight, k: int, bias: torch.Tensor | None, out_dtype: torch.
     if out_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     return n
+

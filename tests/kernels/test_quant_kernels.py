@@ -23,8 +23,8 @@ import torch
 
 from loom.kernels import build, registry
 from loom.kernels.quant import QuantizedActivations
-from loom.quant.layout import (PackedWeight, deinterleave_rows16, dequantize, interleave_rows16, pack_q4g,
-                               unpack_codes)
+from loom.quant.layout import (PackedWeight, deinterleave_rows16, dequantize, interleavable, interleave_rows16,
+                               pack_q4g, unpack_codes)
 from loom.quant.torch_kernels import TorchQuantKernels
 
 EPS = 2.0 ** -23
@@ -301,6 +301,31 @@ def test_dequantize_is_bit_equal_to_the_layout(impl: str, layout: str, group) ->
                 out = kernels(impl).dequantize(w, dtype)
                 assert out.dtype == dtype and out.shape == (n, k)
                 assert torch.equal(out.view(bits), dequantize(w, dtype).view(bits)), (layout, group, n, k, mins)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout,group", [("q4g", 32), ("q4g", 64), ("q8g", 16), ("q8g", 32), ("q8g", "K")])
+def test_dequantize_rows_is_the_lookup_of_every_layout(impl: str, layout: str, group) -> None:
+    """An embedding lookup: rows of a row-major and of a 16-row interleaved table, bit for bit the rows of the
+    layout's dequantization, in the ids' order with repeats, one row (a decode step) and more rows than the
+    parallel threshold (a prefill)."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 48, 576
+    for mins in (True, False):
+        w = random_weight(layout, n, k, group_of(group, k), mins, g)
+        full = {dtype: dequantize(w, dtype) for dtype in (torch.float32, torch.bfloat16)}
+        tables = [w] + ([interleave_rows16(w)] if interleavable(w) else [])
+        assert len(tables) == 2 or layout == "q8g" and group == "K"
+        for table in tables:
+            for ids in (torch.tensor([37]), torch.tensor([0, 47, 16, 15, 16, 3]),
+                        torch.randint(0, n, (300,), generator=g), torch.tensor([], dtype=torch.int64)):
+                for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                    out = kernels(impl).dequantize_rows(table, ids, dtype)
+                    assert out.dtype == dtype and out.shape == (len(ids), k)
+                    assert torch.equal(out.view(bits), full[dtype][ids].view(bits)), (table.layout, mins, len(ids))
+            for bad in (torch.tensor([n]), torch.tensor([2, -1])):
+                with pytest.raises(ValueError, match="ids must lie in"):
+                    kernels(impl).dequantize_rows(table, bad)
 
 
 @pytest.mark.parametrize("isa", C_ISAS)

@@ -46,6 +46,7 @@
  *      lane, section "16 weight rows per vector"); the other builds compute the same steps a lane at a time, so
  *      every build gives the same bits.
  * 4. loom_dequant_{q4g,q8g}: W [N, K] = float32(sc) * q + float32(min), bit for bit layout.dequantize
+ *    (loom_dequant_rows: the rows of a lookup, from any of the four layouts)
  *    (the product of a float16 and a code of at most 8 bits is exact, so one FMA rounds like mul + add),
  *    float32 or bfloat16 (the float32 value rounded to nearest even, as torch's .to(bfloat16)).
  *
@@ -2090,4 +2091,52 @@ void loom_dequant_q4g(const uint8_t *qweight, const uint16_t *scales, const uint
 void loom_dequant_q8g(const int8_t *qweight, const uint16_t *scales, const uint16_t *mins, int64_t group, int64_t N,
                       int64_t K, void *out, int out_bf16, int num_threads) {
     dequant(0, (const uint8_t *)qweight, scales, mins, group, N, K, out, out_bf16, num_threads);
+}
+
+/* Rows ids[0..n_ids) of a packed table [N, K] (an embedding lookup), [n_ids, K] float32 or bfloat16, bit for bit
+ * loom_dequant_{q4g,q8g} of those rows: q4 picks 4-bit codes, `interleaved` the 16-row arrangement (q4gr16,
+ * q8gr16: row r's 32-bit word w at ((r / 16) * words + w) * 16 + r % 16, its group j's scale and minimum at
+ * ((r / 16) * ng + j) * 16 + r % 16; layout.py), whose row is gathered first. One call in place of the
+ * gather's several tensor ops, which took ~90 us for one row inside a decode step (benchmarks/NOTES.md, "The
+ * Python of a Zen 4 token"). Returns 0, -1 for an id outside [0, N) (nothing is written past the rows before
+ * it), -2 when the gather's scratch cannot be allocated. */
+int loom_dequant_rows(int q4, int interleaved, const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins,
+                      int64_t group, int64_t N, int64_t K, const int64_t *ids, int64_t n_ids, void *out, int out_bf16,
+                      int num_threads) {
+    const int64_t ng = K / group, row_bytes = q4 ? K / 2 : K, words = row_bytes / 4, size = out_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < n_ids; ++i)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    if (!interleaved) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n_ids * K >= PAR_MIN_WORK)
+        for (int64_t i = 0; i < n_ids; ++i)
+            dequant(q4, qweight + ids[i] * row_bytes, scales + ids[i] * ng, mins ? mins + ids[i] * ng : NULL, group,
+                    1, K, (char *)out + i * K * size, out_bf16, 1);
+        return 0;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (n_ids * K >= PAR_MIN_WORK)
+    {
+        /* one row's codes, scales and minimums in row-major order */
+        uint32_t *row = malloc((size_t)(words + 2 * ng) * sizeof(uint32_t));
+        if (row == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_ids; ++i) {
+            if (row == NULL) continue;
+            const int64_t g16 = ids[i] / 16, lane = ids[i] % 16;
+            const uint32_t *wq = (const uint32_t *)qweight + g16 * words * 16 + lane;
+            for (int64_t w = 0; w < words; ++w) row[w] = wq[w * 16];
+            uint16_t *sc = (uint16_t *)(row + words), *mn = sc + ng;
+            for (int64_t j = 0; j < ng; ++j) {
+                sc[j] = scales[(g16 * ng + j) * 16 + lane];
+                if (mins) mn[j] = mins[(g16 * ng + j) * 16 + lane];
+            }
+            dequant(q4, (const uint8_t *)row, sc, mins ? mn : NULL, group, 1, K, (char *)out + i * K * size,
+                    out_bf16, 1);
+        }
+        free(row);
+    }
+    return failed ? -2 : 0;
 }

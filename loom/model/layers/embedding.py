@@ -37,8 +37,8 @@ class VocabEmbedding(nn.Module):
                 requires_grad=False,
             )  # [vocab rows held here, hidden_size]
         self.packed: PackedWeight | None = None  # [vocab_size, hidden_size] in a loom layout, when packed
-        # loom's C dequantize for the looked-up rows (CPU, float32 / bfloat16), set with a packed table
-        self._dequantize: Any = None
+        # loom's C lookup of packed rows (CPU, float32 / bfloat16), set with a packed table
+        self._dequantize_rows: Any = None
 
     def load(self, name: str, tensor: Any, shard: int | None = None) -> None:
         """Load the checkpoint table (a dense tensor, or a PackedWeight for a packed table).
@@ -56,11 +56,12 @@ class VocabEmbedding(nn.Module):
             self.packed = tensor.to(self.device) if isinstance(tensor, PackedWeight) else None
             if self.packed is not None and torch.device(self.device).type == "cpu" \
                     and self.dtype in (torch.float32, torch.bfloat16):
-                # bit for bit layout.dequantize: one call instead of ~10 torch ops (one row of SmolLM2's Q8_0
-                # table: 17 -> 6.5 us on Zen 3)
+                # bit for bit layout.dequantize of the looked-up rows, gathered and dequantized in one C call
+                # instead of ~10 torch ops (one row of SmolLM2's interleaved Q8_0 table inside a decode step:
+                # ~115 -> ~10 us on Zen 4; benchmarks/NOTES.md, "The Python of a Zen 4 token")
                 from loom.quant.methods import quant_kernels
 
-                self._dequantize = quant_kernels(self.device).dequantize
+                self._dequantize_rows = quant_kernels(self.device).dequantize_rows
             if self.packed is None:  # the file stores it in float after all
                 self.weight = nn.Parameter(tensor.to(device=self.device, dtype=self.dtype), requires_grad=False)
         else:
@@ -78,8 +79,9 @@ class VocabEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the table held here -> [len(ids), hidden_size], model dtype."""
         if self.packed is not None:
-            rows = self.packed.rows(ids)
-            return (self._dequantize or dequantize)(rows, self.dtype)
+            if self._dequantize_rows is not None and ids.dim() == 1:
+                return self._dequantize_rows(self.packed, ids.long(), self.dtype)
+            return dequantize(self.packed.rows(ids), self.dtype)
         return F.embedding(ids, self.weight)
 
     def weight_format(self) -> tuple[str, int]:
