@@ -1552,7 +1552,8 @@ static void q4_unit_codes16(const int16_t *c, int64_t M, int64_t K, int64_t stri
  * (4j, 4j+2), (4j+16, 4j+18), (4j+1, 4j+3), (4j+17, 4j+19); the x codes of each block are laid out in that
  * order (nx16_codes). Exact integer dots per block as the other tiles (|sum| <= 32 * 15 * 32767 < 2^31); the
  * same definition as section 3, summed in another order. */
-#define NX16_MR 8 /* x rows per pass: 8 int32 + 8 float accumulators, 4 weight vectors */
+#define NX16_MR 10 /* x rows per pass: 10 int32 + 10 float accumulators, 4 weight vectors (a 9-row verify step in one
+                     * pass: 8 left a ninth row to a pass of its own, latency-bound) */
 #define NX16_AHEAD 8 /* blocks ahead whose words are prefetched (2 KB) */
 /* rows of x from which gemm_16 takes this path for q4g: above loom/quant/methods.py's DENSE_MIN_ROWS_BY_LAYOUT
  * (128), where the layer used to dequantize and run torch's float32 GEMM, so that every row count at which the
@@ -1687,7 +1688,7 @@ static int gemm16_q4_nx16(int16_t *xc, const float *xs, const float *h, int64_t 
 #define NX16_CASE(MC) \
     case MC: nx16_rows(MC, pk, pd, pm, nb, pbpg, xr, K, xsr, gsr, out); break;
                     NX16_CASE(1) NX16_CASE(2) NX16_CASE(3) NX16_CASE(4) NX16_CASE(5) NX16_CASE(6) NX16_CASE(7)
-                    NX16_CASE(8)
+                    NX16_CASE(8) NX16_CASE(9) NX16_CASE(10)
 #undef NX16_CASE
                 }
                 for (int r = 0; r < mc; ++r)
@@ -1729,15 +1730,17 @@ static void nx16_codes_q8(int16_t *c, int64_t M, int64_t K, int num_threads) {
         }
 }
 
+#define NX16_Q8_MR 8 /* x rows per pass of the q8 groups: two int32 accumulators a row with groups of 16 */
+
 ALWAYS_INLINE void nx16_rows_q8(const int mc, const int g16, const uint32_t *pk, const uint16_t *sc,
                                 const uint16_t *mn, int64_t nb, const int16_t *xc, int64_t K, const float *xs,
                                 const float *h, float *out) {
-    __m512 af[NX16_MR];
+    __m512 af[NX16_Q8_MR];
     for (int r = 0; r < mc; ++r) af[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         for (int line = 0; line < 8; ++line) /* a block's words: 8 cache lines */
             _mm_prefetch((const char *)(pk + (b + NX16_AHEAD) * 128 + 16 * line), _MM_HINT_T0);
-        __m512i a0[NX16_MR], a1[NX16_MR];
+        __m512i a0[NX16_Q8_MR], a1[NX16_Q8_MR];
         for (int r = 0; r < mc; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j) {
             const __m512i W = _mm512_loadu_si512((const void *)(pk + (b * 8 + j) * 16));
@@ -1794,9 +1797,9 @@ static void gemm16_q8_r16(int16_t *xc, const float *xs, const float *h, int64_t 
     for (int64_t g = 0; g < N / 16; ++g) {
         const uint32_t *pk = (const uint32_t *)(w + 16 * g * K);
         const uint16_t *pd = sc + 16 * g * ng, *pm = mn ? mn + 16 * g * ng : NULL;
-        float out[16 * NX16_MR];
-        for (int64_t m0 = 0; m0 < M; m0 += NX16_MR) {
-            const int mc = M - m0 < NX16_MR ? (int)(M - m0) : NX16_MR;
+        float out[16 * NX16_Q8_MR];
+        for (int64_t m0 = 0; m0 < M; m0 += NX16_Q8_MR) {
+            const int mc = M - m0 < NX16_Q8_MR ? (int)(M - m0) : NX16_Q8_MR;
             const int16_t *xr = xc + m0 * K;
             const float *xsr = xs + m0 * nb, *hr = h + m0 * 2 * nb;
             switch (mc * 2 + g16) {
