@@ -1730,7 +1730,8 @@ static void nx16_codes_q8(int16_t *c, int64_t M, int64_t K, int num_threads) {
         }
 }
 
-#define NX16_Q8_MR 8 /* x rows per pass of the q8 groups: two int32 accumulators a row with groups of 16 */
+#define NX16_Q8_MR 10 /* x rows per pass of the q8 groups with groups of 32 (Q8_0, Q5_0: the LM heads); groups of
+                        * 16 take 8 (two int32 accumulators a row) */
 
 ALWAYS_INLINE void nx16_rows_q8(const int mc, const int g16, const uint32_t *pk, const uint16_t *sc,
                                 const uint16_t *mn, int64_t nb, const int16_t *xc, int64_t K, const float *xs,
@@ -1798,8 +1799,9 @@ static void gemm16_q8_r16(int16_t *xc, const float *xs, const float *h, int64_t 
         const uint32_t *pk = (const uint32_t *)(w + 16 * g * K);
         const uint16_t *pd = sc + 16 * g * ng, *pm = mn ? mn + 16 * g * ng : NULL;
         float out[16 * NX16_Q8_MR];
-        for (int64_t m0 = 0; m0 < M; m0 += NX16_Q8_MR) {
-            const int mc = M - m0 < NX16_Q8_MR ? (int)(M - m0) : NX16_Q8_MR;
+        const int64_t per_pass = g16 ? 8 : NX16_Q8_MR;
+        for (int64_t m0 = 0; m0 < M; m0 += per_pass) {
+            const int mc = M - m0 < per_pass ? (int)(M - m0) : (int)per_pass;
             const int16_t *xr = xc + m0 * K;
             const float *xsr = xs + m0 * nb, *hr = h + m0 * 2 * nb;
             switch (mc * 2 + g16) {
@@ -1808,6 +1810,8 @@ static void gemm16_q8_r16(int16_t *xc, const float *xs, const float *h, int64_t 
     case 2 * MC + 1: nx16_rows_q8(MC, 1, pk, pd, pm, nb, xr, K, xsr, hr, out); break;
                 NX16_Q8_CASE(1) NX16_Q8_CASE(2) NX16_Q8_CASE(3) NX16_Q8_CASE(4) NX16_Q8_CASE(5) NX16_Q8_CASE(6)
                 NX16_Q8_CASE(7) NX16_Q8_CASE(8)
+    case 18: nx16_rows_q8(9, 0, pk, pd, pm, nb, xr, K, xsr, hr, out); break;
+    case 20: nx16_rows_q8(10, 0, pk, pd, pm, nb, xr, K, xsr, hr, out); break;
 #undef NX16_Q8_CASE
             }
             for (int r = 0; r < mc; ++r)
