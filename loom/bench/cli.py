@@ -73,9 +73,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     ana = subparsers.add_parser("analyze", help="roofline floors of a model on this machine (compute the floor first)")
     _add_analyze_args(ana)
-    from loom.bench.cli_analyze import cmd_analyze
+    ana.set_defaults(func=_cmd_analyze)
 
-    ana.set_defaults(func=cmd_analyze)
+
+def _cmd_analyze(ns: argparse.Namespace) -> int:
+    from loom.bench.cli_analyze import cmd_analyze  # the roofline's machine probe imports torch
+
+    return cmd_analyze(ns)
 
 
 def _add_backend_args(p: argparse.ArgumentParser) -> None:

@@ -10,8 +10,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loom.model.loader import default_model_path
-
 
 @dataclass(frozen=True, slots=True)
 class ModelArch:
@@ -116,7 +114,12 @@ def load_model_arch(model: str | Path | None) -> ModelArch:
     Raises:
         ValueError: `model` is neither a .gguf file nor a directory with config.json.
     """
-    path = default_model_path() if model is None else Path(model)
+    if model is None:
+        from loom.model.loader import default_model_path  # the loader imports torch: not for `loom --help`
+
+        path = default_model_path()
+    else:
+        path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
         return _arch_from_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():

@@ -176,7 +176,7 @@ def _fraction(value: str) -> float:
 
 def register_quantize(sub: argparse._SubParsersAction) -> None:
     """Add `loom quantize` to loom's subcommands."""
-    from loom.quant.quantize import QUANTIZE_METHODS
+    from loom.quant import QUANTIZE_METHODS
 
     p = sub.add_parser("quantize", help="write a quantized checkpoint (RTN, GPTQ, AWQ, FP8) or one prepared for "
                        "W8A8 (SmoothQuant)",

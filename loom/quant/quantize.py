@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
+from loom.quant import QUANTIZE_METHODS
 from loom.quant.awq import SCALINGS
 from loom.quant.awq_model import CLIPS, LOSSES, AWQSettings
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE_METHODS = ("smoothquant", "w8a8", "rtn", "gptq", "awq", "fp8", "sparse24")
 # quantize()'s method-specific options -> the methods that read them (any other method refuses them)
 METHOD_OPTIONS = {
     "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8", "awq"),

@@ -10,15 +10,18 @@ import socket
 import time
 from collections.abc import Mapping
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from loom.engine.arg_utils import add_engine_args, add_kv_transfer_args, engine_args_from_namespace
-from loom.engine.async_engine import AsyncLLMEngine
 from loom.router.result_cache import ResultCache
 from loom.server.header_timeout import DEFAULT_TIMEOUT_HEADER_S, http_protocol
 from loom.server.security import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, SecurityConfig
 from loom.server.tool_parsers import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS, get_tool_call_parser
+
+if TYPE_CHECKING:  # the engine (torch) is imported when `loom serve` runs, not for `loom --help`
+    from loom.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("loom.server")
 
@@ -155,6 +158,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     args = engine_args_from_namespace(ns)
     check_listen_address(ns.host, ns.port)  # before the model loads, not after
     t0 = time.monotonic()
+    from loom.engine.async_engine import AsyncLLMEngine
+
     engine = AsyncLLMEngine.from_engine_args(args)
     try:
         app = build_app(engine, served_model_name=ns.served_model_name, security=security,
