@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _torchrun_rank() -> int:
     """This process's rank under torchrun (its RANK variable), else 0."""
-    from loom.executor.multiproc import launched_by_torchrun
+    from loom.env import launched_by_torchrun  # torch-free: a value error must not wait for torch
 
     return int(os.environ["RANK"]) if launched_by_torchrun() else 0
 

@@ -15,6 +15,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("LOOM_CACHE_DIR") or Path.home() / ".cache" / "loom")
 
 
+def launched_by_torchrun() -> bool:
+    """True when this process is one rank of a torchrun launch (its rendezvous variables are set)."""
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def env_flag(name: str, default: bool) -> bool:
     """The on/off switch in environment variable `name`: 1, true, yes or on give True; 0, false, no or off give
     False (any case, surrounding whitespace ignored); unset, empty or only whitespace gives `default`.

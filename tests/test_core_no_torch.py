@@ -36,7 +36,7 @@ _CLI_SCRIPT = """
 import sys
 from loom.cli import main
 try:
-    main(sys.argv[1:])
+    code = main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code
 bad = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
@@ -45,11 +45,17 @@ print("exit", code, "torch imported" if bad else "no torch")
 
 
 def test_cli_help_and_argument_errors_do_not_import_torch() -> None:
-    """`loom --help`, a subcommand's --help and a malformed argument are answered by argparse before any command
-    runs: importing torch and the engine for them took ~3 s (6-11 s on a busy machine) against ~0.6 s."""
+    """`loom --help`, every subcommand's --help, a malformed argument and `loom serve`'s own checks of its address
+    are answered before torch is imported: importing torch and the engine first took ~3 s (6-11 s on a busy
+    machine) against ~0.6 s."""
     repo = Path(__file__).resolve().parents[1]
-    for argv, code in ((["--help"], 0), (["router", "--help"], 0), (["serve", "--port", "abc"], 2),
-                       (["bench", "latency", "--input-len", "x"], 2), (["quantize", "--help"], 0)):
+    helps = [[], ["generate"], ["chat"], ["serve"], ["router"], ["quantize"], ["analyze"], ["bench"],
+             *(["bench", b] for b in ("latency", "throughput", "serve", "prefix", "quality", "quant", "longctx"))]
+    cases = [([*h, "--help"], 0) for h in helps] + [
+        (["serve", "--port", "abc"], 2), (["bench", "latency", "--input-len", "x"], 2),
+        (["serve", "--port", "99999"], 2),  # refused by the command itself, before its engine loads
+        (["serve", "--host", "999.0.0.1"], 2)]
+    for argv, code in cases:
         proc = subprocess.run([sys.executable, "-c", _CLI_SCRIPT, *argv], cwd=repo, capture_output=True, text=True,
                               timeout=60)
         assert f"exit {code} no torch" in proc.stdout, (argv, proc.stdout[-500:], proc.stderr[-500:])

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import loom
 from loom.config import CacheConfig, ModelConfig, ParallelConfig
 from loom.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from loom.env import launched_by_torchrun
 from loom.executor.base import ExecutorDiedError
 from loom.executor.step_message import StepEncoder
 from loom.executor.worker import (LOAD_TIMEOUT, WorkerArgs, agree_on_options, block_counts, check_layout,
@@ -41,11 +42,6 @@ from loom.executor.worker import (LOAD_TIMEOUT, WorkerArgs, agree_on_options, bl
 from loom.worker.model_runner import ModelRunner, physical_memory_bytes
 
 logger = logging.getLogger(__name__)
-
-
-def launched_by_torchrun() -> bool:
-    """True when this process is one rank of a torchrun launch (its rendezvous variables are set)."""
-    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def _free_port() -> int:

@@ -310,7 +310,9 @@ class QuantKernels:
         """
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
-        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_cpu:
+        if not isinstance(w, PackedWeight):
+            raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_cpu:
             raise ValueError(f"ids must be a 1-D int64 CPU tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
         k = w.shape[1]
         n = _check_weight(w, k)

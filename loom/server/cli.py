@@ -147,8 +147,6 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     Raises ValueError for bad engine options (the CLI prints it).
     """
-    from loom.server.api_server import build_app
-
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {ns.port}")
     security = security_config(ns, os.environ)
@@ -158,7 +156,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     args = engine_args_from_namespace(ns)
     check_listen_address(ns.host, ns.port)  # before the model loads, not after
     t0 = time.monotonic()
-    from loom.engine.async_engine import AsyncLLMEngine
+    from loom.engine.async_engine import AsyncLLMEngine  # torch and the engine: after the cheap checks
+    from loom.server.api_server import build_app
 
     engine = AsyncLLMEngine.from_engine_args(args)
     try:

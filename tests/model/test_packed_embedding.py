@@ -35,6 +35,12 @@ def test_lookup_from_an_interleaved_table_is_the_same(layout: str) -> None:
     emb.load("weight", interleave_rows16(packed))
     ids = torch.tensor([0, 319, 17, 17, 150])
     assert torch.equal(emb(ids), dequantize(packed.rows(ids)))
+    # ids of any shape, as F.embedding takes them (int32 too), give rows of that shape
+    grid = torch.tensor([[3, 300], [319, 3]], dtype=torch.int32)
+    got = emb(grid)
+    assert got.shape == (2, 2, 64) and torch.equal(got.view(4, 64), dequantize(packed.rows(grid.flatten().long())))
+    with pytest.raises(ValueError, match="ids must lie in"):
+        emb(torch.tensor([320]))
 
 
 def test_the_bundled_models_tied_head_and_embedding_hold_one_matrix() -> None:

@@ -2104,9 +2104,9 @@ void loom_dequant_q8g(const int8_t *qweight, const uint16_t *scales, const uint1
  * loom_dequant_{q4g,q8g} of those rows: q4 picks 4-bit codes, `interleaved` the 16-row arrangement (q4gr16,
  * q8gr16: row r's 32-bit word w at ((r / 16) * words + w) * 16 + r % 16, its group j's scale and minimum at
  * ((r / 16) * ng + j) * 16 + r % 16; layout.py), whose row is gathered first. One call in place of the
- * gather's several tensor ops, which took ~90 us for one row inside a decode step (benchmarks/NOTES.md, "The
- * Python of a Zen 4 token"). Returns 0, -1 for an id outside [0, N) (nothing is written past the rows before
- * it), -2 when the gather's scratch cannot be allocated. */
+ * gather's several tensor ops, which took ~90 us for one row inside a decode step (benchmarks/NOTES.md, "Issue 9
+ * on the Zen 4: where a single-stream token goes now"). Returns 0, -1 for an id outside [0, N) (all are checked first: nothing is written),
+ * -2 when the gather's scratch cannot be allocated. */
 int loom_dequant_rows(int q4, int interleaved, const uint8_t *qweight, const uint16_t *scales, const uint16_t *mins,
                       int64_t group, int64_t N, int64_t K, const int64_t *ids, int64_t n_ids, void *out, int out_bf16,
                       int num_threads) {
@@ -2123,8 +2123,8 @@ int loom_dequant_rows(int q4, int interleaved, const uint8_t *qweight, const uin
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (n_ids * K >= PAR_MIN_WORK)
     {
-        /* one row's codes, scales and minimums in row-major order */
-        uint32_t *row = malloc((size_t)(words + 2 * ng) * sizeof(uint32_t));
+        /* one row's codes (words), then its scales and minimums (ng float16 each) in row-major order */
+        uint32_t *row = malloc((size_t)words * sizeof(uint32_t) + (size_t)(2 * ng) * sizeof(uint16_t));
         if (row == NULL) {
 #pragma omp atomic write
             failed = 1;

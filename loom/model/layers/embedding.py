@@ -58,7 +58,8 @@ class VocabEmbedding(nn.Module):
                     and self.dtype in (torch.float32, torch.bfloat16):
                 # bit for bit layout.dequantize of the looked-up rows, gathered and dequantized in one C call
                 # instead of ~10 torch ops (one row of SmolLM2's interleaved Q8_0 table inside a decode step:
-                # ~115 -> ~10 us on Zen 4; benchmarks/NOTES.md, "The Python of a Zen 4 token")
+                # ~115 -> ~30 us on Zen 4; benchmarks/NOTES.md, "Issue 9 on the Zen 4: where a single-stream token
+                # goes now")
                 from loom.quant.methods import quant_kernels
 
                 self._dequantize_rows = quant_kernels(self.device).dequantize_rows
@@ -77,11 +78,14 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(rows.masked_fill_(~here.unsqueeze(-1), 0))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the table held here -> [len(ids), hidden_size], model dtype."""
+        """Rows `ids` (int64, any shape) of the table held here -> [*ids.shape, hidden_size], model dtype."""
         if self.packed is not None:
-            if self._dequantize_rows is not None and ids.dim() == 1:
-                return self._dequantize_rows(self.packed, ids.long(), self.dtype)
-            return dequantize(self.packed.rows(ids), self.dtype)
+            flat = ids.reshape(-1).long()  # any shape of ids, as F.embedding takes
+            if self._dequantize_rows is not None:
+                rows = self._dequantize_rows(self.packed, flat, self.dtype)
+            else:
+                rows = dequantize(self.packed.rows(flat), self.dtype)
+            return rows.view(*ids.shape, rows.shape[-1])
         return F.embedding(ids, self.weight)
 
     def weight_format(self) -> tuple[str, int]:
