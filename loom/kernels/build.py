@@ -3,7 +3,8 @@
 Each kernel's sources (`loom/kernels/csrc/`) are compiled with the system C compiler (`$CC`, else `cc`) as
 `-O3 -fopenmp -shared` plus the ISA's flags into `<cache>/kernels/<name>-<isa>-<hash>.so`, where <cache> is
 `$LOOM_CACHE_DIR` or `~/.cache/loom` and the hash covers the sources, every header, the compiler and the
-flags; later processes load the cached library. Older builds of the same kernel and ISA are pruned.
+flags; later processes load the cached library. Builds of the same kernel and ISA from other sources are deleted
+once no process has used them for a week (another checkout on the machine may still load them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,6 +59,22 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# builds of other sources of a kernel are deleted once unused this long: another checkout or virtual environment on
+# the machine may still load them (deleting them at once made two checkouts recompile each other's kernels, ~25 s
+# a start), but a cache must not grow with every source version either
+PRUNE_UNUSED_S = 7 * 24 * 3600
+
+
+def _prune(target: Path, stem: str) -> None:
+    """Delete the builds of `target`'s kernel and ISA from other sources that no process has used (loaded or
+    built) for PRUNE_UNUSED_S seconds."""
+    cutoff = time.time() - PRUNE_UNUSED_S
+    for old in target.parent.glob(f"{stem}-*.so"):
+        with contextlib.suppress(OSError):
+            if old != target and old.stat().st_mtime < cutoff:
+                old.unlink()
+
+
 def build_library(name: str, sources: Sequence[str], cflags: Sequence[str] = (), tag: str = "") -> Path:
     """Compile `csrc/<source>` for each source into one shared library in the cache; returns its path.
 
@@ -76,6 +94,8 @@ def build_library(name: str, sources: Sequence[str], cflags: Sequence[str] = (),
     stem = f"{name}-{tag}" if tag else name
     target = cache_dir() / f"{stem}-{digest}.so"
     if target.exists():
+        with contextlib.suppress(OSError):  # its mtime says when it was last used (a read-only cache stays as is)
+            os.utime(target)
         return target
     # a first run compiles every kernel it loads, ~25 s in all on 2 cores: say so rather than sit silent
     logger.info("compiling loom's C kernel %s (%s) into %s (once per source version)", name, tag or "default",
@@ -88,10 +108,7 @@ def build_library(name: str, sources: Sequence[str], cflags: Sequence[str] = (),
             detail = proc.stderr.strip()[-2000:] or "no error output"
             raise RuntimeError(f"{compiler} exited with {proc.returncode} on {', '.join(sources)}: {detail}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
-        for old in target.parent.glob(f"{stem}-*.so"):  # builds of earlier sources
-            if old != target:
-                with contextlib.suppress(OSError):
-                    old.unlink()
+        _prune(target, stem)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

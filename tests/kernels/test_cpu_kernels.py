@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -80,12 +83,21 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
     first = build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16")
     assert first.parent == tmp_path / "kernels" and first.exists()
-    stamp = first.stat().st_mtime_ns
-    assert build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16") == first and first.stat().st_mtime_ns == stamp  # not rebuilt
-    stale = first.parent / "gemv_bf16-avx512_bf16-0000000000000000.so"  # a build of an older source
+    inode = first.stat().st_ino
+    os.utime(first, (1, 1))
+    assert build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16") == first  # not rebuilt,
+    assert first.stat().st_ino == inode and first.stat().st_mtime > 1  # and its use recorded
+    # builds of other sources: one another checkout used recently is kept, one unused for a week is deleted
+    stale = first.parent / "gemv_bf16-avx512_bf16-0000000000000000.so"
+    other = first.parent / "gemv_bf16-avx512_bf16-1111111111111111.so"
     stale.write_bytes(b"")
+    other.write_bytes(b"")
+    week = build.PRUNE_UNUSED_S
+    os.utime(stale, (time.time() - week - 60,) * 2)
+    os.utime(other, (time.time() - week + 3600,) * 2)
     first.unlink()
-    assert build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16") == first and not stale.exists()  # rebuilt, the old one pruned
+    assert build.build_library("gemv_bf16", ["gemv_bf16.c"], tag="avx512_bf16") == first  # rebuilt
+    assert not stale.exists() and other.exists()
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:
