@@ -50,12 +50,13 @@ def _sampling_params(ns: argparse.Namespace):  # noqa: ANN202
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from loom.engine.llm import LLM
-
     if not ns.prompt:  # the engine refuses it, but only --raw reached it empty: the chat template wraps it in a turn
         raise ValueError("prompt must not be empty")
-    params = _sampling_params(ns)
-    llm = LLM(**dataclasses.asdict(engine_args_from_namespace(ns)))
+    params = _sampling_params(ns)  # bad values are refused before torch and the engine load
+    args = engine_args_from_namespace(ns)
+    from loom.engine.llm import LLM
+
+    llm = LLM(**dataclasses.asdict(args))
     prompt: str | list[int] = ns.prompt
     if not ns.raw and llm.tokenizer.chat_template:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": ns.prompt}])
@@ -78,10 +79,11 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
+    params = _sampling_params(ns)  # bad values are refused before torch and the engine load
+    args = engine_args_from_namespace(ns)
     from loom.engine.llm import LLM
 
-    params = _sampling_params(ns)
-    llm = LLM(**dataclasses.asdict(engine_args_from_namespace(ns)))
+    llm = LLM(**dataclasses.asdict(args))
     if not llm.tokenizer.chat_template:
         print(f"loom: error: model {llm.engine.model_name!r} has no chat template (a base model): use "
               "`loom generate` (its prompt goes in as plain text)", file=sys.stderr)
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         from loom.env import check_switches
 
         check_switches()
+        if hasattr(ns, "tensor_parallel_size"):  # a command with engine options: a bad one is refused here, in a
+            engine_args_from_namespace(ns)        # fraction of a second, not after torch and the engine load
         if hasattr(ns, "tensor_parallel_size") and _torchrun_rank() > 0:  # a worker rank: rank 0 runs the command
             from loom.executor.worker import serve_torchrun_rank
 

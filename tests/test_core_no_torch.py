@@ -45,8 +45,8 @@ print("exit", code, "torch imported" if bad else "no torch")
 
 
 def test_cli_help_and_argument_errors_do_not_import_torch() -> None:
-    """`loom --help`, every subcommand's --help, a malformed argument and `loom serve`'s own checks of its address
-    are answered before torch is imported: importing torch and the engine first took ~3 s (6-11 s on a busy
+    """`loom --help`, every subcommand's --help, a malformed argument, `loom serve`'s own checks of its address and
+    engine or sampling values the engine would refuse are answered before torch is imported: importing torch and the engine first took ~3 s (6-11 s on a busy
     machine) against ~0.6 s."""
     repo = Path(__file__).resolve().parents[1]
     helps = [[], ["generate"], ["chat"], ["serve"], ["router"], ["quantize"], ["analyze"], ["bench"],
@@ -54,7 +54,10 @@ def test_cli_help_and_argument_errors_do_not_import_torch() -> None:
     cases = [([*h, "--help"], 0) for h in helps] + [
         (["serve", "--port", "abc"], 2), (["bench", "latency", "--input-len", "x"], 2),
         (["serve", "--port", "99999"], 2),  # refused by the command itself, before its engine loads
-        (["serve", "--host", "999.0.0.1"], 2)]
+        (["serve", "--host", "999.0.0.1"], 2),
+        # an engine or sampling value the engine would refuse, refused before it loads
+        (["bench", "latency", "--num-threads", "0"], 2), (["generate", "hi", "--max-tokens", "-5"], 2),
+        (["chat", "--temperature", "-1"], 2)]
     for argv, code in cases:
         proc = subprocess.run([sys.executable, "-c", _CLI_SCRIPT, *argv], cwd=repo, capture_output=True, text=True,
                               timeout=60)
