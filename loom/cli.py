@@ -221,14 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         from loom.env import check_switches
 
         check_switches()
-        if hasattr(ns, "tensor_parallel_size"):  # a command with engine options: a bad one is refused here, in a
-            engine_args_from_namespace(ns)        # fraction of a second, not after torch and the engine load
-        if hasattr(ns, "tensor_parallel_size") and _torchrun_rank() > 0:  # a worker rank: rank 0 runs the command
-            from loom.executor.worker import serve_torchrun_rank
+        if hasattr(ns, "tensor_parallel_size"):  # a command with engine options
+            args = engine_args_from_namespace(ns)  # a bad one is refused here, before torch and the engine load
+            if _torchrun_rank() > 0:  # a worker rank: rank 0 runs the command
+                from loom.executor.worker import serve_torchrun_rank
 
-            args = engine_args_from_namespace(ns)
-            serve_torchrun_rank(args.model_config(), args.cache_config(), args.parallel_config(), args.num_threads)
-            return 0
+                serve_torchrun_rank(args.model_config(), args.cache_config(), args.parallel_config(),
+                                    args.num_threads)
+                return 0
         return ns.func(ns)
     except ValueError as exc:  # a value the command refused: reported as argparse reports a malformed one
         prog = getattr(ns, "_subcommand_prog", parser.prog)

@@ -351,10 +351,9 @@ class ContextParallelStep:
 
     Attention needs the keys and values of a chunk's earlier positions, which other ranks computed: at each layer the
     ranks' K/V shares travel round the ring as in ring attention (rank r sends to r + 1 and receives from r - 1, N - 1
-    hops), each arriving share is written into this rank's paged cache, and once the shares its queries need have
-    arrived (`attend_after_hops`: all N - 1 under the zigzag split, r under a contiguous one, where the later hops
-    then overlap the attention) the rank attends its query rows over the cache with the engine's own attention
-    backend. The attention is therefore the same computation as on one rank (the same kernel over the same cached
+    hops), each arriving share is written into this rank's paged cache, and once every share has arrived (a late
+    part of the zigzag split needs every rank's early part) the rank attends its query rows over the cache with the
+    engine's own attention backend. The attention is therefore the same computation as on one rank (the same kernel over the same cached
     K/V rows), not an online-softmax merge, and every rank's cache ends the step holding every chunk whole, so later
     steps (decode, prefix hits, the next chunk) run on any rank alike.
 
@@ -373,16 +372,15 @@ class ContextParallelStep:
     # per entry of this rank's attention metadata: the position that decides LongRoPE's table (a split chunk's last
     # position, else the entry's own last row's)
     longrope_ends: list[int]
-    attend_after_hops: int  # hops after which every share this rank's queries attend to is in its cache
 
     @property
     def rows_per_rank(self) -> list[int]:
         return [int(s.shape[0]) for s in self.slots]
 
     def attend(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attend: Any) -> torch.Tensor:
-        """Exchange this layer's K/V of the split chunks round the ring, writing each arriving chunk into kv_cache,
-        and call `attend()` (the backend over this rank's rows, which writes its own rows as usual) once every
-        earlier chunk is cached; returns its result.
+        """Exchange this layer's K/V of the split chunks round the ring, writing each arriving share into kv_cache,
+        then call `attend()` (the backend over this rank's rows, which writes its own rows as usual); returns its
+        result.
 
         key, value: [rows of this rank's batch, num_kv_heads, head_dim] in the model dtype. Every rank of the ring
         must call it at the same layer (a collective)."""
@@ -394,27 +392,17 @@ class ContextParallelStep:
             key, value = key.index_select(0, self.exchange_rows), value.index_select(0, self.exchange_rows)
         current = torch.zeros(2, max(rows), *key.shape[1:], dtype=key.dtype, device=key.device)
         current[0, : key.shape[0]], current[1, : key.shape[0]] = key, value
-        # the share from rank r - h arrives in hop h; hops after attend_after_hops only fill the cache for later steps
-        needed_hops = self.attend_after_hops
-        out = None
         incoming = torch.empty_like(current)
-        pending = _ring_shift(current, incoming, cp) if cp.size > 1 else []
-        if needed_hops == 0:
-            out = attend()  # needs nothing from the others: it attends while its share travels
-        for hop in range(1, cp.size):
+        pending = _ring_shift(current, incoming, cp)
+        for hop in range(1, cp.size):  # the share of rank r - hop arrives in hop `hop`
             for work in pending:
                 work.wait()
             current, incoming = incoming, torch.empty_like(current)
-            source = (cp.rank - hop) % cp.size
             pending = _ring_shift(current, incoming, cp) if hop < cp.size - 1 else []
+            source = (cp.rank - hop) % cp.size
             n = rows[source]
             write_kv_cache(current[0, :n], current[1, :n], kv_cache, self.slots[source], has_pad_slots=False)
-            if hop == needed_hops:
-                out = attend()  # overlaps the hops still forwarding later shares
-        for work in pending:
-            work.wait()
-        assert out is not None
-        return out
+        return attend()
 
     def gather_rows(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """This rank's output rows [rows of its batch, hidden] -> on rank 0, the whole step's rows in batch order

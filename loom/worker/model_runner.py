@@ -383,7 +383,7 @@ class ModelRunner:
         plan = ContextParallelStep(
             cp, slots,
             None if len(exchange) == local_row else torch.tensor(exchange, dtype=torch.int64, device=self.device),
-            pieces, longrope_ends, attend_after_hops=cp.size - 1)  # a late part needs every rank's early part
+            pieces, longrope_ends)
         local_meta = local.attn_metadata
         assert isinstance(local_meta, AttentionMetadata)
         moe = self.moe_blocks
