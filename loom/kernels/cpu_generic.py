@@ -1,5 +1,5 @@
 """ctypes bindings of loom's float32 / bfloat16 CPU kernels for any CPU (csrc/paged_decode.c, fused_ops.c,
-gemv_w16.c, gemv_f32.c), built per ISA as `avx2` (AVX2 + FMA: Haswell, Zen 1-3 and later) and `generic` (portable C,
+gemv_w16.c, gemv_f32.c, gemv_fp8.c), built per ISA as `avx2` (AVX2 + FMA: Haswell, Zen 1-3 and later) and `generic` (portable C,
 ARM included).
 
 They are listed, built and dispatched by loom/kernels/registry.py (`get_kernel("paged_decode")` and so on);
@@ -318,6 +318,75 @@ class GemvF32(_Gemv):
 
     symbol = "loom_gemv_f32"
     weight_dtype = torch.float32
+
+
+class GemvFp8:
+    """ctypes binding of `loom_gemv_fp8` and `loom_dequant_fp8` (csrc/gemv_fp8.c): FP8 e4m3 weights with a float32
+    scale per output channel, decoded in registers, float32 sums (a quarter of float32's weight bytes at decode,
+    one summation order per output whatever the rows of x)."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        fn = lib.loom_gemv_fp8
+        fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+                       + [ctypes.c_int])
+        fn.restype = ctypes.c_int
+        self._gemv = fn
+        fn = lib.loom_dequant_fp8
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._dequant = fn
+        self.isa = isa
+
+    @staticmethod
+    def _check_weight(weight: torch.Tensor, scale: torch.Tensor) -> None:
+        if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or not weight.is_cpu or not weight.is_contiguous():
+            raise ValueError(f"weight must be a contiguous float8_e4m3fn CPU tensor [N, K], got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        n = weight.shape[0]
+        if scale.dtype != torch.float32 or not scale.is_cpu or not scale.is_contiguous() or scale.numel() != n:
+            raise ValueError(f"scale must be a contiguous float32 CPU tensor of {n} values (one per output channel)")
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y [M, N] float32 = (x e4m3(W)^T) * scale (+ bias): x [M, K] float32 (unit column stride; rows may be
+        strided), weight [N, K] float8_e4m3fn contiguous (no NaN bytes: they are not decoded as NaN), scale [N]
+        (or [N, 1]) float32, bias [N] float32 or None. Any M (the kernel is for a few decode rows).
+
+        Raises:
+            ValueError: wrong dtype, device, layout or shape (the kernel reads raw pointers).
+        """
+        self._check_weight(weight, scale)
+        if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+            raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
+        if x.dtype != torch.float32 or not x.is_cpu:
+            raise ValueError("gemv_fp8 takes float32 CPU activations")
+        m, k = x.shape
+        n = weight.shape[0]
+        if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != n
+                                 or not bias.is_contiguous() or not bias.is_cpu):
+            raise ValueError(f"bias must be a contiguous float32 CPU tensor [{n}]")
+        x_stride, col_stride = x.stride()
+        if col_stride != 1 and k > 1:
+            raise ValueError("x must have unit column stride")
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m and n:
+            self._gemv(x.data_ptr(), x_stride, weight.data_ptr(), scale.data_ptr(),
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
+        return y
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """[N, K] float32 = e4m3(weight) * scale per row, each product rounded once: `weight.float() * scale`
+        bit for bit, without its [N, K] float32 temporary.
+
+        Raises:
+            ValueError: as __call__.
+        """
+        self._check_weight(weight, scale)
+        out = torch.empty(weight.shape, dtype=torch.float32)
+        if out.numel():
+            self._dequant(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
+                          torch.get_num_threads())
+        return out
 
 
 class TokenBitmask:

@@ -29,7 +29,7 @@ import torch
 from loom.env import env_flag
 from loom.kernels import build
 from loom.kernels.cpu import GemvBf16
-from loom.kernels.cpu_generic import FusedOps, GemvF32, GemvW16, PagedDecode, TokenBitmask
+from loom.kernels.cpu_generic import FusedOps, GemvF32, GemvFp8, GemvW16, PagedDecode, TokenBitmask
 from loom.kernels.decode_step import DecodeStep
 from loom.kernels.quant import QuantKernels
 
@@ -78,10 +78,12 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("fused_ops", ("fused_ops.c",), ("avx2", "generic"), FusedOps),
         KernelSpec("gemv_w16", ("gemv_w16.c",), ("avx2", "generic"), GemvW16),
         KernelSpec("gemv_f32", ("gemv_f32.c",), ("avx2", "generic"), GemvF32),
+        KernelSpec("gemv_fp8", ("gemv_fp8.c",), ("avx512_vnni", "avx2", "generic"), GemvFp8),
         KernelSpec("token_bitmask", ("token_bitmask.c",), ("generic",), TokenBitmask),
         KernelSpec("qgemm", ("qgemm.c",), ("avx512_vnni", "avx2", "generic"), lambda lib, isa: QuantKernels(lib, isa)),
         # a whole decode step over packed (or bf16) weights: the four libraries above, one call per step
-        KernelSpec("decode_step", ("decode_step.c", "qgemm.c", "gemv_w16.c", "fused_ops.c", "paged_decode.c"),
+        KernelSpec("decode_step", ("decode_step.c", "qgemm.c", "gemv_w16.c", "gemv_fp8.c", "fused_ops.c",
+                                    "paged_decode.c"),
                    ("avx512_vnni", "avx2", "generic"),
                    DecodeStep),
     )

@@ -361,6 +361,104 @@ def test_gemv_takes_strided_rows_and_the_thread_count(name: str, dtype: torch.dt
         torch.set_num_threads(old)
 
 
+# ---------------------------------------------------------------- gemv with fp8 (e4m3) weights
+
+FP8_ISAS = kernel_isas("gemv_fp8")
+# every e4m3 byte but the two NaNs (0x7F, 0xFF), which loom refuses at load
+FP8_BYTES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+
+
+def _fp8(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random e4m3 weight [n, k] of every magnitude (any byte, subnormals and zeros included) and scales [n]."""
+    w = FP8_BYTES[torch.randint(0, len(FP8_BYTES), (n, k), generator=g)].view(torch.float8_e4m3fn)
+    return w, torch.rand(n, generator=g) * 0.01 + 1e-3
+
+
+@pytest.mark.parametrize("isa", FP8_ISAS)
+def test_fp8_dequantize_is_torchs_conversion_times_the_scale(isa: str) -> None:
+    """Every non-NaN byte decodes to torch's float8_e4m3fn value (the OCP FP8 spec), and `dequantize` rounds each
+    product with the row's scale once, as `w.float() * scale` does: the same bits, odd widths (tails) included."""
+    gemv = kernel_or_skip("gemv_fp8", isa)
+    every = FP8_BYTES.view(torch.float8_e4m3fn).reshape(1, -1)
+    assert torch.equal(gemv.dequantize(every.contiguous(), torch.ones(1)), every.float())
+    g = torch.Generator().manual_seed(1)
+    for n, k in [(3, 31), (17, 577), (2, 16)]:
+        w, s = _fp8(n, k, g)
+        assert torch.equal(gemv.dequantize(w, s), w.float() * s[:, None])
+
+
+@pytest.mark.parametrize("isa", FP8_ISAS)
+@pytest.mark.parametrize("m", range(1, 10))
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 31), (4, 32), (5, 33), (577, 576), (130, 1536), (9, 47)])
+def test_gemv_fp8_matches_float64_reference(isa: str, m: int, n: int, k: int) -> None:
+    gemv = kernel_or_skip("gemv_fp8", isa)
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g)
+    w, s = _fp8(n, k, g)
+    wd = w.double() * s.double()[:, None]
+    for b in (None, torch.randn(n, generator=g)):
+        ref = x.double() @ wd.T + (b.double() if b is not None else 0)
+        y = gemv(x, w, s, b)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        # float32 sums of k products, then one product with the scale and the bias: within (k + 3) eps32 sum|x w|
+        bound = (k + 3) * 2.0 ** -23 * ((x.double().abs() @ wd.abs().T) + (b.double().abs() if b is not None else 0))
+        assert torch.all((y.double() - ref).abs() <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("isa", FP8_ISAS)
+def test_gemv_fp8_gives_a_row_the_same_bits_alone_in_any_batch_and_on_every_thread_count(isa: str) -> None:
+    """One summation order per output (csrc/gemv_fp8.c): a row's result does not depend on the rows beside it (passes
+    of 1, 2, 3 and 4 rows), its batch's size, strided rows or the thread count."""
+    gemv = kernel_or_skip("gemv_fp8", isa)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(13, 600, generator=g)[:, :577]  # row stride 600
+    w, s = _fp8(301, 577, g)
+    b = torch.randn(301, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = gemv(x, w, s, b)
+        torch.set_num_threads(1)
+        for i in range(13):
+            for rows in (1, 2, 3, 4):
+                assert torch.equal(gemv(x[i : i + rows], w, s, b)[:1], batch[i : i + 1])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_gemv_fp8_builds_with_vectors_give_the_same_bits() -> None:
+    """The avx512_vnni build's 16-lane accumulators hold the AVX2 build's 32 partial sums and combine them in the
+    same order (csrc/gemv_fp8.c): the two give the same bits."""
+    vector = [isa for isa in FP8_ISAS if isa != "generic"]
+    if len(vector) < 2:
+        pytest.skip(f"this CPU runs {FP8_ISAS} of gemv_fp8: one vector build")
+    g = torch.Generator().manual_seed(3)
+    x, (w, s) = torch.randn(6, 1553, generator=g), _fp8(129, 1553, g)
+    outs = [kernel_or_skip("gemv_fp8", isa)(x, w, s) for isa in vector]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("isa", FP8_ISAS)
+def test_gemv_fp8_refuses_what_it_cannot_read(isa: str) -> None:
+    gemv = kernel_or_skip("gemv_fp8", isa)
+    w, s = _fp8(4, 32, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        gemv(x, w.float(), s)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        gemv(x, w.t(), s)  # not contiguous
+    with pytest.raises(ValueError, match="one per output channel"):
+        gemv(x, w, s[:3])
+    with pytest.raises(ValueError, match="do not multiply"):
+        gemv(torch.randn(2, 31), w, s)
+    with pytest.raises(ValueError, match="float32"):
+        gemv(x.double(), w, s)
+    with pytest.raises(ValueError, match="bias"):
+        gemv(x, w, s, torch.randn(5))
+    with pytest.raises(ValueError, match="one per output channel"):
+        gemv.dequantize(w, s.double())
+
+
 @pytest.mark.parametrize("isa", kernel_isas("gemv_f32"))
 def test_gemv_f32_gives_a_row_the_same_bits_alone_and_in_any_batch(isa: str) -> None:
     """One summation order per output (csrc/gemv_f32.c): a row's result does not depend on the rows beside it,
