@@ -2,7 +2,7 @@
 
 `DecodeStep.prepare(model)` checks that the model's layers are what the C step runs (every projection
 packed with float activations, or W8A8's int8 activations per token, shards of different layouts as a chain of
-parts; bf16 weights under float32 activations; the fused ops and paged
+parts; bf16 or FP8 weights under float32 activations; the fused ops and paged
 decode kernels of the same library; the cpu_paged backend) and records the weight pointers once; `run(...)`
 serves a pure decode step (every token a request's single new token) of at most `max_rows` requests over
 KV caches of the model dtype, of a 16-bit float type (bfloat16, float16) or of int8 rows (`_KV_TYPES`), and
@@ -34,8 +34,9 @@ _Packed._fields_ = [("qweight", ctypes.c_void_p), ("scales", ctypes.c_void_p), (
                     ("group", ctypes.c_int64), ("kind", ctypes.c_int64), ("next", ctypes.POINTER(_Packed)),
                     ("rot", ctypes.c_int64), ("act_scale", ctypes.c_float)]
 # LoomPacked.kind of each weight layout the step reads (bf16: a bf16 checkpoint's weights, float32 models only;
-# q8g_int8: q8g under per-token int8 activations, W8A8, float32 models only)
-_KINDS = {"q4g": 0, "q8g": 1, "bf16": 2, "q8g_int8": 3, "q4gr16": 4, "q8gr16": 5}
+# q8g_int8: q8g under per-token int8 activations, W8A8, float32 models only; fp8: e4m3 weights and a float32
+# scale per row, float32 models only)
+_KINDS = {"q4g": 0, "q8g": 1, "bf16": 2, "q8g_int8": 3, "q4gr16": 4, "q8gr16": 5, "fp8": 6}
 
 
 class _Layer(ctypes.Structure):
@@ -59,8 +60,8 @@ _ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # LoomDims.act
 
 
 class DecodeStep:
-    """The compiled decode step (one library per ISA: decode_step.c with qgemm.c, gemv_w16.c, fused_ops.c,
-    paged_decode.c)."""
+    """The compiled decode step (one library per ISA: decode_step.c with qgemm.c, gemv_w16.c, gemv_fp8.c,
+    fused_ops.c, paged_decode.c)."""
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         fn = lib.loom_decode_step
@@ -76,8 +77,9 @@ class ModelDecodeStep:
 
     def __init__(self, kernel: DecodeStep, model: torch.nn.Module, max_rows: int) -> None:
         """model: a loom LlamaModel whose layers `supports_model` accepted; max_rows: most requests per step
-        (at most BF16_GEMV_MAX_ROWS with bf16 weights, where the per-layer path leaves the GEMV kernel)."""
-        from loom.quant.methods import BF16_GEMV_MAX_ROWS, Bf16WeightMethod
+        (at most BF16_GEMV_MAX_ROWS with bf16 weights and FP8_GEMV_MAX_ROWS with fp8 ones, where the per-layer
+        path leaves the GEMV kernel)."""
+        from loom.quant.methods import BF16_GEMV_MAX_ROWS, FP8_GEMV_MAX_ROWS, Bf16WeightMethod, Fp8LinearMethod
 
         self.kernel = kernel
         layer0 = model.layers[0]
@@ -99,6 +101,8 @@ class ModelDecodeStep:
                 setattr(entry, name, self._chain(lin))
                 if isinstance(lin.quant_method, Bf16WeightMethod):
                     max_rows = min(max_rows, BF16_GEMV_MAX_ROWS)
+                elif isinstance(lin.quant_method, Fp8LinearMethod):
+                    max_rows = min(max_rows, FP8_GEMV_MAX_ROWS)
             entry.norm1 = layer.input_layernorm.weight.data_ptr()
             if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's sandwich: two norms more
                 entry.norm2 = layer.pre_feedforward_layernorm.weight.data_ptr()
@@ -224,14 +228,17 @@ class ModelDecodeStep:
         return table, torch.tensor(lens, dtype=torch.int64)
 
     def _chain(self, layer: Any) -> _Packed:
-        """The weight of one projection: its bf16 matrix, or its packed shards as a chain of parts (different
-        layouts)."""
-        from loom.quant.methods import Bf16WeightMethod
+        """The weight of one projection: its bf16 or fp8 matrix, or its packed shards as a chain of parts
+        (different layouts)."""
+        from loom.quant.methods import Bf16WeightMethod, Fp8LinearMethod
 
+        bias = 0 if layer.bias is None else layer.bias.data_ptr()
         if isinstance(layer.quant_method, Bf16WeightMethod):
             n, k = layer.weight.shape
-            return _Packed(layer.weight.data_ptr(), 0, 0, 0 if layer.bias is None else layer.bias.data_ptr(), n, k, 0,
-                           _KINDS["bf16"])
+            return _Packed(layer.weight.data_ptr(), 0, 0, bias, n, k, 0, _KINDS["bf16"])
+        if isinstance(layer.quant_method, Fp8LinearMethod):
+            n, k = layer.fp8_weight.shape
+            return _Packed(layer.fp8_weight.data_ptr(), layer.fp8_scale.data_ptr(), 0, bias, n, k, 0, _KINDS["fp8"])
         parts = [_packed(p, b) for p, b in zip(layer.packed, layer.packed_bias, strict=True)]
         activations = layer.quant_method.scheme.activations
         if activations in ("q8_token", "q8_static"):  # W8A8: int8 activations, rotated or not
@@ -261,11 +268,11 @@ def supports_model(model: torch.nn.Module) -> bool:
     different layouts as a chain) with float activations, W8A8 (q8g weights, int8 activations per token after the
     optional Hadamard rotation, or with a checkpoint's static scale and per-channel weights; float32 models), or
     bf16 weights (`--quantization bf16`) under float32
-    activations with loom's gemv_w16 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16; per-head
+    activations with loom's gemv_w16 kernel, or FP8 weights (`--quantization fp8`) with its gemv_fp8 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16; per-head
     QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
     bases included; post-norm layers (OLMo 2), MoE FFNs and soft-capped attention (Gemma 2) not."""
     from loom.attention.cpu_paged import CpuPagedBackend
-    from loom.quant.methods import Bf16WeightMethod, PackedLinearMethod
+    from loom.quant.methods import Bf16WeightMethod, Fp8LinearMethod, PackedLinearMethod
 
     if model.norm.weight.dtype not in _DTYPE_FLAGS or model.norm.weight.device.type != "cpu":
         return False
@@ -286,6 +293,11 @@ def supports_model(model: torch.nn.Module) -> bool:
             method = getattr(lin, "quant_method", None)
             if isinstance(method, Bf16WeightMethod):  # the gemv_w16 kernel the per-layer path runs, float32 x
                 if method.gemv is None or model.norm.weight.dtype != torch.float32 or not lin.weight.is_contiguous() \
+                        or (lin.bias is not None and lin.bias.dtype != torch.float32):
+                    return False
+                continue
+            if isinstance(method, Fp8LinearMethod):  # the gemv_fp8 kernel the per-layer path runs, float32 x
+                if lin.fp8_kernel is None or model.norm.weight.dtype != torch.float32 \
                         or (lin.bias is not None and lin.bias.dtype != torch.float32):
                     return False
                 continue

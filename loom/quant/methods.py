@@ -321,13 +321,27 @@ def _merge_if_uniform(packed: list[PackedWeight]) -> list[PackedWeight]:
                          first.group_size)]
 
 
+# Rows of x up to which Fp8LinearMethod runs loom's gemv_fp8 on the CPU. Its passes take two rows (csrc/gemv_fp8.c),
+# each decoding the weight again: on a 2-core AMD EPYC (Zen 4) [3072, 576] took 100 / 129 / 238 / 459 us at 1 / 2 /
+# 4 / 8 rows, where dequantizing it (123 us) and F.linear do more rows in about the time of 4.
+FP8_GEMV_MAX_ROWS = 4
+
+
 class Fp8LinearMethod:
-    """FP8 (e4m3) weights with a float32 scale per output channel (quantized at load from a dense checkpoint).
+    """FP8 (e4m3, OCP FP8 spec) weights with a float32 scale per output channel, quantized at load from a dense
+    checkpoint (scale = max|w| / 448) or read from a compressed-tensors FP8 checkpoint.
 
     On a GPU the weight stays in fp8 and each matmul dequantizes it to the activation dtype (half the memory of
-    bf16). No CPU kernel reads fp8 yet, and converting the whole matrix in torch at every call made a decode
-    step take seconds, so on the CPU the fp8-rounded weight is dequantized once, at load, to the activation
-    dtype: fp8's numerics, none of its memory saving (docs/quantization.md)."""
+    bf16). On the CPU with float32 activations (the default there: model_runner.PACKED_CPU_METHODS) the weight
+    stays in fp8 too: up to FP8_GEMV_MAX_ROWS rows of x, loom's `gemv_fp8` kernel decodes it in registers
+    (csrc/gemv_fp8.c: a quarter of float32's bytes a decode step reads); above, `dequantize` writes the float32
+    weight (`fp8 * scale`, one rounding) for F.linear, whose time it is small beside. With bfloat16 activations,
+    or without loom's kernels (LOOM_CPU_KERNELS=0, no C compiler), the weight is dequantized once, at load, to the
+    activation dtype: fp8's numerics without its memory saving.
+
+    Raises (process_weights_after_loading):
+        ValueError: a weight_scale for only some shards, or an fp8 weight holding NaN (0x7F / 0xFF bytes).
+    """
 
     def __init__(self, checkpoint_scales: bool = False) -> None:
         """checkpoint_scales: the checkpoint holds the fp8 values and a weight_scale per layer
@@ -343,9 +357,10 @@ class Fp8LinearMethod:
         layer.weight_loaders["weight"] = lambda t, shard: copy_rows(layer, layer.weight, t, shard)
         if bias:
             layer.weight_loaders["bias"] = lambda t, shard: copy_rows(layer, layer.bias, t, shard)
-        layer.fp8_weight = None  # float8_e4m3fn [N, K] (GPU)
-        layer.fp8_scale = None  # float32 [N, 1]
-        layer.dense_weight = None  # the fp8 values dequantized once (CPU)
+        layer.fp8_weight = None  # float8_e4m3fn [N, K] (GPU; CPU under float32 activations)
+        layer.fp8_scale = None  # float32 [N, 1] ([N] for the CPU kernel)
+        layer.dense_weight = None  # the fp8 values dequantized once (CPU, bfloat16 activations or no kernels)
+        layer.fp8_kernel = None  # loom's gemv_fp8 binding (CPU, float32 activations)
         # an FP8 checkpoint's own scales (loom/quant/fp8_checkpoint.py), per shard: its weight is then the fp8
         # values themselves (exact in any float dtype), used as they are
         layer.fp8_file_scales = [None] * len(output_sizes)
@@ -372,13 +387,28 @@ class Fp8LinearMethod:
             layer.fp8_weight = layer.weight.data.to(torch.float8_e4m3fn)
             layer.fp8_scale = torch.cat(scales).to(layer.weight.device)
         layer.weight = None
+        nan = (layer.fp8_weight.view(torch.uint8) & 0x7F) == 0x7F
+        if bool(nan.any()):
+            raise ValueError(f"{layer.prefix}: the fp8 weight holds {int(nan.sum())} NaN values")
+        layer.fp8_kernel = None
         if layer.fp8_weight.device.type == "cpu":
-            layer.dense_weight = (layer.fp8_weight.to(torch.float32) * layer.fp8_scale).to(layer.dtype)
-            layer.fp8_weight = None
+            kernel = get_kernel("gemv_fp8") if layer.dtype == torch.float32 else None
+            if kernel is None:
+                layer.dense_weight = (layer.fp8_weight.to(torch.float32) * layer.fp8_scale).to(layer.dtype)
+                layer.fp8_weight = None
+                return
+            layer.fp8_kernel = kernel
+            layer.fp8_weight = layer.fp8_weight.contiguous()
+            layer.fp8_scale = layer.fp8_scale.reshape(-1).contiguous()  # [N] for the kernel
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.dense_weight is not None:
             return F.linear(x, layer.dense_weight, layer.bias)
+        kernel = layer.fp8_kernel
+        if kernel is not None:  # CPU, float32 activations
+            if x.dim() == 2 and x.shape[0] <= FP8_GEMV_MAX_ROWS and x.dtype == torch.float32:
+                return kernel(x, layer.fp8_weight, layer.fp8_scale, layer.bias)
+            return F.linear(x, kernel.dequantize(layer.fp8_weight, layer.fp8_scale).to(x.dtype), layer.bias)
         w = (layer.fp8_weight.to(torch.float32) * layer.fp8_scale).to(x.dtype)
         return F.linear(x, w, layer.bias)
 

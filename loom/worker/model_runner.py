@@ -42,9 +42,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# Methods whose CPU kernels read the weights at their own width and quantize the activations per block
-# themselves (loom/kernels/csrc/qgemm.c): the activation dtype changes none of the bytes a step reads.
-PACKED_CPU_METHODS = ("gguf", "w8a16", "w4a16", "w8a8", "gptq", "awq")
+# Methods whose CPU kernels read the weights at their own width and take float32 activations (loom/kernels/csrc/
+# qgemm.c quantizes them per block itself; gemv_fp8.c multiplies them as they are): the activation dtype changes
+# none of the bytes a step reads.
+PACKED_CPU_METHODS = ("gguf", "w8a16", "w4a16", "w8a8", "gptq", "awq", "fp8")
 
 
 def resolve_dtype(name: str, device: torch.device, quantization: str | None = None,
@@ -64,8 +65,7 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     (benchmarks/BENCHMARKS.md, 2026-12-02): the bundled Q4_1 model agreed with the dequantized float32 model's
     top-1 token on 97.8% of held-out positions in bfloat16 and 99.98% in float32, at the same decode speed.
     """
-    if name == "float16" and (packed_on_cpu(device, quantization, model)
-                              or (device.type == "cpu" and quantization == "fp8")):
+    if name == "float16" and packed_on_cpu(device, quantization, model):
         method = quantization or "gguf"
         raise ValueError(f"dtype float16 with quantization {method} on the CPU: its kernels take float32 or "
                          "bfloat16 activations; use dtype auto, float32 or bfloat16 (or quantization none)")

@@ -311,6 +311,44 @@ def test_decode_step_runs_bf16_weights(tmp_path, isa: str) -> None:
     assert float((zeroed - one_call).norm() / one_call.norm()) > 1e-2
 
 
+@pytest.mark.parametrize("isa", kernel_isas("decode_step"))
+def test_decode_step_runs_fp8_weights(tmp_path, isa: str) -> None:
+    """FP8 weights (`--quantization fp8`) under float32 activations, on a Qwen2-shaped model (q/k/v biases, a down
+    projection of 100 inputs: a tail past the 32-wide steps): the one-call step reads the e4m3 bytes with the
+    per-layer path's gemv_fp8 kernel, so the two agree bit for bit on the best ISA; it serves no more rows than the
+    per-layer path runs that kernel for, and it reads the weights (a zeroed one moves its output)."""
+    from transformers import Qwen2Config
+
+    from loom.kernels.decode_step import ModelDecodeStep
+    from loom.quant.methods import FP8_GEMV_MAX_ROWS, Fp8LinearMethod
+    from tests.model.model_harness import save_tiny_model
+
+    config = Qwen2Config(vocab_size=96, hidden_size=80, intermediate_size=100, num_hidden_layers=2,
+                         num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=128)
+    save_tiny_model(config, tmp_path, seed=7, safe_serialization=True)
+    if get_kernel("decode_step") is None or get_kernel("gemv_fp8") is None:
+        pytest.skip("the kernels do not build here (no compiler)")
+    loaded = load_model(str(tmp_path), torch.float32, CPU, quantization="fp8")
+    model, inner = loaded.model, loaded.model.model
+    qkv = inner.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant_method, Fp8LinearMethod) and qkv.fp8_weight.dtype == torch.float8_e4m3fn
+    assert qkv.bias is not None and bool(qkv.bias.abs().sum() > 0)  # the biases reach the step
+    assert inner.decode_step is not None and inner.decode_step.max_rows == FP8_GEMV_MAX_ROWS
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    assert step.max_rows == FP8_GEMV_MAX_ROWS
+    prompts = [[1, 2, 3, 4, 5], [9] * 20, [7] * 17]
+    per_layer, per_layer_caches, one_call, caches = _both_paths(model, loaded.arch, step, prompts)
+    _assert_paths_agree(isa, per_layer, per_layer_caches, one_call, caches, 1e-5)
+    gate_up = inner.layers[1].mlp.gate_up_proj.fp8_weight
+    saved = gate_up.clone()
+    gate_up.view(torch.uint8).zero_()
+    try:
+        _, _, zeroed, _ = _both_paths(model, loaded.arch, step, prompts)
+    finally:
+        gate_up.copy_(saved)
+    assert float((zeroed - one_call).norm() / one_call.norm()) > 1e-2
+
+
 def test_bf16_weights_under_bfloat16_activations_keep_the_per_layer_path(tmp_path) -> None:
     """gemv_w16 takes float32 activations only, so a bfloat16 model with bf16 weights is not the C step's."""
     from transformers import LlamaConfig

@@ -15,11 +15,11 @@ def windows(vocab: int, n: int = 4, length: int = 48, seed: int = 0) -> list[lis
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
-def logits(loaded: Any, tokens: list[int]) -> torch.Tensor:
+def logits(loaded: Any, tokens: list[int], kv_cache_dtype: str = "auto") -> torch.Tensor:
     """A LoadedModel's logits [len(tokens), vocab] float32 for one window (loom.bench.quality.window_logits)."""
     from loom.bench.quality import window_logits
 
-    return window_logits(loaded.model, loaded.arch, tokens)
+    return window_logits(loaded.model, loaded.arch, tokens, kv_cache_dtype=kv_cache_dtype)
 
 
 def kl(ref: torch.Tensor, other: torch.Tensor) -> float:

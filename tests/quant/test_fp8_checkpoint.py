@@ -18,6 +18,15 @@ from loom.quant.rtn import quantize_fp8_e4m3
 CPU = torch.device("cpu")
 
 
+def _weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The float32 weight an fp8 layer multiplies: its e4m3 values times their scales (kept in fp8 for loom's
+    gemv_fp8 kernel under float32 activations), or the matrix dequantized once at load (no kernels)."""
+    if layer.dense_weight is not None:
+        return layer.dense_weight
+    assert layer.fp8_weight.dtype == torch.float8_e4m3fn and layer.fp8_scale.dtype == torch.float32
+    return layer.fp8_weight.float() * layer.fp8_scale.reshape(-1, 1)
+
+
 def test_fp8_checkpoint_follows_the_format_and_runs(tiny_models, tmp_path) -> None:
     tiny = tiny_models["qwen2_gqa"]  # q/k/v biases travel as float32
     out = tmp_path / "fp8"
@@ -42,13 +51,13 @@ def test_fp8_checkpoint_follows_the_format_and_runs(tiny_models, tmp_path) -> No
     loaded = load_model(str(out), torch.float32, CPU)
     down = loaded.model.model.layers[0].mlp.down_proj
     assert isinstance(down.quant_method, Fp8LinearMethod)
-    torch.testing.assert_close(down.dense_weight, q.float() * scale, rtol=0, atol=0)
+    torch.testing.assert_close(_weight(down), q.float() * scale, rtol=0, atol=0)
     assert not isinstance(loaded.model.lm_head.quant_method, Fp8LinearMethod)
     # the same numbers as loom's run-time fp8 of the source (same rounding, same scales)
     runtime = load_model(str(tiny.path), torch.float32, CPU, quantization="fp8")
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        a = loaded.model.get_submodule(f"model.layers.1.{name}").dense_weight
-        b = runtime.model.get_submodule(f"model.layers.1.{name}").dense_weight
+        a = _weight(loaded.model.get_submodule(f"model.layers.1.{name}"))
+        b = _weight(runtime.model.get_submodule(f"model.layers.1.{name}"))
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="cannot run an FP8 checkpoint"):
         load_model(str(out), torch.float32, CPU, quantization="w8a16")
@@ -83,5 +92,5 @@ def test_per_tensor_scales_load_too(tiny_models, tmp_path) -> None:
     tensors[f"{name}.weight_scale"] = scale.reshape(1)
     save_file(tensors, str(out / "model.safetensors"))
     loaded = load_model(str(out), torch.float32, CPU)
-    got = loaded.model.get_submodule(name).dense_weight
+    got = _weight(loaded.model.get_submodule(name))
     assert torch.equal(got, tensors[f"{name}.weight"].float() * scale)

@@ -213,3 +213,53 @@ def test_dense_float32_layers_of_quantized_models_run_loom_gemv_for_decode_rows(
             assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(y, ref)
+
+
+def test_fp8_weights_stay_e4m3_on_the_cpu_under_float32_activations(tiny_models) -> None:
+    """--quantization fp8 with float32 activations on the CPU keeps each projection's e4m3 bytes and per-channel
+    scales (a quarter of float32's bytes; the start-up report counts them): up to FP8_GEMV_MAX_ROWS rows through
+    loom's gemv_fp8, above them F.linear on the weight dequantized per call, which is `fp8 * scale` exactly, so
+    both stay within float32 rounding of F.linear on the weight dequantized once (the path without kernels)."""
+    from loom.kernels.registry import get_kernel
+    from loom.quant.methods import FP8_GEMV_MAX_ROWS
+
+    if get_kernel("gemv_fp8") is None:
+        pytest.skip("gemv_fp8 does not build here (no C compiler?)")
+    loaded = load_model(str(tiny_models["qwen2_gqa"].path), torch.float32, CPU, quantization="fp8")
+    layer = loaded.model.model.layers[0].self_attn.qkv_proj  # with q/k/v biases
+    assert layer.dense_weight is None and layer.fp8_weight.dtype == torch.float8_e4m3fn
+    n, k = layer.fp8_weight.shape
+    assert layer.quant_method.weight_format(layer) == ("fp8_e4m3", n * k + 4 * n)
+    dense = layer.fp8_weight.float() * layer.fp8_scale[:, None]
+    torch.manual_seed(0)
+    for rows in (1, 2, 3, FP8_GEMV_MAX_ROWS, FP8_GEMV_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, k)
+        y, ref = layer(x), torch.nn.functional.linear(x, dense, layer.bias)
+        if rows <= FP8_GEMV_MAX_ROWS:
+            assert torch.equal(y, layer.fp8_kernel(x, layer.fp8_weight, layer.fp8_scale, layer.bias))
+            assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(y, ref)
+    # bfloat16 activations: the weight dequantized once at load, as before the kernel
+    half = load_model(str(tiny_models["qwen2_gqa"].path), torch.bfloat16, CPU, quantization="fp8")
+    layer = half.model.model.layers[0].self_attn.qkv_proj
+    assert layer.fp8_weight is None and layer.dense_weight.dtype == torch.bfloat16
+
+
+def test_an_fp8_weight_holding_nan_is_refused(tiny_models, tmp_path) -> None:
+    """gemv_fp8 does not decode the NaN bytes (0x7F, 0xFF) as NaN, so a checkpoint holding them is refused at load,
+    naming the layer, rather than run with wrong finite weights."""
+    from safetensors.torch import load_file, save_file
+
+    from loom.quant.fp8_checkpoint import write_fp8_checkpoint
+
+    out = tmp_path / "fp8"
+    write_fp8_checkpoint(str(tiny_models["llama_gqa"].path), str(out))
+    tensors = load_file(str(out / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    raw = tensors[name].view(torch.uint8).clone()
+    raw[3, 5] = 0xFF
+    tensors[name] = raw.view(torch.float8_e4m3fn)
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj: the fp8 weight holds 1 NaN"):
+        load_model(str(out), torch.float32, CPU)

@@ -45,6 +45,8 @@ int loom_gemm_q8g_f(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
                     int y_bf16, int num_threads);
 int loom_gemv_w16(const float *x, int64_t ldx, const uint16_t *w, const float *b, float *y, int64_t M, int64_t N,
                   int64_t K, int num_threads);
+int loom_gemv_fp8(const float *x, int64_t ldx, const uint8_t *w, const float *scale, const float *b, float *y,
+                  int64_t M, int64_t N, int64_t K, int num_threads);
 void loom_rotate_rows(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t block, float *y, int num_threads);
 void loom_quantize_act(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int per_token, int8_t *xq,
                        float *xs, float *xsum, int num_threads);
@@ -68,7 +70,9 @@ int loom_paged_decode(const void *q, const void *k_cache, const void *v_cache, c
 /* A weight [N, K] in one of the layouts the step reads (`kind`): 0 q4g (4: q4gr16, its 16-row interleave) and 1 q8g
  * (5: q8gr16) with `group`
  * (loom/quant/layout.py: codes, float16 scales and minimums), 2 bfloat16 values row-major (a bf16 checkpoint
- * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL), 3 q8g under int8
+ * under `--quantization bf16`: gemv_w16.c, float32 activations only; scales and mins NULL), 6 FP8 e4m3 values
+ * row-major with a float32 scale per row at `scales` (`--quantization fp8`: gemv_fp8.c, float32 activations only;
+ * mins NULL), 3 q8g under int8
  * activations (W8A8, float32 models only), quantized per token or, where `act_scale` > 0, with that static
  * scale, after a block Hadamard rotation of `rot` channels (0: none; every part of a chain the same). A
  * projection whose shards have different layouts (a GGUF file that stores q and k as Q4_K and v as Q6_K) is a
@@ -183,6 +187,9 @@ static int gemm_part(const LoomPacked *w, const void *x, int64_t ldx, int64_t M,
         return loom_gemm_q8g_q8(a->xq, a->xs, a->xsum, M, w->k, (const int8_t *)w->qweight, w->scales, w->mins,
                                 w->group, w->bias, y, w->n, 0, threads);
     }
+    if (w->kind == 6) /* fp8: float32 models only, `scales` holds float32 values */
+        return loom_gemv_fp8((const float *)x, ldx, (const uint8_t *)w->qweight, (const float *)(const void *)w->scales,
+                             w->bias, (float *)y, M, w->n, w->k, threads);
     if (w->kind == 2) /* the binding sets up bf16 weights for float32 models only */
         return loom_gemv_w16((const float *)x, ldx, (const uint16_t *)w->qweight, w->bias, (float *)y, M, w->n, w->k,
                              threads);
