@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from loom.bench.cli import register as register_bench
+from loom.config import check_model_path
 from loom.engine.arg_utils import add_engine_args, engine_args_from_namespace
 from loom.quant.cli import register_quantize
 from loom.router.cli import register as register_router
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         check_switches()
         if hasattr(ns, "tensor_parallel_size"):  # a command with engine options
             args = engine_args_from_namespace(ns)  # a bad one is refused here, before torch and the engine load
+            if args.model is not None:
+                check_model_path(args.model)  # so is a checkpoint path that is not there
             if _torchrun_rank() > 0:  # a worker rank: rank 0 runs the command
                 from loom.executor.worker import serve_torchrun_rank
 

@@ -48,6 +48,23 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
+def check_model_path(model: str) -> Path:
+    """`model` as a checkpoint path: it exists, and a directory holds config.json (torch-free: the CLI refuses a
+    wrong path before torch and the engine load).
+
+    Raises:
+        ValueError: an empty path, a path that does not exist, or a directory without config.json.
+    """
+    if not str(model).strip():  # Path("") is the working directory
+        raise ValueError("model must be a GGUF file or a Hugging Face directory, got an empty path")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json (expected a Hugging Face model directory)")
+    return path
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = None  # GGUF path or Hugging Face model directory; None = bundled SmolLM2-135M-Instruct

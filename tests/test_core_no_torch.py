@@ -46,7 +46,7 @@ print("exit", code, "torch imported" if bad else "no torch")
 
 def test_cli_help_and_argument_errors_do_not_import_torch() -> None:
     """`loom --help`, every subcommand's --help, a malformed argument, `loom serve`'s own checks of its address and
-    engine or sampling values the engine would refuse are answered before torch is imported: importing torch and the engine first took ~3 s (6-11 s on a busy
+    engine or sampling values the engine would refuse and checkpoint paths that are not there are answered before torch is imported: importing torch and the engine first took ~3 s (6-11 s on a busy
     machine) against ~0.6 s."""
     repo = Path(__file__).resolve().parents[1]
     helps = [[], ["generate"], ["chat"], ["serve"], ["router"], ["quantize"], ["analyze"], ["bench"],
@@ -57,7 +57,10 @@ def test_cli_help_and_argument_errors_do_not_import_torch() -> None:
         (["serve", "--host", "999.0.0.1"], 2),
         # an engine or sampling value the engine would refuse, refused before it loads
         (["bench", "latency", "--num-threads", "0"], 2), (["generate", "hi", "--max-tokens", "-5"], 2),
-        (["chat", "--temperature", "-1"], 2)]
+        (["chat", "--temperature", "-1"], 2),
+        # a checkpoint path that is not there (or a directory without config.json), before anything loads
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], 2), (["serve", "--model", str(repo / "docs")], 2),
+        (["analyze", "--model", "/nonexistent"], 2)]
     for argv, code in cases:
         proc = subprocess.run([sys.executable, "-c", _CLI_SCRIPT, *argv], cwd=repo, capture_output=True, text=True,
                               timeout=60)

@@ -77,6 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_analyze(ns: argparse.Namespace) -> int:
+    if ns.model is not None:  # a wrong path is refused before the machine probe imports torch
+        from loom.bench.model_arch import check_model_arch_path
+
+        check_model_arch_path(ns.model)
     from loom.bench.cli_analyze import cmd_analyze  # the roofline's machine probe imports torch
 
     return cmd_analyze(ns)

@@ -119,11 +119,21 @@ def load_model_arch(model: str | Path | None) -> ModelArch:
 
         path = default_model_path()
     else:
-        path = Path(model)
+        path = check_model_arch_path(model)
     if path.is_file() and path.suffix == ".gguf":
         return _arch_from_gguf(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _arch_from_hf_config(json.loads((path / "config.json").read_text()), path.name)
+    return _arch_from_hf_config(json.loads((path / "config.json").read_text()), path.name)
+
+
+def check_model_arch_path(model: str | Path) -> Path:
+    """`model` as a path whose architecture load_model_arch reads: a .gguf file or a directory with config.json.
+
+    Raises:
+        ValueError: it is neither.
+    """
+    path = Path(model)
+    if (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()):
+        return path
     raise ValueError(f"model must be a .gguf file or a directory with config.json, got {str(path)!r}")
 
 

@@ -11,6 +11,7 @@ import torch
 
 from loom.attention.backend import AttentionBackend, default_attention_backend, get_attention_backend
 from loom.attention.sparse import SparseAttentionConfig
+from loom.config import check_model_path
 from loom.distributed.pipeline_parallel import PipelineParallel
 from loom.distributed.tensor_parallel import TensorParallel, check_tensor_parallel
 from loom.model.arch import ModelArchConfig
@@ -55,14 +56,7 @@ def resolve_model_path(model: str | None) -> Path:
     """
     if model is None:
         return default_model_path()
-    if not str(model).strip():  # Path("") is the working directory
-        raise ValueError("model must be a GGUF file or a Hugging Face directory, got an empty path")
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model path {model!r} does not exist")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"model directory {model!r} has no config.json (expected a Hugging Face model directory)")
-    return path
+    return check_model_path(model)
 
 
 def default_quantization(model: str | None) -> str:
