@@ -44,14 +44,14 @@ def window_logits(model: torch.nn.Module, arch: object, tokens: list[int], block
     and values back from the cache (loom/attention/cpu_paged.py), so a 16-bit or quantized cache's rounding is in
     every position's logits, as it is in decode."""
     from loom.attention.kv_quant import resolve_kv_cache_dtype
-    from loom.worker.model_runner import PACKED_CPU_METHODS
+    from loom.worker.model_runner import packed_on_cpu
 
     num_blocks = -(-len(tokens) // block_size)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     # the engine's test (model_runner.packed_on_cpu), from the loaded model's quantization config
     method = getattr(getattr(model, "quant_config", None), "name", None)
-    packed_cpu = device.type == "cpu" and method in PACKED_CPU_METHODS
+    packed_cpu = method is not None and packed_on_cpu(device, method, None)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, packed_cpu=packed_cpu)
     caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
     meta = build_attention_metadata([len(tokens)], [len(tokens)], [list(range(num_blocks))], block_size, device)

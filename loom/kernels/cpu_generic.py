@@ -374,15 +374,20 @@ class GemvFp8:
                        None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads())
         return y
 
-    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, K] float32 = e4m3(weight) * scale per row, each product rounded once: `weight.float() * scale`
-        bit for bit, without its [N, K] float32 temporary.
+        bit for bit, without its [N, K] float32 temporary; written into `out` (a contiguous float32 CPU tensor of
+        N * K values, returned as [N, K]) when given.
 
         Raises:
-            ValueError: as __call__.
+            ValueError: as __call__, or an `out` that is not such a tensor.
         """
         self._check_weight(weight, scale)
-        out = torch.empty(weight.shape, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(weight.shape, dtype=torch.float32)
+        elif out.dtype != torch.float32 or not out.is_cpu or not out.is_contiguous() or out.numel() != weight.numel():
+            raise ValueError(f"out must be a contiguous float32 CPU tensor of {weight.numel()} values")
+        out = out.view(weight.shape)
         if out.numel():
             self._dequant(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
                           torch.get_num_threads())

@@ -101,10 +101,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 def place_weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> int:
     """Move the model's CPU weights of at least `min_bytes` onto 2 MB-aligned MADV_HUGEPAGE memory (see the module
-    docstring): parameters (`.data`), buffers, and the matrices of PackedWeights held as `module.packed` (one, or a
-    list); a tensor reached twice (tied weights) is copied once. Call after `process_weights_after_loading`, before
-    anything records data pointers (the C decode step). Returns the bytes moved (0 when not available); the model
-    runner logs them with its KV caches' (`log_placement`)."""
+    docstring): parameters (`.data`), buffers, the matrices of PackedWeights held as `module.packed` (one, or a
+    list) and FP8 layers' `fp8_weight` / `fp8_scale`; a tensor reached twice (tied weights) is copied once. Call
+    after `process_weights_after_loading`, before anything records data pointers (the C decode step). Returns the
+    bytes moved (0 when not available); the model runner logs them with its KV caches' (`log_placement`)."""
     if not huge_pages_available():
         return 0
     arena = HugePageArena()
@@ -133,6 +133,8 @@ def place_weights_on_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) ->
             for pw in packed if isinstance(packed, list) else [packed]:
                 if isinstance(pw, PackedWeight):
                     pw.qweight, pw.scales, pw.mins = place(pw.qweight), place(pw.scales), place(pw.mins)
+            if isinstance(getattr(module, "fp8_weight", None), torch.Tensor):  # Fp8LinearMethod's e4m3 matrix
+                module.fp8_weight, module.fp8_scale = place(module.fp8_weight), place(module.fp8_scale)
     return arena.placed
 
 

@@ -14,8 +14,9 @@ and config.json's quantization_config = {"quant_method": "compressed-tensors", "
 "channel", "symmetric": true, "dynamic": false}, "input_activations": null}}, "ignore": ["lm_head"]}.
 Layers without a weight_scale (the LM head, "ignore") are plain float weights.
 
-Run on loom's `fp8` method (loom/quant/methods.py Fp8LinearMethod): on a GPU the fp8 values stay fp8; on a CPU,
-which has no fp8 kernel here, they are dequantized once at load. A checkpoint whose config asks for fp8
+Run on loom's `fp8` method (loom/quant/methods.py Fp8LinearMethod): the fp8 values stay fp8 on a GPU and, under
+float32 activations, on a CPU (loom's gemv_fp8 kernel); under bfloat16 activations on a CPU, or without loom's
+kernels, they are dequantized once at load. A checkpoint whose config asks for fp8
 activations (input_activations dynamic) runs weight-only: loom's fp8 method keeps activations in the model dtype.
 """
 

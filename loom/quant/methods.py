@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,10 +322,27 @@ def _merge_if_uniform(packed: list[PackedWeight]) -> list[PackedWeight]:
                          first.group_size)]
 
 
-# Rows of x up to which Fp8LinearMethod runs loom's gemv_fp8 on the CPU. Its passes take two rows (csrc/gemv_fp8.c),
-# each decoding the weight again: on a 2-core AMD EPYC (Zen 4) [3072, 576] took 100 / 129 / 238 / 459 us at 1 / 2 /
-# 4 / 8 rows, where dequantizing it (123 us) and F.linear do more rows in about the time of 4.
-FP8_GEMV_MAX_ROWS = 4
+# Rows of x up to which Fp8LinearMethod runs loom's gemv_fp8 on the CPU (and the C decode step serves an fp8 model).
+# Above, the weight is dequantized into a scratch for F.linear. Measured on a 2-core AMD EPYC (Zen 4), avx512_vnni
+# build (passes of 8 rows), gemv / dequantize + F.linear: [3072, 576] 0.25 / 0.72 ms at 8 rows, 0.61 / 0.87 at 16,
+# 1.31 / 1.24 at 32; [8192, 2048] 6.3 / 14.1 ms at 16, 12.0 / 18.2 at 32 (F.linear reading a matrix just written
+# by two threads ran 2-5x slower than on one written long before: benchmarks/NOTES.md, "FP8 weights on the CPU").
+FP8_GEMV_MAX_ROWS = 32
+
+
+_FP8_SCRATCH = threading.local()  # .buf: this thread's float32 scratch for _fp8_dense
+
+
+def _fp8_dense(kernel: Any, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] (`fp8 * scale`) for F.linear over many rows, written into this thread's scratch,
+    grown to the largest matrix met and then reused: a fresh [N, K] float32 tensor cost more in page faults than
+    the product itself once the matrix outgrew the caches ([8192, 2048] at 8 rows: 31.6 ms against 9.4 for the
+    float32 GEMM alone, 2-core Zen 4). The scratch holds one matrix in float32 (7 MB for SmolLM2-135M, 110 MB for
+    Qwen2.5-1.5B's gate/up projection); the view is consumed before the next call reuses it."""
+    buf = getattr(_FP8_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < weight.numel():
+        buf = _FP8_SCRATCH.buf = torch.empty(weight.numel(), dtype=torch.float32)
+    return kernel.dequantize(weight, scale, out=buf[: weight.numel()])
 
 
 class Fp8LinearMethod:
@@ -408,7 +426,7 @@ class Fp8LinearMethod:
         if kernel is not None:  # CPU, float32 activations
             if x.dim() == 2 and x.shape[0] <= FP8_GEMV_MAX_ROWS and x.dtype == torch.float32:
                 return kernel(x, layer.fp8_weight, layer.fp8_scale, layer.bias)
-            return F.linear(x, kernel.dequantize(layer.fp8_weight, layer.fp8_scale).to(x.dtype), layer.bias)
+            return F.linear(x, _fp8_dense(kernel, layer.fp8_weight, layer.fp8_scale).to(x.dtype), layer.bias)
         w = (layer.fp8_weight.to(torch.float32) * layer.fp8_scale).to(x.dtype)
         return F.linear(x, w, layer.bias)
 

@@ -211,6 +211,9 @@ def restrict_lm_head(model: nn.Module, token_ids: torch.Tensor) -> None:
         head.packed, head.packed_bias = parts, biases
     elif getattr(head, "dense_weight", None) is not None:
         head.dense_weight = head.dense_weight[ids.to(head.dense_weight.device)].contiguous()
+    elif getattr(head, "fp8_weight", None) is not None:  # an FP8 checkpoint's head: its e4m3 rows and their scales
+        rows = ids.to(head.fp8_weight.device)
+        head.fp8_weight, head.fp8_scale = head.fp8_weight[rows].contiguous(), head.fp8_scale[rows].contiguous()
     elif isinstance(getattr(head, "weight", None), torch.Tensor):
         head.weight = nn.Parameter(head.weight.data[ids.to(head.weight.device)].contiguous(), requires_grad=False)
     else:

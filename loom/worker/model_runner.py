@@ -65,7 +65,8 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     (benchmarks/BENCHMARKS.md, 2026-12-02): the bundled Q4_1 model agreed with the dequantized float32 model's
     top-1 token on 97.8% of held-out positions in bfloat16 and 99.98% in float32, at the same decode speed.
     """
-    if name == "float16" and packed_on_cpu(device, quantization, model):
+    if name == "float16" and (packed_on_cpu(device, quantization, model)
+                              or (device.type == "cpu" and quantization == "fp8")):
         method = quantization or "gguf"
         raise ValueError(f"dtype float16 with quantization {method} on the CPU: its kernels take float32 or "
                          "bfloat16 activations; use dtype auto, float32 or bfloat16 (or quantization none)")
@@ -113,7 +114,8 @@ def check_fits_in_memory(device: torch.device, kv_bytes: int, host_bytes: int) -
 
 def packed_on_cpu(device: torch.device, quantization: str | None, model: str | None) -> bool:
     """True when the weights run packed on the CPU: a PACKED_CPU_METHODS method (`quantization` None = the
-    checkpoint's default, "gguf" for a GGUF file) on a CPU device."""
+    checkpoint's default, "gguf" for a GGUF file) on a CPU device; fp8 only where loom's gemv_fp8 kernel runs
+    (without it the fp8 values are widened at load, a dense model: bfloat16 where the CPU has it halves the bytes)."""
     if device.type != "cpu":
         return False
     method = quantization
@@ -121,6 +123,10 @@ def packed_on_cpu(device: torch.device, quantization: str | None, model: str | N
         from loom.model.loader.model_loader import default_quantization
 
         method = default_quantization(model)
+    if method == "fp8":
+        from loom.kernels.registry import get_kernel
+
+        return get_kernel("gemv_fp8") is not None
     return method in PACKED_CPU_METHODS
 
 

@@ -334,7 +334,7 @@ def test_decode_step_runs_fp8_weights(tmp_path, isa: str) -> None:
     assert isinstance(qkv.quant_method, Fp8LinearMethod) and qkv.fp8_weight.dtype == torch.float8_e4m3fn
     assert qkv.bias is not None and bool(qkv.bias.abs().sum() > 0)  # the biases reach the step
     assert inner.decode_step is not None and inner.decode_step.max_rows == FP8_GEMV_MAX_ROWS
-    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=16)
+    step = ModelDecodeStep(get_kernel("decode_step", isa=isa), inner, max_rows=FP8_GEMV_MAX_ROWS + 16)
     assert step.max_rows == FP8_GEMV_MAX_ROWS
     prompts = [[1, 2, 3, 4, 5], [9] * 20, [7] * 17]
     per_layer, per_layer_caches, one_call, caches = _both_paths(model, loaded.arch, step, prompts)

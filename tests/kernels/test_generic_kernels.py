@@ -439,6 +439,20 @@ def test_gemv_fp8_builds_with_vectors_give_the_same_bits() -> None:
 
 
 @pytest.mark.parametrize("isa", FP8_ISAS)
+def test_gemv_fp8_sums_in_gemv_f32s_order(isa: str) -> None:
+    """With unit scales, gemv_fp8 gives gemv_f32's bits on the decoded weight (csrc/gemv_fp8.c: its values times
+    2^-8, summed in the same fixed order, times 256 are the same float32 operations up to powers of two): the
+    summation order is the one documented, in every build (the avx512_vnni one against gemv_f32's AVX2 build)."""
+    gemv = kernel_or_skip("gemv_fp8", isa)
+    f32 = kernel_or_skip("gemv_f32", "generic" if isa == "generic" else "avx2")
+    g = torch.Generator().manual_seed(11)
+    w, _ = _fp8(67, 1100, g)
+    w = (w.float().clamp(-4, 4)).to(torch.float8_e4m3fn)  # products far from float32's subnormals
+    x, b = torch.randn(9, 1100, generator=g), torch.randn(67, generator=g)
+    assert torch.equal(gemv(x, w, torch.ones(67), b), f32(x, w.float(), b))
+
+
+@pytest.mark.parametrize("isa", FP8_ISAS)
 def test_gemv_fp8_refuses_what_it_cannot_read(isa: str) -> None:
     gemv = kernel_or_skip("gemv_fp8", isa)
     w, s = _fp8(4, 32, torch.Generator().manual_seed(0))

@@ -99,6 +99,17 @@ def test_place_moves_large_weights_once_and_leaves_small_ones() -> None:
     assert torch.equal(packed.qweight, codes) and torch.equal(packed.mins, mins)
 
 
+@linux_only
+def test_place_moves_an_fp8_layers_e4m3_matrix() -> None:
+    """Fp8LinearMethod keeps its CPU weight as plain attributes (fp8_weight, fp8_scale), which the placement moves too."""
+    module = nn.Module()
+    weight = torch.randn(512, 256).to(torch.float8_e4m3fn)
+    module.fp8_weight, module.fp8_scale = weight.clone(), torch.rand(512)
+    assert place_weights_on_huge_pages(module) == 512 * 256  # the scales are under 64 KiB
+    assert "hg" in vm_flags(module.fp8_weight.data_ptr())
+    assert torch.equal(module.fp8_weight.view(torch.uint8), weight.view(torch.uint8))
+
+
 def test_place_moves_nothing_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOOM_HUGE_PAGES", "0")
     assert not huge_pages_available()

@@ -257,9 +257,11 @@ def test_an_fp8_weight_holding_nan_is_refused(tiny_models, tmp_path) -> None:
     write_fp8_checkpoint(str(tiny_models["llama_gqa"].path), str(out))
     tensors = load_file(str(out / "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.weight"
-    raw = tensors[name].view(torch.uint8).clone()
-    raw[3, 5] = 0xFF
-    tensors[name] = raw.view(torch.float8_e4m3fn)
-    save_file(tensors, str(out / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj: the fp8 weight holds 1 NaN"):
-        load_model(str(out), torch.float32, CPU)
+    clean = tensors[name].view(torch.uint8).clone()
+    for nan in (0xFF, 0x7F):  # -NaN and +NaN
+        raw = clean.clone()
+        raw[3, 5] = nan
+        tensors[name] = raw.view(torch.float8_e4m3fn)
+        save_file(tensors, str(out / "model.safetensors"))
+        with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj: the fp8 weight holds 1 NaN"):
+            load_model(str(out), torch.float32, CPU)

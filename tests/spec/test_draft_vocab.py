@@ -216,3 +216,22 @@ def test_the_size_must_be_an_integer(tiny_dirs: dict[str, Path], value) -> None:
     with pytest.raises(ValueError, match="speculative_draft_vocab_size must be an integer >= 1"):
         LLM(model=str(tiny_dirs["target"]), speculative_model=str(tiny_dirs["target"]),
             speculative_draft_vocab_size=value)
+
+
+def test_an_fp8_lm_head_is_restricted_on_its_e4m3_rows(tiny_dirs: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FP8 LM head (a compressed-tensors checkpoint whose lm_head has a weight_scale; loom's own fp8 keeps the
+    head at w8a16, LM_HEAD_SCHEME) keeps its e4m3 rows and scales on the CPU: restricting it slices both."""
+    from loom.quant import config
+    from loom.quant.methods import Fp8LinearMethod
+
+    monkeypatch.setattr(config, "LM_HEAD_SCHEME", {})
+    runner = _runner(tiny_dirs["target"], "fp8")
+    m = runner.model
+    assert isinstance(m.lm_head.quant_method, Fp8LinearMethod)
+    hidden = torch.randn(3, runner.arch.hidden_size, generator=torch.Generator().manual_seed(1))
+    full = m.compute_logits(hidden)
+    ids = torch.tensor([0, 5, 77, 1000, runner.arch.vocab_size - 1])
+    restrict_lm_head(m, ids)
+    got = m.compute_logits(hidden)
+    torch.testing.assert_close(got[:, ids], full[:, ids], rtol=1e-6, atol=1e-6)

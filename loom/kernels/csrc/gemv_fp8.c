@@ -45,9 +45,9 @@
 
 /* x rows per pass over a weight row: the four 8-lane accumulators of each row (the fixed summation order) and the
  * four decoded weight vectors fill AVX2's 16 registers at 2 rows (at 4 rows they spilled: 2.7x the time of one);
- * AVX-512's 32 registers hold 4 rows' two 16-lane accumulators */
+ * AVX-512's 32 registers hold 8 rows' two 16-lane accumulators */
 #if defined(__AVX512BW__)
-#define MROWS 4
+#define MROWS 8
 #else
 #define MROWS 2
 #endif
@@ -157,9 +157,13 @@ static void fp8_table(float *t) {
 #endif
 LOOM_ROW_DOTS(1)
 LOOM_ROW_DOTS(2)
-#if MROWS == 4
+#if MROWS == 8
 LOOM_ROW_DOTS(3)
 LOOM_ROW_DOTS(4)
+LOOM_ROW_DOTS(5)
+LOOM_ROW_DOTS(6)
+LOOM_ROW_DOTS(7)
+LOOM_ROW_DOTS(8)
 #endif
 #undef LOOM_ROW_DOTS
 
@@ -186,9 +190,13 @@ int loom_gemv_fp8(const float *x, int64_t ldx, const uint8_t *w, const float *sc
             const float *xb = x + m0 * ldx;
             switch (mc) {
             case 1: row_dots1(xb, ldx, k32, wr, dots TABLE_ARG); break;
-#if MROWS == 4
+#if MROWS == 8
             case 3: row_dots3(xb, ldx, k32, wr, dots TABLE_ARG); break;
             case 4: row_dots4(xb, ldx, k32, wr, dots TABLE_ARG); break;
+            case 5: row_dots5(xb, ldx, k32, wr, dots TABLE_ARG); break;
+            case 6: row_dots6(xb, ldx, k32, wr, dots TABLE_ARG); break;
+            case 7: row_dots7(xb, ldx, k32, wr, dots TABLE_ARG); break;
+            case 8: row_dots8(xb, ldx, k32, wr, dots TABLE_ARG); break;
 #endif
             default: row_dots2(xb, ldx, k32, wr, dots TABLE_ARG); break;
             }
