@@ -45,9 +45,9 @@ print("exit", code, "torch imported" if bad else "no torch")
 
 
 def test_cli_help_and_argument_errors_do_not_import_torch() -> None:
-    """`loom --help`, every subcommand's --help, a malformed argument, `loom serve`'s own checks of its address and
-    engine or sampling values the engine would refuse and checkpoint paths that are not there are answered before torch is imported: importing torch and the engine first took ~3 s (6-11 s on a busy
-    machine) against ~0.6 s."""
+    """`loom --help`, every subcommand's --help, a malformed argument, `loom serve`'s own checks of its address,
+    engine or sampling values the engine would refuse and checkpoint paths that are not there are answered before
+    torch is imported: importing torch and the engine first took ~3 s (6-11 s on a busy machine) against ~0.6 s."""
     repo = Path(__file__).resolve().parents[1]
     helps = [[], ["generate"], ["chat"], ["serve"], ["router"], ["quantize"], ["analyze"], ["bench"],
              *(["bench", b] for b in ("latency", "throughput", "serve", "prefix", "quality", "quant", "longctx"))]

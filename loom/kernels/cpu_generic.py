@@ -1,6 +1,6 @@
 """ctypes bindings of loom's float32 / bfloat16 CPU kernels for any CPU (csrc/paged_decode.c, fused_ops.c,
-gemv_w16.c, gemv_f32.c, gemv_fp8.c), built per ISA as `avx2` (AVX2 + FMA: Haswell, Zen 1-3 and later) and `generic` (portable C,
-ARM included).
+gemv_w16.c, gemv_f32.c, gemv_fp8.c), built per ISA as `avx2` (AVX2 + FMA: Haswell, Zen 1-3 and later) and
+`generic` (portable C, ARM included); gemv_fp8 also as `avx512_vnni` (its 512-bit variant).
 
 They are listed, built and dispatched by loom/kernels/registry.py (`get_kernel("paged_decode")` and so on);
 this module only wraps a loaded library. Each binding checks what it is given, since the C code reads raw

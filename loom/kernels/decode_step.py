@@ -267,9 +267,9 @@ def supports_model(model: torch.nn.Module) -> bool:
     """True when every decoder layer of a loom LlamaModel is what the C step runs: packed weights (shards of
     different layouts as a chain) with float activations, W8A8 (q8g weights, int8 activations per token after the
     optional Hadamard rotation, or with a checkpoint's static scale and per-channel weights; float32 models), or
-    bf16 weights (`--quantization bf16`) under float32
-    activations with loom's gemv_w16 kernel, or FP8 weights (`--quantization fp8`) with its gemv_fp8 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16; per-head
-    QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
+    bf16 weights (`--quantization bf16`) under float32 activations with loom's gemv_w16 kernel, or FP8 weights
+    (`--quantization fp8`) with its gemv_fp8 kernel; loom's fused ops, cpu_paged attention, float32 or bfloat16;
+    per-head QK-norm (Qwen3, Gemma 3) and Gemma's sandwich norms, GeGLU and per-layer windows and rotary
     bases included; post-norm layers (OLMo 2), MoE FFNs and soft-capped attention (Gemma 2) not."""
     from loom.attention.cpu_paged import CpuPagedBackend
     from loom.quant.methods import Bf16WeightMethod, Fp8LinearMethod, PackedLinearMethod

@@ -352,8 +352,9 @@ class Fp8LinearMethod:
     On a GPU the weight stays in fp8 and each matmul dequantizes it to the activation dtype (half the memory of
     bf16). On the CPU with float32 activations (the default there: model_runner.PACKED_CPU_METHODS) the weight
     stays in fp8 too: up to FP8_GEMV_MAX_ROWS rows of x, loom's `gemv_fp8` kernel decodes it in registers
-    (csrc/gemv_fp8.c: a quarter of float32's bytes a decode step reads); above, `dequantize` writes the float32
-    weight (`fp8 * scale`, one rounding) for F.linear, whose time it is small beside. With bfloat16 activations,
+    (csrc/gemv_fp8.c: a quarter of float32's bytes a decode step reads); above, the kernel's `dequantize` writes
+    the float32 weight (`fp8 * scale`, one rounding) into a reused per-thread scratch for F.linear (_fp8_dense).
+    With bfloat16 activations,
     or without loom's kernels (LOOM_CPU_KERNELS=0, no C compiler), the weight is dequantized once, at load, to the
     activation dtype: fp8's numerics without its memory saving.
 

@@ -101,7 +101,8 @@ def test_place_moves_large_weights_once_and_leaves_small_ones() -> None:
 
 @linux_only
 def test_place_moves_an_fp8_layers_e4m3_matrix() -> None:
-    """Fp8LinearMethod keeps its CPU weight as plain attributes (fp8_weight, fp8_scale), which the placement moves too."""
+    """Fp8LinearMethod keeps its CPU weight as plain attributes (fp8_weight, fp8_scale): the placement moves them
+    too."""
     module = nn.Module()
     weight = torch.randn(512, 256).to(torch.float8_e4m3fn)
     module.fp8_weight, module.fp8_scale = weight.clone(), torch.rand(512)
