@@ -324,10 +324,12 @@ def _merge_if_uniform(packed: list[PackedWeight]) -> list[PackedWeight]:
 
 # Rows of x up to which Fp8LinearMethod runs loom's gemv_fp8 on the CPU (and the C decode step serves an fp8 model).
 # Above, the weight is dequantized into a scratch for F.linear. Measured on a 2-core AMD EPYC (Zen 4), avx512_vnni
-# build (passes of 8 rows), gemv / dequantize + F.linear: [3072, 576] 0.25 / 0.72 ms at 8 rows, 0.61 / 0.87 at 16,
-# 1.31 / 1.24 at 32; [8192, 2048] 6.3 / 14.1 ms at 16, 12.0 / 18.2 at 32 (F.linear reading a matrix just written
-# by two threads ran 2-5x slower than on one written long before: benchmarks/NOTES.md, "FP8 weights on the CPU").
-FP8_GEMV_MAX_ROWS = 32
+# build, gemv / dequantize + F.linear in ms: [3072, 576] 0.93 / 1.16 at 32 rows, 1.87 / 1.91 at 64, 3.82 / 3.02 at
+# 128, 15.5 / 12.4 at 512; [576, 1536] 1.21 / 1.78 at 64, 2.36 / 2.40 at 128; [960, 576] 0.58 / 1.26 at 64
+# (F.linear reading a matrix just written by two threads ran 2-5x slower than on one written long before:
+# benchmarks/NOTES.md, "FP8 weights on the CPU"). The kernel runs ~60 GFMA/s from 8 rows up, torch's float32
+# GEMM ~75-80 at 512.
+FP8_GEMV_MAX_ROWS = 64
 
 
 _FP8_SCRATCH = threading.local()  # .buf: this thread's float32 scratch for _fp8_dense
