@@ -42,6 +42,22 @@ def env_flag(name: str, default: bool) -> bool:
 
 SWITCHES = {"LOOM_CPU_KERNELS": True, "LOOM_DECODE_STEP": True, "LOOM_SPARSE_DECODE_STEP": True,
             "LOOM_HUGE_PAGES": True, "LOOM_PIPELINE_PROFILE": False}  # every on/off switch loom reads, with its default
+# the instruction-set levels of loom's C kernels, best first: LOOM_CPU_ISA caps the choice (loom/kernels/registry.py)
+ISA_ORDER = ("avx512_vnni", "avx512_bf16", "avx2", "generic")
+
+
+def cpu_isa_cap() -> str | None:
+    """LOOM_CPU_ISA, lower-cased and stripped: the best ISA loom's kernels may use, or None when unset or empty.
+
+    Raises:
+        ValueError: a value that names no ISA.
+    """
+    cap = os.environ.get("LOOM_CPU_ISA", "").strip().lower()  # any case, as the on/off switches
+    if not cap:
+        return None
+    if cap not in ISA_ORDER:
+        raise ValueError(f"LOOM_CPU_ISA={cap!r} is not an ISA; choose from {list(ISA_ORDER)}")
+    return cap
 
 
 def check_switches() -> None:
@@ -50,7 +66,9 @@ def check_switches() -> None:
     decode was on.
 
     Raises:
-        ValueError: a switch whose value is not an on/off value (env_flag's message).
+        ValueError: a switch whose value is not an on/off value (env_flag's message), or a LOOM_CPU_ISA that names
+            no ISA.
     """
     for name, default in SWITCHES.items():
         env_flag(name, default)
+    cpu_isa_cap()

@@ -76,3 +76,18 @@ def test_the_isa_cap_takes_any_case(monkeypatch) -> None:
 
     monkeypatch.setenv("LOOM_CPU_ISA", " GENERIC ")
     assert set(kernel_isas("qgemm")) <= {"generic"}
+
+
+def test_a_bad_isa_cap_is_refused_at_start(monkeypatch, capsys) -> None:
+    """LOOM_CPU_ISA=avx9000 was refused only when the first kernel loaded, after torch and the model (~3 s, the
+    fresh-user trial); check_switches refuses it with the on/off switches, in the CLI and in EngineArgs."""
+    import loom.cli
+    from loom.config import EngineArgs
+
+    monkeypatch.setenv("LOOM_CPU_ISA", "avx9000")
+    with pytest.raises(SystemExit) as exit_info:
+        loom.cli.main(["generate", "hi"])
+    assert exit_info.value.code == 2
+    assert "LOOM_CPU_ISA='avx9000' is not an ISA" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="LOOM_CPU_ISA='avx9000' is not an ISA"):
+        EngineArgs(model="/nonexistent/model.gguf")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from loom.env import env_flag
+from loom.env import ISA_ORDER, cpu_isa_cap, env_flag
 from loom.kernels import build
 from loom.kernels.cpu import GemvBf16
 from loom.kernels.cpu_generic import FusedOps, GemvF32, GemvFp8, GemvW16, PagedDecode, TokenBitmask
@@ -57,7 +57,6 @@ ISAS: dict[str, Isa] = {
     "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
     "generic": Isa("generic", frozenset(), ()),
 }
-ISA_ORDER = ("avx512_vnni", "avx512_bf16", "avx2", "generic")  # best first, for LOOM_CPU_ISA capping
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +96,8 @@ def kernel_isas(name: str) -> list[str]:
         ValueError: unknown kernel name, or LOOM_CPU_ISA names no ISA.
     """
     spec = _spec(name)
-    cap = os.environ.get("LOOM_CPU_ISA", "").strip().lower()  # any case, as the on/off switches
-    allowed = ISA_ORDER
-    if cap:
-        if cap not in ISA_ORDER:
-            raise ValueError(f"LOOM_CPU_ISA={cap!r} is not an ISA; choose from {list(ISA_ORDER)}")
-        allowed = ISA_ORDER[ISA_ORDER.index(cap):]
+    cap = cpu_isa_cap()
+    allowed = ISA_ORDER if cap is None else ISA_ORDER[ISA_ORDER.index(cap):]
     flags = build.cpu_flags()
     return [isa for isa in spec.isas if isa in allowed and ISAS[isa].cpu_flags <= flags]
 

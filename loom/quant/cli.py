@@ -37,6 +37,10 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
 
 
 def _quantize(ns: argparse.Namespace) -> int:
+    if ns.model is not None:
+        from loom.config import check_model_path
+
+        check_model_path(ns.model)  # a wrong path is refused before torch loads
     from loom.quant.quantize import quantize
 
     result = quantize(ns.model, ns.output, ns.method, alpha=ns.alpha, calibration_file=ns.calibration_file,

@@ -361,7 +361,8 @@ class Fp8LinearMethod:
     activation dtype: fp8's numerics without its memory saving.
 
     Raises (process_weights_after_loading):
-        ValueError: a weight_scale for only some shards, or an fp8 weight holding NaN (0x7F / 0xFF bytes).
+        ValueError: a weight_scale for only some shards, an fp8 weight holding NaN (0x7F / 0xFF bytes), or scales
+            that are NaN, infinite or negative.
     """
 
     def __init__(self, checkpoint_scales: bool = False) -> None:
@@ -411,6 +412,10 @@ class Fp8LinearMethod:
         nan = (layer.fp8_weight.view(torch.uint8) & 0x7F) == 0x7F
         if bool(nan.any()):
             raise ValueError(f"{layer.prefix}: the fp8 weight holds {int(nan.sum())} NaN values")
+        bad = ~torch.isfinite(layer.fp8_scale) | (layer.fp8_scale < 0)
+        if bool(bad.any()):
+            raise ValueError(f"{layer.prefix}: the fp8 weight's scales hold {int(bad.sum())} NaN, infinite or negative "
+                             "values")
         layer.fp8_kernel = None
         if layer.fp8_weight.device.type == "cpu":
             kernel = get_kernel("gemv_fp8") if layer.dtype == torch.float32 else None

@@ -67,7 +67,12 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     """
     if name == "float16" and (packed_on_cpu(device, quantization, model)
                               or (device.type == "cpu" and quantization == "fp8")):
-        method = quantization or "gguf"
+        if quantization is None:
+            from loom.model.loader.model_loader import default_quantization
+
+            method = default_quantization(model)
+        else:
+            method = quantization
         raise ValueError(f"dtype float16 with quantization {method} on the CPU: its kernels take float32 or "
                          "bfloat16 activations; use dtype auto, float32 or bfloat16 (or quantization none)")
     if name != "auto":

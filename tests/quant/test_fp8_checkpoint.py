@@ -94,3 +94,14 @@ def test_per_tensor_scales_load_too(tiny_models, tmp_path) -> None:
     loaded = load_model(str(out), torch.float32, CPU)
     got = _weight(loaded.model.get_submodule(name))
     assert torch.equal(got, tensors[f"{name}.weight"].float() * scale)
+
+
+def test_float16_on_an_fp8_checkpoint_names_fp8(tiny_models, tmp_path) -> None:
+    """--dtype float16 with the checkpoint's own quantization is refused naming that quantization (it said "gguf" for
+    every checkpoint left on automatic quantization)."""
+    from loom.worker.model_runner import resolve_dtype
+
+    out = tmp_path / "fp8"
+    write_fp8_checkpoint(str(tiny_models["llama_gqa"].path), str(out))
+    with pytest.raises(ValueError, match="dtype float16 with quantization fp8 on the CPU"):
+        resolve_dtype("float16", CPU, None, str(out))

@@ -248,7 +248,8 @@ def test_fp8_weights_stay_e4m3_on_the_cpu_under_float32_activations(tiny_models)
 
 def test_an_fp8_weight_holding_nan_is_refused(tiny_models, tmp_path) -> None:
     """gemv_fp8 does not decode the NaN bytes (0x7F, 0xFF) as NaN, so a checkpoint holding them is refused at load,
-    naming the layer, rather than run with wrong finite weights."""
+    naming the layer, rather than run with wrong finite weights; so is a NaN, infinite or negative weight_scale
+    (which loaded and gave empty or garbled text: the fresh-user trial)."""
     from safetensors.torch import load_file, save_file
 
     from loom.quant.fp8_checkpoint import write_fp8_checkpoint
@@ -264,4 +265,13 @@ def test_an_fp8_weight_holding_nan_is_refused(tiny_models, tmp_path) -> None:
         tensors[name] = raw.view(torch.float8_e4m3fn)
         save_file(tensors, str(out / "model.safetensors"))
         with pytest.raises(ValueError, match=r"layers\.1\.mlp\.down_proj: the fp8 weight holds 1 NaN"):
+            load_model(str(out), torch.float32, CPU)
+    tensors[name] = clean.view(torch.float8_e4m3fn)
+    scale_name = "model.layers.0.self_attn.k_proj.weight_scale"
+    good = tensors[scale_name].clone()
+    for value in (float("nan"), float("inf"), -0.5):  # a scale the kernel would multiply into garbage
+        tensors[scale_name] = good.clone()
+        tensors[scale_name][3] = value
+        save_file(tensors, str(out / "model.safetensors"))
+        with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.qkv_proj: the fp8 weight's scales hold 1 NaN"):
             load_model(str(out), torch.float32, CPU)
