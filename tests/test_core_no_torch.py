@@ -60,7 +60,10 @@ def test_cli_help_and_argument_errors_do_not_import_torch() -> None:
         (["chat", "--temperature", "-1"], 2),
         # a checkpoint path that is not there (or a directory without config.json), before anything loads
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], 2), (["serve", "--model", str(repo / "docs")], 2),
-        (["analyze", "--model", "/nonexistent"], 2), (["quantize", "--model", "/nonexistent", "--output", "/tmp/x"], 2)]
+        (["analyze", "--model", "/nonexistent"], 2), (["quantize", "--model", "/nonexistent", "--output", "/tmp/x"], 2),
+        # loom quantize's option and output checks
+        (["quantize", "--method", "fp8", "--bits", "4", "--output", "/tmp/x"], 2),
+        (["quantize", "--method", "rtn", "--output", str(repo / "README.md")], 2)]
     for argv, code in cases:
         proc = subprocess.run([sys.executable, "-c", _CLI_SCRIPT, *argv], cwd=repo, capture_output=True, text=True,
                               timeout=60)

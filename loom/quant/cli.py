@@ -37,10 +37,14 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
 
 
 def _quantize(ns: argparse.Namespace) -> int:
-    if ns.model is not None:
-        from loom.config import check_model_path
+    # a wrong path, output or option is refused before torch loads (quantize() checks them all again)
+    from loom.config import check_model_path
+    from loom.quant import METHOD_OPTIONS, check_method_options, check_output_path
 
-        check_model_path(ns.model)  # a wrong path is refused before torch loads
+    if ns.model is not None:
+        check_model_path(ns.model)
+    check_method_options(ns.method, {name: getattr(ns, name) for name in METHOD_OPTIONS})
+    check_output_path(ns.output)
     from loom.quant.quantize import quantize
 
     result = quantize(ns.model, ns.output, ns.method, alpha=ns.alpha, calibration_file=ns.calibration_file,

@@ -39,21 +39,12 @@ from typing import Any
 
 import torch
 
-from loom.quant import QUANTIZE_METHODS
+from loom.quant import check_method_options, check_output_path
 from loom.quant.awq import SCALINGS
 from loom.quant.awq_model import CLIPS, LOSSES, AWQSettings
 
 logger = logging.getLogger(__name__)
 
-# quantize()'s method-specific options -> the methods that read them (any other method refuses them)
-METHOD_OPTIONS = {
-    "alpha": ("smoothquant", "w8a8"), "activation_scales": ("w8a8",), "weight_rounding": ("smoothquant", "w8a8", "awq"),
-    "bits": ("rtn", "gptq", "awq"), "group_size": ("rtn", "gptq", "awq"), "sym": ("rtn", "gptq"),
-    "desc_act": ("gptq", "awq"), "static_groups": ("gptq",), "damp_percent": ("gptq", "awq"), "awq_clip": ("awq",),
-    "awq_scaling": ("awq",), "awq_loss": ("awq",),
-    "target_bits": ("rtn", "gptq", "awq"), "dynamic": ("rtn", "gptq"), "sensitivity_windows": ("rtn", "gptq", "awq"),
-    "prune_score": ("sparse24",), "lm_head_bits": ("rtn", "gptq", "awq"),
-}
 CONFIG_KEY = "loom_quantization"  # config.json key: {"method": "w8a8", "prepared_by": "smoothquant", ...}
 # the architectures loom quantize writes (its writers and AWQ / SmoothQuant's folds assume pre-norm layers with
 # separate q/k/v and gate/up tensors: not OLMo 2's post-norms, Phi-3's fused checkpoints or MoE experts)
@@ -294,20 +285,13 @@ def quantize(model: str | None, output: str, method: str = "smoothquant", *, alp
     from loom.model.loader import load_tokenizer
     from loom.model.loader.model_loader import read_arch
 
-    if method not in QUANTIZE_METHODS:
-        raise ValueError(f"method must be one of {list(QUANTIZE_METHODS)}, got {method!r}")
     given = {"alpha": alpha, "bits": bits, "group_size": group_size, "sym": sym, "desc_act": desc_act,
              "static_groups": static_groups, "damp_percent": damp_percent, "awq_clip": awq_clip,
              "awq_scaling": awq_scaling, "awq_loss": awq_loss,
              "target_bits": target_bits, "dynamic": dynamic, "sensitivity_windows": sensitivity_windows,
              "prune_score": prune_score, "activation_scales": activation_scales, "lm_head_bits": lm_head_bits,
              "weight_rounding": weight_rounding}
-    for name, value in given.items():
-        methods = METHOD_OPTIONS[name]
-        if value is not None and method not in methods:
-            names = [repr(m) for m in methods]
-            applies = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-            raise ValueError(f"{name} applies to method{'s' if len(methods) > 1 else ''} {applies}, not {method!r}")
+    check_method_options(method, given)
     alpha = 0.5 if alpha is None else alpha
     bits = 4 if bits is None else bits
     group_size = 128 if group_size is None else group_size
@@ -618,17 +602,7 @@ def _check_output(output: str) -> Path:
     Raises:
         ValueError: a file, a directory with files in it, or a path that cannot be created.
     """
-    if not str(output).strip():
-        raise ValueError("output must be a directory path, got an empty one")
-    out = Path(output).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output {str(out)!r} is a file, not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        names = sorted(p.name for p in out.iterdir())
-        hidden = all(n.startswith(".") for n in names)
-        raise ValueError(f"output {str(out)!r} is a directory that is not empty" + (
-            f" (it holds only hidden files, {', '.join(names[:3])}: perhaps an interrupted write; remove them "
-            "to retry)" if hidden else ""))
+    out = check_output_path(output)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -296,7 +296,8 @@ def test_loom_quantize_cli_refuses_bad_options(tmp_path, capsys, args: list[str]
 def test_quantize_refuses_an_option_its_method_does_not_read(tmp_path, method: str, option: str, value) -> None:
     """Every method-specific option given to another method is an error before any work (a fresh-user trial found
     `--method awq --desc-act`, `--method fp8 --bits 4`, `--method rtn --static-groups` silently ignored)."""
-    from loom.quant.quantize import METHOD_OPTIONS, quantize
+    from loom.quant import METHOD_OPTIONS
+    from loom.quant.quantize import quantize
 
     assert method not in METHOD_OPTIONS[option]
     with pytest.raises(ValueError, match=f"^{option} applies to methods? .*, not '{method}'$"):
