@@ -353,9 +353,9 @@ class ContextParallelStep:
     ranks' K/V shares travel round the ring as in ring attention (rank r sends to r + 1 and receives from r - 1, N - 1
     hops), each arriving share is written into this rank's paged cache, and once every share has arrived (a late
     part of the zigzag split needs every rank's early part) the rank attends its query rows over the cache with the
-    engine's own attention backend. The attention is therefore the same computation as on one rank (the same kernel over the same cached
-    K/V rows), not an online-softmax merge, and every rank's cache ends the step holding every chunk whole, so later
-    steps (decode, prefix hits, the next chunk) run on any rank alike.
+    engine's own attention backend. The attention is therefore the same computation as on one rank (the same kernel
+    over the same cached K/V rows), not an online-softmax merge, and every rank's cache ends the step holding every
+    chunk whole, so later steps (decode, prefix hits, the next chunk) run on any rank alike.
 
     The layout is known to every rank from the scheduler's output, so the ring exchanges no shapes. Attached to the
     step's AttentionMetadata (its `context_parallel` field) for the attention layers.

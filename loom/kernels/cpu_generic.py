@@ -255,6 +255,27 @@ class FusedOps:
         return out
 
 
+def _gemv_rows(name: str, weight: str, x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None) -> tuple[int, int]:
+    """Check what the `loom_gemv_*` kernel `name` (of `weight` weights) reads of x [M, k] (float32 CPU, unit column
+    stride) and bias ([n] float32 contiguous CPU, or None); returns (M, x's row stride).
+
+    Raises:
+        ValueError: naming what does not fit (the kernels read raw pointers, so nothing unchecked reaches them).
+    """
+    # (checks ordered and spelled for speed: this runs once per linear layer per decode step)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} and a weight of {n} x {k} do not multiply as x W^T")
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise ValueError(f"{name} takes float32 x and {weight} weight, CPU tensors; got x {x.dtype} on {x.device}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != n
+                             or not bias.is_contiguous() or not bias.is_cpu):
+        raise ValueError(f"bias must be a contiguous float32 CPU tensor [{n}]")
+    x_stride, col_stride = x.stride()
+    if col_stride != 1 and k > 1:
+        raise ValueError("x must have unit column stride")
+    return x.shape[0], x_stride
+
+
 class _Gemv:
     """ctypes binding of a `loom_gemv_*` kernel: y = x W^T (+ b) for a few float32 rows of x over a weight of
     `weight_dtype` (float32 sums)."""
@@ -279,24 +300,15 @@ class _Gemv:
                 reaches it).
             MemoryError: the kernel could not allocate its scratch memory.
         """
-        # (checks ordered and spelled for speed: this runs once per linear layer per decode step)
-        if x.dim() != 2 or weight.dim() != 2:
+        name, dtype = self.symbol.removeprefix("loom_"), str(self.weight_dtype).removeprefix("torch.")
+        if weight.dim() != 2:
             raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
-        m, k = x.shape
-        n, kw = weight.shape
-        if k != kw:
-            raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
-        if x.dtype != torch.float32 or weight.dtype != self.weight_dtype or not x.is_cpu or not weight.is_cpu:
-            raise ValueError(f"{self.symbol.removeprefix('loom_')} takes float32 x and "
-                             f"{str(self.weight_dtype).removeprefix('torch.')} weight, CPU tensors")
+        if weight.dtype != self.weight_dtype or not weight.is_cpu:
+            raise ValueError(f"{name} takes float32 x and {dtype} weight, CPU tensors; got weight {weight.dtype}")
         if not weight.is_contiguous():
             raise ValueError("weight must be contiguous")
-        if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != n
-                                 or not bias.is_contiguous() or not bias.is_cpu):
-            raise ValueError(f"bias must be a contiguous float32 CPU tensor [{n}]")
-        x_stride, col_stride = x.stride()
-        if col_stride != 1 and k > 1:
-            raise ValueError("x must have unit column stride")
+        n, k = weight.shape
+        m, x_stride = _gemv_rows(name, dtype, x, k, n, bias)
         y = torch.empty(m, n, dtype=torch.float32)
         if m and n and self._fn(x.data_ptr(), x_stride, weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                 y.data_ptr(), m, n, k, torch.get_num_threads()):
@@ -356,18 +368,8 @@ class GemvFp8:
             ValueError: wrong dtype, device, layout or shape (the kernel reads raw pointers).
         """
         self._check_weight(weight, scale)
-        if x.dim() != 2 or x.shape[1] != weight.shape[1]:
-            raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply as x W^T")
-        if x.dtype != torch.float32 or not x.is_cpu:
-            raise ValueError("gemv_fp8 takes float32 CPU activations")
-        m, k = x.shape
-        n = weight.shape[0]
-        if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != n
-                                 or not bias.is_contiguous() or not bias.is_cpu):
-            raise ValueError(f"bias must be a contiguous float32 CPU tensor [{n}]")
-        x_stride, col_stride = x.stride()
-        if col_stride != 1 and k > 1:
-            raise ValueError("x must have unit column stride")
+        n, k = weight.shape
+        m, x_stride = _gemv_rows("gemv_fp8", "float8_e4m3fn", x, k, n, bias)
         y = torch.empty(m, n, dtype=torch.float32)
         if m and n:
             self._gemv(x.data_ptr(), x_stride, weight.data_ptr(), scale.data_ptr(),

@@ -173,4 +173,3 @@ def _check(w: PackedWeight, k: int, bias: torch.Tensor | None, out_dtype: torch.
     if out_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
     return n
-

@@ -65,19 +65,17 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None = No
     (benchmarks/BENCHMARKS.md, 2026-12-02): the bundled Q4_1 model agreed with the dequantized float32 model's
     top-1 token on 97.8% of held-out positions in bfloat16 and 99.98% in float32, at the same decode speed.
     """
-    if name == "float16" and (packed_on_cpu(device, quantization, model)
-                              or (device.type == "cpu" and quantization == "fp8")):
-        if quantization is None:
-            from loom.model.loader.model_loader import default_quantization
+    method = quantization
+    if device.type == "cpu" and method is None:  # the checkpoint's own (read once: it may open the file)
+        from loom.model.loader.model_loader import default_quantization
 
-            method = default_quantization(model)
-        else:
-            method = quantization
+        method = default_quantization(model)
+    if name == "float16" and device.type == "cpu" and method in PACKED_CPU_METHODS:
         raise ValueError(f"dtype float16 with quantization {method} on the CPU: its kernels take float32 or "
                          "bfloat16 activations; use dtype auto, float32 or bfloat16 (or quantization none)")
     if name != "auto":
         return _DTYPES[name]
-    if packed_on_cpu(device, quantization, model):
+    if method is not None and packed_on_cpu(device, method, model):
         return torch.float32
     return torch.bfloat16 if bf16_is_fast(device) else torch.float32
 
